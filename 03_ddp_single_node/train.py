@@ -1,0 +1,118 @@
+"""Stage 03: one process per GPU, with DistributedDataParallel and torchrun.
+
+Teaches: the way PyTorch scales. torchrun starts one process per GPU; each holds a full copy of the
+model, trains on its own shard of every epoch (DistributedSampler) and, during backward(), averages
+its gradients with all the others (all-reduce), so every copy takes the same optimizer step. No
+process is a bottleneck, and the same script scales past one node (stage 04).
+
+Launch:
+    torchrun --standalone --nproc_per_node=2 03_ddp_single_node/train.py --epochs 1
+    python 03_ddp_single_node/train.py --epochs 1     # no launcher: a single process
+    sbatch job.slurm --epochs 3                        # from 03_ddp_single_node/
+
+Changes from stage 02: DataParallel is gone; a process group (NCCL on GPUs, gloo on CPUs) is made by
+common.distributed.setup(); the model is wrapped in DDP; RandomSampler becomes DistributedSampler,
+reshuffled every epoch by set_epoch(); each rank computes --batch-size / world size images per step;
+evaluation is split across the ranks and its sums are all-reduced, so every test image counts once.
+
+Expect: the accuracy of stage 01 at the same global batch; images/s in total grows with the GPUs.
+"""
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import StepLR
+from torch.utils.data.distributed import DistributedSampler
+
+try:
+    from common import checkpoint, cli, data, distributed, metrics
+    from common.models import Net
+except ModuleNotFoundError as err:
+    if err.name != "common":
+        raise
+    raise SystemExit("error: train.py needs the repository's common/ package: `make install` there") from err
+try:
+    from line_profiler import profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
+except ImportError:
+
+    def profile(func):
+        return func
+
+
+@profile
+def train(model, device, loader, optimizer, epoch, args):
+    model.train()
+    totals = torch.zeros(2, device=device)  # summed on the device: no GPU -> CPU sync per step
+    for batch_idx, (x, y) in enumerate(loader):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.nll_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        totals[0] += loss.detach() * len(y)
+        totals[1] += len(y)
+        if batch_idx % args.log_interval == 0:
+            distributed.print0(f"  epoch {epoch} batch {batch_idx}/{len(loader)} loss {loss.item():.4f}")
+        if args.dry_run:
+            break
+    return totals
+
+
+@torch.no_grad()
+def evaluate(model, device, loader):
+    model.eval()
+    totals = torch.zeros(3, device=device)  # summed loss, correct, samples
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        output = model(x)
+        totals[0] += F.nll_loss(output, y, reduction="sum")
+        totals[1] += (output.argmax(dim=1) == y).sum()
+        totals[2] += len(y)
+    return totals
+
+
+def main():
+    args = cli.parse_args()
+    rank, local_rank, world_size, device = distributed.setup(args)
+    distributed.banner(rank, local_rank, world_size, device)
+    torch.manual_seed(args.seed)
+
+    train_set = data.MNIST(args.data_dir, train=True)
+    test_set = data.MNIST(args.data_dir, train=False)
+    # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
+    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
+    batch_size = args.batch_size // world_size  # --batch-size is the global batch
+    train_loader = data.loader(train_set, train_sampler, batch_size, args.num_workers, device)
+    # evaluation: an unpadded shard per rank (DistributedSampler would repeat samples to even out)
+    test_shard = range(rank, len(test_set), world_size)
+    test_loader = data.loader(test_set, test_shard, args.test_batch_size, args.num_workers, device)
+
+    model = Net().to(device)
+    if dist.is_initialized():  # a plain `python train.py` has no process group and needs no DDP
+        # gradients are averaged across ranks during backward(), overlapped with it
+        model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
+    scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
+
+    log = metrics.Log(args.output_dir, world_size)
+    for epoch in range(1, args.epochs + 1):
+        train_sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch repeats the first
+        start = time.perf_counter()
+        train_totals = train(model, device, train_loader, optimizer, epoch, args)
+        seconds = metrics.elapsed(start, device)
+        totals = torch.cat([train_totals, evaluate(model, device, test_loader)])
+        if dist.is_initialized():
+            dist.all_reduce(totals)  # sums over the ranks: losses, samples, correct answers
+        log.epoch(epoch, scheduler.get_last_lr()[0], seconds, totals.tolist())
+        scheduler.step()
+    log.summary()
+    if args.save_model:
+        checkpoint.save_model(model, args.output_dir)
+    distributed.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+# `make test` and `make run` are all a newcomer needs. PYTHON=... uses that interpreter instead of .venv.
+ifeq ($(origin PYTHON), undefined)
+PYTHON := .venv/bin/python
+VENV := .venv/installed
+endif
+export PYTHONPATH := $(CURDIR)
+DATA := data/MNIST/raw/train-images-idx3-ubyte
+STAGES := 01_single_gpu 02_dataparallel 03_ddp_single_node 04_ddp_multi_node
+
+.PHONY: install test test-all test-slurm data run diff profile lint clean
+
+install: .venv/installed
+.venv/installed: requirements.txt pyproject.toml
+	python3 -m venv .venv
+	.venv/bin/pip install -r requirements.txt
+	.venv/bin/pip install --no-deps -e .  # makes `common` importable from a copied stage folder
+	touch $@
+
+data: $(DATA)
+$(DATA): | $(VENV)
+	$(PYTHON) -m common.data
+
+test: $(VENV) $(DATA)  ## everyday: CPU only, no root, a few minutes
+	$(PYTHON) -m pytest -m "not slow and not slurm"
+
+test-all: $(VENV) $(DATA)  ## everything, the real Slurm cluster included (root)
+	$(PYTHON) -m pytest
+
+test-slurm: $(VENV) $(DATA)  ## the job scripts under a real local Slurm (root)
+	$(PYTHON) -m pytest -m slurm
+
+run: $(VENV) $(DATA)  ## stage 01, one epoch on real MNIST, on this machine's GPU or CPU
+	$(PYTHON) 01_single_gpu/train.py --epochs 1
+
+diff:  ## what each stage adds to the previous one
+	@set -e; prev=; for s in $(STAGES); do \
+	  if [ -n "$$prev" ]; then for f in train.py job.slurm; do diff -u $$prev/$$f $$s/$$f || true; done; fi; prev=$$s; \
+	done; diff -u 04_ddp_multi_node/job.slurm 04_ddp_multi_node/job_torchrun.slurm || true
+
+profile: $(VENV) $(DATA)  ## time per line of stage 01's train(), one epoch
+	$(PYTHON) -m kernprof -l -v -o runs/profile/train.py.lprof 01_single_gpu/train.py --epochs 1 --output-dir runs/profile
+
+lint: $(VENV)
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+	for f in */*.slurm tests/slurm/*.sh; do bash -n $$f; done
+	shellcheck */*.slurm tests/slurm/*.sh
+
+clean:
+	rm -rf runs .pytest_cache */__pycache__ */*.out data/MNIST/raw/*-ubyte

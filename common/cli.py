@@ -1,0 +1,88 @@
+"""The command line, identical in every stage: pytorch/examples' mnist flags plus what Slurm runs need."""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def default_num_workers(env=os.environ):
+    """DataLoader workers per process: the CPUs Slurm gave this task (or this process may use), shared
+    among the ranks the task runs (torchrun), minus one for the process itself."""
+    cpus = int(env.get("SLURM_CPUS_PER_TASK") or len(os.sched_getaffinity(0)))
+    return max(cpus // int(env.get("LOCAL_WORLD_SIZE", 1)) - 1, 0)
+
+
+def default_output_dir(script, env=os.environ):
+    """runs/<stage>/<job id>: a requeued job finds its own folder again; outside Slurm, a timestamp."""
+    run = env.get("SLURM_JOB_ID")
+    if run and "SLURM_ARRAY_TASK_ID" in env:
+        run += "_" + env["SLURM_ARRAY_TASK_ID"]
+    run = run or time.strftime("local-%Y%m%d-%H%M%S")
+    return script.parent.parent / "runs" / script.parent.name / run
+
+
+def positive(kind):
+    def check(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return check
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
+    return value
+
+
+def parse_args(argv=None):
+    script = Path(sys.argv[0]).resolve()
+    p = argparse.ArgumentParser(description=f"MNIST training, {script.parent.name}")
+    p.add_argument(
+        "--batch-size", type=positive(int), default=64, help="global batch size, split across all GPUs (default: 64)"
+    )
+    p.add_argument(
+        "--test-batch-size",
+        type=positive(int),
+        default=1000,
+        help="batch size per process for evaluation (default: 1000)",
+    )
+    p.add_argument("--epochs", type=positive(int), default=14, help="number of epochs to train (default: 14)")
+    p.add_argument("--lr", type=positive(float), default=1.0, help="learning rate (default: 1.0)")
+    p.add_argument("--gamma", type=positive(float), default=0.7, help="learning rate step gamma (default: 0.7)")
+    p.add_argument("--seed", type=int, default=1, help="random seed (default: 1)")
+    p.add_argument(
+        "--log-interval", type=positive(int), default=100, help="batches between progress lines (default: 100)"
+    )
+    p.add_argument("--dry-run", action="store_true", help="one batch per epoch, to check that everything runs")
+    p.add_argument("--save-model", action="store_true", help="save the trained model to --output-dir/model.pt")
+    p.add_argument("--no-cuda", action="store_true", help="train on the CPU even if a GPU is visible")
+    p.add_argument(
+        "--data-dir", type=Path, default=REPO / "data", help="holds MNIST/raw/ (default: the repository's data/)"
+    )
+    p.add_argument(
+        "--num-workers",
+        type=non_negative_int,
+        default=default_num_workers(),
+        help="DataLoader workers per process (default: from SLURM_CPUS_PER_TASK, else the CPUs available, minus one)",
+    )
+    p.add_argument(
+        "--output-dir",
+        type=Path,
+        default=default_output_dir(script),
+        help="metrics and model (default: runs/<stage>/<job id or local-time>)",
+    )
+    p.add_argument(
+        "--dist-timeout",
+        type=positive(int),
+        default=300,
+        help="seconds a collective may wait for the other ranks (default: 300)",
+    )
+    return p.parse_args(argv)

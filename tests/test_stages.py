@@ -1,0 +1,100 @@
+"""Every stage end to end, as the real script in real processes, on a tiny real-format MNIST."""
+
+import csv
+import sys
+
+import pytest
+import torch
+from conftest import REPO, STAGES, TEST_SIZE, TRAIN_SIZE, clean_env, run, srun_like, stage_args, torchrun
+
+from common.data import MNIST
+from common.metrics import FIELDS
+from common.models import Net
+
+
+def check_run(output, output_dir, world_size, epochs=2):
+    """What every stage must print and write, whatever the launcher."""
+    assert output.count("torch ") == 1, output  # one banner, from rank 0 only
+    assert f"world size {world_size}" in output
+    assert sum(line.startswith("  rank ") for line in output.splitlines()) == world_size  # the rank map
+    epoch_lines = [line for line in output.splitlines() if line.startswith("epoch ")]
+    assert len(epoch_lines) == epochs, output  # one line per epoch, from rank 0 only
+    assert f"/{TEST_SIZE} (" in epoch_lines[-1]  # every test image counted once
+    assert output.count("done: ") == 1
+    rows = list(csv.DictReader(open(output_dir / "metrics.csv")))
+    assert list(rows[0]) == FIELDS and len(rows) == epochs
+    assert [int(r["world_size"]) for r in rows] == [world_size] * epochs
+    assert float(rows[1]["lr"]) == pytest.approx(0.7 * float(rows[0]["lr"]))
+    for r in rows:
+        assert float(r["images_per_s"]) == pytest.approx(float(r["images_per_s_per_process"]) * world_size)
+        assert 0 <= float(r["test_accuracy"]) <= 100 and float(r["train_loss"]) > 0
+    return rows
+
+
+@pytest.mark.parametrize("stage", STAGES[:2])
+def test_single_process_stages(stage, tiny_data, tmp_path):
+    out = run([sys.executable, f"{stage}/train.py", *stage_args(tiny_data, tmp_path, "--epochs", 2, "--save-model")])
+    assert out.returncode == 0, out.stderr
+    check_run(out.stdout, tmp_path, world_size=1)
+    Net().load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # plain keys, any stage loads it
+
+
+def test_stage03_under_torchrun(tiny_data, tmp_path):
+    out = torchrun(2, REPO / "03_ddp_single_node/train.py", *stage_args(tiny_data, tmp_path, "--epochs", 2))
+    assert out.returncode == 0, out.stderr
+    rows = check_run(out.stdout, tmp_path, world_size=2)
+    assert sum(float(r["images_per_s"]) * float(r["epoch_seconds"]) for r in rows) == pytest.approx(2 * TRAIN_SIZE)
+
+
+def test_stage04_as_srun_tasks(tiny_data, tmp_path):
+    codes, outputs = srun_like(2, REPO / "04_ddp_multi_node/train.py", *stage_args(tiny_data, tmp_path, "--epochs", 2))
+    assert codes == [0, 0], outputs
+    check_run(outputs[0], tmp_path, world_size=2)
+    assert "epoch " not in outputs[1] and "torch " not in outputs[1]  # rank 1 prints nothing
+
+
+def test_stage03_without_launcher_is_one_process(tiny_data, tmp_path):
+    out = run([sys.executable, "03_ddp_single_node/train.py", *stage_args(tiny_data, tmp_path, "--epochs", 2)])
+    assert out.returncode == 0, out.stderr
+    check_run(out.stdout, tmp_path, world_size=1)
+
+
+def test_copied_stage_runs_from_its_own_folder(tiny_data, tmp_path):
+    """A stage folder copied elsewhere imports the installed common/, and runs from its own folder."""
+    copy = tmp_path / "mine" / "01_single_gpu"
+    copy.mkdir(parents=True)
+    copy.joinpath("train.py").write_text((REPO / "01_single_gpu/train.py").read_text())
+    out = run([sys.executable, "train.py", *stage_args(tiny_data, tmp_path / "out", "--epochs", "1")], cwd=copy)
+    assert out.returncode == 0, out.stderr
+    # without the repository installed (a sitecustomize hides it): a message saying what to do
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    hide.joinpath("sitecustomize.py").write_text(
+        "import sys\n"
+        "class Hide:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'common':\n"
+        "            raise ModuleNotFoundError(\"No module named 'common'\", name='common')\n"
+        "sys.meta_path.insert(0, Hide())\n"
+    )
+    out = run([sys.executable, "train.py"], env=clean_env(PYTHONPATH=str(hide)), cwd=copy)
+    assert out.returncode != 0 and "make install" in out.stderr, out.stderr
+
+
+def test_batch_step_trap_fails_fast(tiny_data, tmp_path):
+    """The batch shell of a 4-task job is not a rank: it must say so instead of waiting for peers."""
+    env = clean_env(SLURM_NTASKS=4, SLURM_PROCID=0, SLURM_JOB_ID=7, SLURM_JOB_NODELIST="node[1-2]")
+    out = run([sys.executable, "04_ddp_multi_node/train.py", *stage_args(tiny_data, tmp_path)], env=env, timeout=30)
+    assert out.returncode != 0 and "srun" in out.stderr and "SLURM_NTASKS=4" in out.stderr, out.stderr
+
+
+def test_missing_data_names_path_and_make_data(tmp_path):
+    out = run([sys.executable, "01_single_gpu/train.py", *stage_args(tmp_path / "empty", tmp_path)], timeout=30)
+    assert out.returncode != 0 and str(tmp_path / "empty" / "MNIST" / "raw") in out.stderr
+    assert "make data" in out.stderr
+
+
+def test_tiny_data_reads_through_torchvision(tiny_data):
+    train = MNIST(tiny_data, train=True)
+    x, y = train[[0, 1, 2]]
+    assert len(train) == TRAIN_SIZE and x.shape == (3, 1, 28, 28) and y.tolist() == [5, 0, 4]  # MNIST's first labels
