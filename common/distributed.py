@@ -17,14 +17,14 @@ import torch.distributed as dist
 def expand_hostlist(hostlist):
     """Expand a Slurm hostlist ("node[01-03,07],gpu5") in Python: `scontrol` is not always there."""
     hosts = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", hostlist):
+    for prefix, ranges, suffix, plain in re.findall(r"([^,\[]*)\[([^\]]+)\]([^,\[]*)|([^,\[\]]+)", hostlist):
         if plain:
             hosts.append(plain)
             continue
         for part in ranges.split(","):
             lo, _, hi = part.partition("-")
             for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{i:0{len(lo)}d}")  # keep zero padding: node01, not node1
+                hosts.append(f"{prefix}{i:0{len(lo)}d}{suffix}")  # keep zero padding: node01, not node1
     return hosts
 
 

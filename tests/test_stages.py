@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, STAGES, TEST_SIZE, TRAIN_SIZE, clean_env, run, srun_like, stage_args, torchrun
+from helpers import REPO, STAGES, TEST_SIZE, TRAIN_SIZE, clean_env, run, srun_like, stage_args, torchrun
 
 from common.data import MNIST
 from common.metrics import FIELDS

@@ -1,0 +1,53 @@
+"""The stages teach through their diffs: each diff stays small, each file short."""
+
+import ast
+import difflib
+
+import pytest
+from helpers import REPO, STAGES
+
+TRAIN_BUDGETS = {("01_single_gpu", "02_dataparallel"): 12, ("02_dataparallel", "03_ddp_single_node"): 60,
+                 ("03_ddp_single_node", "04_ddp_multi_node"): 10}  # fmt: skip
+JOB_SCRIPTS = sorted(REPO.glob("0*/*.slurm"))
+
+
+def code(path):
+    """A train.py without its opening docstring: the budgets count code, not the stage's description."""
+    text = path.read_text()
+    first = ast.parse(text).body[0]
+    skip = first.end_lineno if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) else 0
+    return text.splitlines()[skip:]
+
+
+def changed_lines(a, b):
+    """What `diff a b | grep -c '^[<>]'` counts."""
+    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    return sum((i2 - i1) + (j2 - j1) for tag, i1, i2, j1, j2 in ops if tag != "equal")
+
+
+@pytest.mark.parametrize(
+    "pair, budget", TRAIN_BUDGETS.items(), ids=lambda p: "->".join(p) if isinstance(p, tuple) else ""
+)
+def test_train_py_diff_budget(pair, budget):
+    a, b = (code(REPO / stage / "train.py") for stage in pair)
+    assert changed_lines(a, b) <= budget
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_train_py_length(stage):
+    assert len((REPO / stage / "train.py").read_text().splitlines()) <= 170
+
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_job_script_length(script):
+    assert len(script.read_text().splitlines()) <= 60
+
+
+def test_every_stage_has_its_files():
+    for stage in STAGES:
+        assert {"train.py", "job.slurm", "README.md"} <= {p.name for p in (REPO / stage).iterdir()}, stage
+    assert (REPO / "04_ddp_multi_node/job_torchrun.slurm").exists()
+
+
+def test_changed_lines_counts_like_diff():
+    assert changed_lines(["a", "b", "c"], ["a", "x", "c", "d"]) == 3  # one changed (<, >), one added (>)

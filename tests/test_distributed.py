@@ -1,0 +1,130 @@
+"""The rank helper over plain, torchrun and srun environments, and the mistakes it must catch early."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from common import cli, distributed
+from common.distributed import expand_hostlist, launcher_env, master_port
+
+
+@pytest.mark.parametrize(
+    "hostlist, hosts",
+    [
+        ("node1", ["node1"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("a[1-2],b3", ["a1", "a2", "b3"]),
+        ("gpu[008-010]", ["gpu008", "gpu009", "gpu010"]),
+        ("x-1,y[9-10]", ["x-1", "y9", "y10"]),
+        ("nid[0001,0003]-ib,login", ["nid0001-ib", "nid0003-ib", "login"]),
+    ],
+)
+def test_expand_hostlist(hostlist, hosts):
+    assert expand_hostlist(hostlist) == hosts
+
+
+def test_plain_python_is_rank_0_of_1():
+    assert launcher_env({}) == (0, 0, 1, False)
+    assert launcher_env({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == (0, 0, 1, False)  # a 1-task batch job
+
+
+def test_torchrun_variables_win_over_slurm():
+    env = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
+           "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}  # fmt: skip
+    assert launcher_env(env) == (5, 1, 8, True)
+
+
+def test_srun_task_gets_rank_and_rendezvous():
+    env = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0",
+           "SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NTASKS_PER_NODE": "2(x2)"}  # fmt: skip
+    assert launcher_env(env) == (3, 1, 4, True)
+    assert env["MASTER_ADDR"] == "gpu07" and env["MASTER_PORT"] == str(master_port(123456))
+
+
+def test_srun_keeps_a_given_rendezvous():
+    env = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "9",
+           "SLURM_JOB_NODELIST": "n[1-2]", "MASTER_ADDR": "n2-ib", "MASTER_PORT": "29500"}  # fmt: skip
+    launcher_env(env)
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("n2-ib", "29500")
+
+
+def test_batch_step_is_not_a_rank():
+    env = {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "6"}
+    with pytest.raises(SystemExit, match="srun"):
+        launcher_env(env)
+
+
+def test_ports_differ_between_jobs_and_stay_in_range():
+    ports = {master_port(job) for job in range(1000, 1100)}
+    assert len(ports) == 100 and all(1024 < p < 65536 for p in ports)
+    assert master_port(123) == master_port(123)
+
+
+def args(**kw):
+    return SimpleNamespace(batch_size=64, no_cuda=False, dist_timeout=30, **kw)
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "4"}, "inconsistent launch"),
+        ({"RANK": "1", "LOCAL_RANK": "2", "WORLD_SIZE": "4"}, "inconsistent launch"),
+        ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3"}, "--batch-size 64"),
+    ],
+)
+def test_setup_refuses_before_any_rendezvous(monkeypatch, env, message):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit, match=message):
+        distributed.setup(args())  # no MASTER_ADDR: had it tried to rendezvous, it would fail differently
+
+
+def test_local_rank_beyond_visible_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for k, v in {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit, match="local rank 2 but only 2 GPUs"):
+        distributed.setup(args())
+
+
+def test_one_visible_gpu_per_task_is_device_0(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(distributed, "launcher_env", lambda: (3, 1, 4, False))
+    assert distributed.setup(args())[3] == torch.device("cuda", 0)
+
+
+def test_fake_gpus_fall_back_to_cpu(monkeypatch):
+    """A test Slurm sets CUDA_VISIBLE_DEVICES for GPUs torch cannot see: CPU (and gloo), not an error."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert distributed.setup(args())[3] == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "env, workers",
+    [
+        ({"SLURM_CPUS_PER_TASK": "8"}, 7),
+        ({"SLURM_CPUS_PER_TASK": "8", "LOCAL_WORLD_SIZE": "2"}, 3),  # torchrun: 2 ranks share the task's CPUs
+        ({"SLURM_CPUS_PER_TASK": "1"}, 0),
+    ],
+)
+def test_default_num_workers(env, workers):
+    assert cli.default_num_workers(env) == workers
+
+
+def test_default_output_dir(tmp_path):
+    script = tmp_path / "03_ddp_single_node" / "train.py"
+    assert cli.default_output_dir(script, {"SLURM_JOB_ID": "77"}) == tmp_path / "runs/03_ddp_single_node/77"
+    array = {"SLURM_JOB_ID": "80", "SLURM_ARRAY_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": "3"}
+    assert cli.default_output_dir(script, array).name == "80_3"
+    assert cli.default_output_dir(script, {}).name.startswith("local-")
+
+
+@pytest.mark.parametrize("flag", ["--batch-size=0", "--epochs=-1", "--lr=0", "--num-workers=-2", "--dist-timeout=0"])
+def test_parser_refuses_zero_and_negative(flag, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args([flag])
+    assert flag.split("=")[0] in capsys.readouterr().err

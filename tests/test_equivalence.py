@@ -1,0 +1,89 @@
+"""The claims DDP makes, checked with the stages' own functions on gloo."""
+
+import importlib.util
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import REPO, TEST_SIZE, free_port, run, stage_args, torchrun
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+from common import data
+from common.models import Net
+
+BATCH, STEPS = 32, 6
+ARGS = SimpleNamespace(log_interval=10**6, dry_run=False)
+
+
+def stage(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / name / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def model_without_dropout():
+    torch.manual_seed(0)
+    model = Net()
+    model.dropout1.p = model.dropout2.p = 0.0  # dropout draws different masks per process
+    return model
+
+
+def ddp_rank(rank, world_size, port, data_dir, result):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    sampler = DistributedSampler(range(BATCH * STEPS), num_replicas=world_size, rank=rank, shuffle=False)
+    loader = data.loader(data.MNIST(data_dir, train=True), list(sampler), BATCH // world_size, 0, torch.device("cpu"))
+    model = DDP(model_without_dropout())
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    stage("03_ddp_single_node").train(model, torch.device("cpu"), loader, optimizer, 1, ARGS)
+    if rank == 0:
+        torch.save(model.module.state_dict(), result)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_with_half_batches_equal_one_process(tiny_data, tmp_path):
+    """DDP over 2 ranks with B/2 each ends with the parameters of one process with batch B."""
+    mp.spawn(ddp_rank, args=(2, free_port(), tiny_data, tmp_path / "ddp.pt"), nprocs=2)
+    loader = data.loader(data.MNIST(tiny_data, train=True), range(BATCH * STEPS), BATCH, 0, torch.device("cpu"))
+    model = model_without_dropout()
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    stage("01_single_gpu").train(model, torch.device("cpu"), loader, optimizer, 1, ARGS)
+    ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
+    start = model_without_dropout().state_dict()
+    for name, value in model.state_dict().items():
+        assert not torch.equal(value, start[name])  # training moved every tensor...
+        torch.testing.assert_close(ddp[name], value, rtol=0, atol=1e-6)  # ...and both runs moved it alike
+
+
+def test_evaluation_counts_every_test_image_once(tiny_data, tmp_path):
+    """World size 3 over 10 test images: the all-reduced count is 10, the result the single-process one."""
+    out = torchrun(
+        3,
+        REPO / "03_ddp_single_node/train.py",
+        *stage_args(tiny_data, tmp_path, "--epochs", 1, "--batch-size", 63, "--save-model"),
+    )
+    assert out.returncode == 0, out.stderr
+    line = next(line for line in out.stdout.splitlines() if line.startswith("epoch "))
+    model = Net()
+    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    test_set = data.MNIST(tiny_data, train=False)
+    loader = data.loader(test_set, range(TEST_SIZE), 1000, 0, torch.device("cpu"))
+    loss, correct, count = stage("01_single_gpu").evaluate(model, torch.device("cpu"), loader).tolist()
+    assert count == TEST_SIZE
+    assert f"accuracy {int(correct)}/{TEST_SIZE} ({100 * correct / count:.2f}%)" in line, line
+    assert f"test loss {loss / count:.4f}" in line, line
+
+
+def test_same_seed_same_result(tiny_data, tmp_path):
+    """Bit-identical results on CPU for the same seed: a regression cannot hide behind noise."""
+    weights = []
+    for i in range(2):
+        cmd = [sys.executable, "01_single_gpu/train.py", *stage_args(tiny_data, tmp_path / str(i), "--epochs", 1)]
+        assert run([*cmd, "--save-model"]).returncode == 0
+        weights.append(torch.load(tmp_path / str(i) / "model.pt", weights_only=True))
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), name
