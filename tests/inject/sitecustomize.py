@@ -1,0 +1,61 @@
+"""Test-only fault injection, from outside train.py: put this folder on PYTHONPATH and set
+
+  FAULT_RANK=r FAULT_STEP=n   rank r raises at its n-th optimizer step;
+  FAULT_RANK=r FAULT_SAVE=n   rank r dies (SIGKILL) half-way through writing its n-th torch.save;
+  RECORD_SAMPLES=path         every DistributedSampler appends (rank, epoch, indices) to path.
+
+Python imports sitecustomize at start-up in every process, the launchers included; only the
+processes a variable names are touched, and nothing else is imported otherwise.
+"""
+
+import os
+
+env = os.environ
+rank = env.get("RANK", env.get("SLURM_PROCID") if "SLURM_STEP_ID" in env else None)
+
+if "FAULT_RANK" in env and rank == env["FAULT_RANK"]:
+    import io
+    import signal
+
+    import torch
+
+    calls = {"step": 0, "save": 0}
+    step, save = torch.optim.Adadelta.step, torch.save
+
+    def faulty_step(self, *args, **kwargs):
+        calls["step"] += 1
+        if calls["step"] == int(env.get("FAULT_STEP", 0)):
+            raise RuntimeError(f"injected fault: rank {rank} at step {calls['step']}")
+        return step(self, *args, **kwargs)
+
+    def faulty_save(obj, f, *args, **kwargs):
+        calls["save"] += 1
+        if calls["save"] != int(env.get("FAULT_SAVE", 0)):
+            return save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        save(obj, buffer, *args, **kwargs)
+        half = buffer.getvalue()[: len(buffer.getvalue()) // 2]
+        if hasattr(f, "write"):
+            f.write(half)
+            f.flush()
+        else:
+            with open(f, "wb") as out:
+                out.write(half)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.optim.Adadelta.step, torch.save = faulty_step, faulty_save
+
+if "RECORD_SAMPLES" in env and rank is not None:
+    import json
+
+    from torch.utils.data import distributed
+
+    iterate = distributed.DistributedSampler.__iter__
+
+    def recording_iter(self):
+        indices = list(iterate(self))
+        with open(env["RECORD_SAMPLES"], "a") as f:
+            f.write(json.dumps({"rank": self.rank, "epoch": self.epoch, "indices": indices}) + "\n")
+        return iter(indices)
+
+    distributed.DistributedSampler.__iter__ = recording_iter

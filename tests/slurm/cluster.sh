@@ -1,0 +1,292 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: BSD-3-Clause
+#
+# A real two-node Slurm cluster on this one machine, so that tests can `sbatch` the job scripts.
+#
+#   sudo tests/slurm/cluster.sh start     # install if missing, configure, start (no-op if already up)
+#   sudo tests/slurm/cluster.sh stop      # stop exactly what start started
+#   tests/slurm/cluster.sh status         # exit 0 iff the cluster is up
+#   sudo tests/slurm/cluster.sh install   # only install the Debian packages if missing
+#
+# The "nodes" node1 and node2 are two slurmd processes on 127.0.0.1 with their own ports. Each has
+# $SLURM_TEST_CPUS CPUs (default 8, more than the machine may have) and two fake GPUs: gres backed by
+# dummy character devices, so jobs see CUDA_VISIBLE_DEVICES=0,1 while torch.cuda is unavailable.
+# The config goes to /etc/slurm, so plain `sbatch` works. Logs, PID files and Slurm state go to
+# $SLURM_TEST_DIR (default /tmp/slurm-test); the state is wiped on every start (job ids restart at 1).
+set -euo pipefail
+
+DIR=${SLURM_TEST_DIR:-/tmp/slurm-test}
+CPUS=${SLURM_TEST_CPUS:-8}
+MEM_MB=${SLURM_TEST_MEM_MB:-$(awk '/^MemTotal:/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)}
+NODES=(node1 node2)
+CTLD_PORT=6817  # the slurmd of node i listens on CTLD_PORT + i
+ETC=/etc/slurm
+TAG="# slurm-test"  # marks the files and the /etc/hosts line that we write
+# Every process of the cluster carries this in its environment: the daemons get it from us,
+# slurmstepd from slurmd, job tasks from the TaskProlog. `stop` uses it to find leftovers by PID.
+MARK="TEST_SLURM_CLUSTER=$DIR"
+
+log() { echo "cluster.sh: $*" >&2; }
+die() {
+  log "error: $*"
+  tail -n 15 "$DIR"/log/*.log "$DIR"/log/daemons.out 2>/dev/null >&2 || true
+  exit 1
+}
+
+have_slurm() {
+  local b
+  for b in munged slurmctld slurmd sbatch scontrol; do command -v "$b" >/dev/null || return 1; done
+}
+
+install() {
+  if have_slurm; then return 0; fi
+  command -v apt-get >/dev/null || die "Slurm is not installed and there is no apt-get"
+  log "installing munge and Slurm with apt-get"
+  # Keep the packages' postinst from starting daemons: we start them ourselves, with our config.
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+    chmod +x /usr/sbin/policy-rc.d
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq -o DPkg::Lock::Timeout=120 --no-install-recommends \
+    munge slurmctld slurmd slurm-client >/dev/null
+}
+
+# The PID in a PID file, if that process is alive and still the expected program.
+live_pid() {  # pidfile comm
+  local pid
+  pid=$(cat "$1" 2>/dev/null) || return 1
+  [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ] || return 1
+  echo "$pid"
+}
+
+running() {  # pid...: true if any of them is alive and not a zombie
+  { ps -o stat= -p "$(IFS=,; echo "$*")" || true; } | grep -qv '^Z'
+}
+
+terminate() {  # pid...: SIGTERM, up to 10 s to exit, then SIGKILL
+  [ $# -gt 0 ] || return 0
+  kill -TERM "$@" 2>/dev/null || true
+  for _ in $(seq 100); do
+    if ! running "$@"; then return 0; fi
+    sleep 0.1
+  done
+  kill -KILL "$@" 2>/dev/null || true
+}
+
+# The processes carrying $MARK, plus all their descendants (one may have cleared its environment).
+cluster_pids() {
+  local marked
+  marked=$(grep -lzx -- "$MARK" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3 | tr '\n' ' ' || true)
+  if [ -z "$marked" ]; then return 0; fi
+  ps -e -o pid= -o ppid= | awk -v roots="$marked" '
+    BEGIN { n = split(roots, r, " "); for (i = 1; i <= n; i++) keep[r[i]] = 1 }
+    { parent[$1] = $2 }
+    END {
+      do {
+        more = 0
+        for (p in parent) if (!(p in keep) && (parent[p] in keep)) { keep[p] = 1; more = 1 }
+      } while (more)
+      for (p in keep) if (p in parent) print p
+    }'
+}
+
+hosts_remove() {
+  # Rewrite in place rather than replace the file: /etc/hosts may be a bind mount.
+  if grep -q -- "$TAG" /etc/hosts; then
+    local kept
+    kept=$(grep -v -- "$TAG" /etc/hosts || true)
+    printf '%s\n' "$kept" >/etc/hosts
+  fi
+}
+
+up() {  # our daemons are alive and every node can run jobs
+  local node states
+  live_pid "$DIR/run/slurmctld.pid" slurmctld >/dev/null || return 1
+  for node in "${NODES[@]}"; do live_pid "$DIR/run/slurmd-$node.pid" slurmd >/dev/null || return 1; done
+  states=$(timeout 5 sinfo -h -N -o %t 2>/dev/null) || return 1
+  [ "$(grep -cE '^(idle|mix|alloc|comp)$' <<<"$states")" = "${#NODES[@]}" ]
+}
+
+stop() {  # [keep-munged]
+  local pids=() f pid
+  if live_pid "$DIR/run/slurmctld.pid" slurmctld >/dev/null; then
+    # Cancel the jobs first: with proctrack/linuxproc their processes would outlive slurmd.
+    scancel --partition=debug 2>/dev/null || true
+    for _ in $(seq 75); do
+      if [ -z "$(squeue -h -o %A 2>/dev/null)" ]; then break; fi
+      sleep 0.2
+    done
+  fi
+  for f in "$DIR"/run/slurmd-*.pid; do
+    if pid=$(live_pid "$f" slurmd); then pids+=("$pid"); fi
+  done
+  if pid=$(live_pid "$DIR/run/slurmctld.pid" slurmctld); then pids+=("$pid"); fi
+  terminate "${pids[@]}"
+  # shellcheck disable=SC2046  # one PID per word
+  terminate $(cluster_pids)  # slurmstepd and job processes left over
+  if [ "${1:-}" != keep-munged ]; then
+    if pid=$(live_pid "$DIR/run/munged.pid" munged); then terminate "$pid"; fi
+    rm -f "$DIR/run/munged.pid"
+  fi
+  rm -f "$DIR"/run/slurm*.pid
+  hosts_remove
+}
+
+slurm_conf() {
+  local host i
+  host=$(hostname -s)
+  cat <<EOF
+$TAG: written by tests/slurm/cluster.sh on every start
+ClusterName=slurmtest
+SlurmctldHost=$host(127.0.0.1)
+SlurmctldPort=$CTLD_PORT
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# A requeued job is held back for the credential lifetime + 1 s (default 120 s; below 5 is refused).
+AuthInfo=cred_expire=30
+MpiDefault=none
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+# Marks job processes so that stop can find leftovers.
+TaskProlog=$DIR/task-prolog.sh
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+GresTypes=gpu
+SchedulerType=sched/backfill
+# batch_sched_delay=0: else a job submitted < 3 s after the previous one may wait up to 3 s.
+# sched_interval=1: a job whose begin time has come (a requeued one) starts within 1 s, not 60 s.
+SchedulerParameters=batch_sched_delay=0,sched_interval=1
+# Trust CPUs= below even where the machine has fewer cores.
+SlurmdParameters=config_overrides
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+MailProg=/bin/true
+JobRequeue=1
+ReturnToService=2
+# There is no accounting (sacct): a finished job stays visible to scontrol for this long.
+MinJobAge=120
+# A cancelled job gets this long between SIGTERM and SIGKILL (default 30 s): keeps stop quick.
+KillWait=5
+InactiveLimit=0
+Waittime=0
+SlurmctldTimeout=30
+SlurmdTimeout=30
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool/%n
+SlurmctldPidFile=$DIR/run/slurmctld.pid
+SlurmdPidFile=$DIR/run/slurmd-%n.pid
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
+SlurmctldDebug=info
+SlurmdDebug=info
+EOF
+  for i in "${!NODES[@]}"; do
+    echo "NodeName=${NODES[i]} NodeAddr=127.0.0.1 NodeHostname=$host Port=$((CTLD_PORT + i + 1))" \
+      "CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:2 State=UNKNOWN"
+  done
+  echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+}
+
+gres_conf() {
+  # Slurm drops a GPU without File=, and wants a character device there (1,3 is /dev/null's).
+  printf '%s\n' "$TAG" AutoDetect=off "NodeName=node[1-2] Name=gpu File=$DIR/dev/gpu[0-1]"
+}
+
+start_munged() {
+  local pid
+  if live_pid "$DIR/run/munged.pid" munged >/dev/null; then return 0; fi  # ours, from before
+  rm -f "$DIR/run/munged.pid"
+  if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then return 0; fi  # someone else's: use it
+  if [ ! -s /etc/munge/munge.key ]; then
+    mungekey --create --keyfile=/etc/munge/munge.key
+    chown munge:munge /etc/munge/munge.key
+    chmod 0400 /etc/munge/munge.key
+  fi
+  # /run/munge normally comes from systemd's RuntimeDirectory=
+  mkdir -p /run/munge /var/log/munge /var/lib/munge
+  chown munge:munge /run/munge /var/log/munge /var/lib/munge
+  rm -f /run/munge/munged.pid
+  runuser -u munge -- munged 9>&- </dev/null >>"$DIR/log/daemons.out" 2>&1
+  for _ in $(seq 50); do
+    if pid=$(live_pid /run/munge/munged.pid munged); then break; fi
+    sleep 0.1
+  done
+  [ -n "${pid:-}" ] || die "munged did not start"
+  echo "$pid" >"$DIR/run/munged.pid"  # remembers that we started it
+}
+
+daemon() {  # command...: start a Slurm daemon, marked, without our lock fd or output pipes
+  env "$MARK" "$@" 9>&- </dev/null >>"$DIR/log/daemons.out" 2>&1 || die "$1 failed to start"
+}
+
+start() {
+  local conf gres f node port cycles saved=$ETC/slurm.conf.before-slurm-test
+  install
+  conf=$(slurm_conf)
+  gres=$(gres_conf)
+  if up && [ "$conf" = "$(cat $ETC/slurm.conf)" ] && [ "$gres" = "$(cat $ETC/gres.conf)" ]; then
+    return 0
+  fi
+  stop keep-munged  # anything partial, stale or differently configured of ours
+  mkdir -p "$DIR"/{run,log,dev}
+  rm -rf "$DIR/state" "$DIR/spool"  # old state can keep a node drained
+  mkdir -p "$DIR/state"
+  for node in "${NODES[@]}"; do mkdir -p "$DIR/spool/$node"; done
+  for f in "$DIR"/log/*.log "$DIR"/log/*.out; do if [ -f "$f" ]; then mv -f "$f" "$f.prev"; fi; done
+  for f in "$DIR"/dev/gpu{0,1}; do if [ ! -c "$f" ]; then rm -f "$f"; mknod "$f" c 1 3; fi; done
+  printf '#!/bin/sh\necho export %s\n' "$MARK" >"$DIR/task-prolog.sh"
+  chmod 0755 "$DIR/task-prolog.sh"
+
+  mkdir -p $ETC
+  if [ -f $ETC/slurm.conf ] && ! grep -q "^$TAG" $ETC/slurm.conf && [ ! -e "$saved" ]; then
+    cp $ETC/slurm.conf "$saved"  # someone else's: keep it, once
+  fi
+  printf '%s\n' "$conf" >$ETC/slurm.conf
+  printf '%s\n' "$gres" >$ETC/gres.conf
+  # Only matters on cgroup v2 hosts, where there may be no systemd to ask.
+  printf '%s\n' "$TAG" CgroupPlugin=autodetect IgnoreSystemd=yes >$ETC/cgroup.conf
+  echo "127.0.0.1 ${NODES[*]} $TAG" >>/etc/hosts  # so that MASTER_ADDR=node1 resolves
+
+  start_munged
+  for port in $(seq "$CTLD_PORT" $((CTLD_PORT + ${#NODES[@]}))); do
+    if (: <"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then die "port $port is already in use"; fi
+  done
+  daemon slurmctld
+  for _ in $(seq 100); do
+    if scontrol ping >/dev/null 2>&1; then break; fi
+    sleep 0.1
+  done
+  for node in "${NODES[@]}"; do daemon slurmd -N "$node"; done
+  for _ in $(seq 300); do
+    if up; then break; fi
+    sleep 0.1
+  done
+  up || die "the nodes did not become idle within 30 s: $(sinfo -N -o '%N %t %E' 2>&1 || true)"
+  # slurmctld's first scheduling pass comes about 3 s after its start; before it, a job just waits.
+  for _ in $(seq 100); do
+    cycles=$(sdiag | awk '/^Main schedule/ {m = 1} m && /Total cycles:/ {print $3; exit}') || true
+    if [ "${cycles:-0}" -gt 0 ]; then return 0; fi
+    sleep 0.1
+  done
+  die "slurmctld did not schedule within 10 s"
+}
+
+case ${1:-} in
+  status)
+    if up; then sinfo -N -o '%N %t %c %m %G'; else echo "not running"; exit 1; fi
+    exit 0 ;;
+  start | stop | install) ;;
+  *) echo "usage: $0 start|stop|status|install" >&2; exit 2 ;;
+esac
+[ "$(id -u)" = 0 ] || die "$1 needs root"
+# One start/stop at a time (parallel test workers may all call start); daemons close this fd.
+mkdir -p "$(dirname "$DIR")"
+exec 9>"$DIR.lock"
+flock -w 300 9 || die "timed out waiting for $DIR.lock"
+"$1"
