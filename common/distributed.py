@@ -97,7 +97,7 @@ def banner(rank, local_rank, world_size, device):
     cuda = torch.version.cuda if torch.cuda.is_available() else "none"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none"
     print0(f"torch {torch.__version__} | CUDA {cuda} | NCCL {nccl} | device {device.type} | world size {world_size}")
-    here = (rank, local_rank, socket.gethostname(), str(device))
+    here = (rank, local_rank, os.environ.get("SLURMD_NODENAME", socket.gethostname()), str(device))  # Slurm's name
     everyone = [here] * world_size
     if dist.is_initialized():
         dist.all_gather_object(everyone, here)

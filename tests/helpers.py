@@ -49,22 +49,28 @@ def run(cmd, env=None, timeout=120, cwd=REPO):
     return subprocess.run(cmd, env=env or clean_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
-def torchrun(nproc, script, *args, env=None, timeout=120):
+def torchrun_cmd(nproc, script, *args, restarts=0):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return run([*launcher, str(script), *args], env=env, timeout=timeout)
+    return [*launcher, f"--max-restarts={restarts}", str(script), *map(str, args)]
 
 
-def srun_like(world_size, script, *args, job_id=4242, nodelist="localhost", timeout=120, **env_extra):
-    """Start `world_size` processes with the variables srun gives its tasks (one node)."""
+def torchrun(nproc, script, *args, env=None, timeout=120):
+    return run(torchrun_cmd(nproc, script, *args), env=env, timeout=timeout)
+
+
+def srun_like(world_size, script, *args, job_id=4242, nodelist="localhost", timeout=120, cwds=None, **env_extra):
+    """Start `world_size` processes with the variables srun gives its tasks (one node, or one working
+    folder per rank with `cwds`, as on nodes that share no filesystem); wait for all of them."""
     procs = []
     for rank in range(world_size):
         env = clean_env(
             SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST=nodelist, SLURM_NTASKS=world_size, SLURM_PROCID=rank,
             SLURM_LOCALID=rank, SLURM_STEP_ID=0, SLURM_NTASKS_PER_NODE=f"{world_size}", **env_extra,
         )  # fmt: skip
-        cmd = [sys.executable, str(script), *args]
+        cmd = [sys.executable, str(script), *map(str, args)]
+        cwd = cwds[rank] if cwds else REPO
         procs.append(
-            subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
     try:
         outputs = [p.communicate(timeout=timeout)[0] for p in procs]
@@ -72,3 +78,15 @@ def srun_like(world_size, script, *args, job_id=4242, nodelist="localhost", time
         for p in procs:
             p.kill()
     return [p.returncode for p in procs], outputs
+
+
+def processes_with(marker):
+    """PIDs of the live processes whose environment holds `marker` (NAME=value): what a run left behind."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found

@@ -82,7 +82,7 @@ def job_info(job_id) -> dict[str, str]:
     # A value runs up to the next " Key=" (values may hold spaces, and "=" as in TRES=cpu=4,node=2).
     keys = list(re.finditer(r"(?:^|\s)([A-Za-z][\w/:]*)=", line))
     ends = [k.start() for k in keys[1:]] + [len(line)]
-    info = {k.group(1): line[k.end() : end].strip() for k, end in zip(keys, ends)}
+    info = {k.group(1): line[k.end() : end].strip() for k, end in zip(keys, ends, strict=True)}
     info.setdefault("RestartCnt", info.get("Restarts", ""))  # scontrol calls it Restarts; sacct RestartCnt
     return info
 

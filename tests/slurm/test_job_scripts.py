@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: BSD-3-Clause
+"""Every stage's job script, unmodified, `sbatch`ed to the local Slurm cluster on the tiny MNIST.
+
+The cluster's GPUs are fake (torch sees none), so the runs are on the CPU with gloo; what is tested
+is what Slurm does with the scripts: allocations, srun and torchrun launches, ranks across nodes, and
+a failing rank ending the job.
+"""
+
+import csv
+import os
+import time
+from pathlib import Path
+
+import pytest
+from helpers import REPO, processes_with
+
+pytestmark = pytest.mark.slurm
+
+
+def sbatch(cluster, script, tiny_data, output_dir, epochs=1, env=None):
+    """Submit REPO/script from its folder with train.py arguments for the tiny data set and wait for
+    the job: returns its id, `scontrol show job` fields and output. The output file is deleted, as job
+    ids start again at 1 with every cluster and the scripts append to `<name>-<id>.out`."""
+    job_id = cluster.submit(
+        REPO / script, "--data-dir", tiny_data, "--epochs", epochs, "--output-dir", output_dir, env=env
+    )
+    log = Path(cluster.job_info(job_id)["StdOut"])
+    try:
+        info = cluster.wait(job_id)
+        return job_id, info, log.read_text()
+    finally:
+        log.unlink(missing_ok=True)
+
+
+def lines(output, prefix):
+    return [line for line in output.splitlines() if line.startswith(prefix)]
+
+
+def check_completed(info, output, output_dir, world_size):
+    """A finished CPU run of one epoch: one banner, one epoch and one summary line, metrics.csv."""
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output
+    [banner] = lines(output, "torch ")
+    assert "device cpu" in banner and f"world size {world_size}" in banner, banner
+    assert len(lines(output, "epoch ")) == 1 and len(lines(output, "done:")) == 1, output  # rank 0 only
+    rows = list(csv.DictReader(open(output_dir / "metrics.csv")))
+    assert [int(row["world_size"]) for row in rows] == [world_size]
+
+
+def check_two_nodes(info, output):
+    """Four ranks, two per node, on node1 and node2: the rank map names Slurm's nodes."""
+    assert info["NodeList"] == "node[1-2]", info
+    rank_map = [[field.strip() for field in line.split("|")[:3]] for line in lines(output, "  rank ")]
+    expected = [[f"rank {r}", f"local rank {r % 2}", f"host node{r // 2 + 1}"] for r in range(4)]
+    assert rank_map == expected, output
+
+
+@pytest.mark.parametrize("stage, world_size", [("01_single_gpu", 1), ("02_dataparallel", 1), ("03_ddp_single_node", 2)])
+def test_single_node_job_script(slurm_cluster, tiny_data, tmp_path, stage, world_size):
+    """01 (one GPU), 02 (DataParallel over the node's GPUs) and 03 (torchrun, one rank per GPU of
+    $SLURM_GPUS_ON_NODE) complete under Slurm and write their metrics."""
+    _, info, output = sbatch(slurm_cluster, f"{stage}/job.slurm", tiny_data, tmp_path / "out")
+    check_completed(info, output, tmp_path / "out", world_size)
+
+
+@pytest.mark.parametrize("script", ["job.slurm", "job_torchrun.slurm"])
+def test_two_node_job_script(slurm_cluster, tiny_data, tmp_path, script):
+    """04 runs one process group across two nodes, whether srun starts every rank (job.slurm) or one
+    torchrun per node that meet in a c10d rendezvous on the first node (job_torchrun.slurm)."""
+    _, info, output = sbatch(slurm_cluster, f"04_ddp_multi_node/{script}", tiny_data, tmp_path / "out")
+    check_completed(info, output, tmp_path / "out", world_size=4)
+    check_two_nodes(info, output)
+
+
+def test_failing_rank_ends_the_job(slurm_cluster, tiny_data, tmp_path):
+    """A rank that raises mid-training (rank 1 of 4, at its 3rd step, from tests/inject) fails the
+    whole job seconds later, not after --dist-timeout (300 s), and leaves no process of the job behind."""
+    inject = {"PYTHONPATH": f"{REPO / 'tests/inject'}{os.pathsep}{REPO}", "FAULT_RANK": "1", "FAULT_STEP": "3"}
+    start = time.monotonic()
+    job_id, info, output = sbatch(
+        slurm_cluster, "04_ddp_multi_node/job.slurm", tiny_data, tmp_path / "out", epochs=2, env=inject
+    )
+    seconds = time.monotonic() - start
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", output
+    assert "injected fault: rank 1 at step 3" in output, output
+    assert seconds < 60, f"the job took {seconds:.0f} s to fail"
+    deadline = time.monotonic() + 3
+    while processes_with(f"SLURM_JOB_ID={job_id}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with(f"SLURM_JOB_ID={job_id}") == []
