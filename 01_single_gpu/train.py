@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import RandomSampler
 
 try:
-    from common import checkpoint, cli, data, distributed, metrics
+    from common import amp, checkpoint, cli, data, distributed, metrics
     from common.models import Net
 except ModuleNotFoundError as err:
     if err.name != "common":
@@ -38,15 +38,17 @@ except ImportError:
 
 
 @profile
-def train(model, device, loader, optimizer, epoch, args):
+def train(model, device, loader, optimizer, scaler, epoch, args):
     model.train()
     totals = torch.zeros(2, device=device)  # summed on the device: no GPU -> CPU sync per step
     for batch_idx, (x, y) in enumerate(loader):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        loss = F.nll_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
+        with amp.autocast(device, args):
+            loss = F.nll_loss(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         totals[0] += loss.detach() * len(y)
         totals[1] += len(y)
         if batch_idx % args.log_interval == 0:
@@ -78,21 +80,24 @@ def main():
     train_set = data.MNIST(args.data_dir, train=True)
     test_set = data.MNIST(args.data_dir, train=False)
     train_sampler = RandomSampler(train_set)
-    train_loader = data.loader(train_set, train_sampler, args.batch_size, args.num_workers, device)
-    test_loader = data.loader(test_set, range(len(test_set)), args.test_batch_size, args.num_workers, device)
+    train_loader = data.loader(train_set, train_sampler, args.batch_size, args, device)
+    test_loader = data.loader(test_set, range(len(test_set)), args.test_batch_size, args, device)
 
     model = Net().to(device)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
+    scaler = amp.scaler(device, args)
 
     log = metrics.Log(args.output_dir, world_size)
-    for epoch in range(1, args.epochs + 1):
+    start_epoch = checkpoint.resume(args, model, optimizer, scheduler, scaler, log)
+    for epoch in range(start_epoch, args.epochs + 1):
         start = time.perf_counter()
-        train_totals = train(model, device, train_loader, optimizer, epoch, args)
+        train_totals = train(model, device, train_loader, optimizer, scaler, epoch, args)
         seconds = metrics.elapsed(start, device)
         totals = torch.cat([train_totals, evaluate(model, device, test_loader)])
         log.epoch(epoch, scheduler.get_last_lr()[0], seconds, totals.tolist())
         scheduler.step()
+        checkpoint.save(args, epoch, model, optimizer, scheduler, scaler, log)
     log.summary()
     if args.save_model:
         checkpoint.save_model(model, args.output_dir)

@@ -28,7 +28,7 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data.distributed import DistributedSampler
 
 try:
-    from common import checkpoint, cli, data, distributed, metrics
+    from common import amp, checkpoint, cli, data, distributed, metrics
     from common.models import Net
 except ModuleNotFoundError as err:
     if err.name != "common":
@@ -43,15 +43,17 @@ except ImportError:
 
 
 @profile
-def train(model, device, loader, optimizer, epoch, args):
+def train(model, device, loader, optimizer, scaler, epoch, args):
     model.train()
     totals = torch.zeros(2, device=device)  # summed on the device: no GPU -> CPU sync per step
     for batch_idx, (x, y) in enumerate(loader):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        loss = F.nll_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
+        with amp.autocast(device, args):
+            loss = F.nll_loss(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         totals[0] += loss.detach() * len(y)
         totals[1] += len(y)
         if batch_idx % args.log_interval == 0:
@@ -85,10 +87,10 @@ def main():
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     batch_size = args.batch_size // world_size  # --batch-size is the global batch
-    train_loader = data.loader(train_set, train_sampler, batch_size, args.num_workers, device)
+    train_loader = data.loader(train_set, train_sampler, batch_size, args, device)
     # evaluation: an unpadded shard per rank (DistributedSampler would repeat samples to even out)
     test_shard = range(rank, len(test_set), world_size)
-    test_loader = data.loader(test_set, test_shard, args.test_batch_size, args.num_workers, device)
+    test_loader = data.loader(test_set, test_shard, args.test_batch_size, args, device)
 
     model = Net().to(device)
     if dist.is_initialized():  # a plain `python train.py` has no process group and needs no DDP
@@ -96,18 +98,21 @@ def main():
         model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
     optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
     scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
+    scaler = amp.scaler(device, args)
 
     log = metrics.Log(args.output_dir, world_size)
-    for epoch in range(1, args.epochs + 1):
+    start_epoch = checkpoint.resume(args, model, optimizer, scheduler, scaler, log)
+    for epoch in range(start_epoch, args.epochs + 1):
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch repeats the first
         start = time.perf_counter()
-        train_totals = train(model, device, train_loader, optimizer, epoch, args)
+        train_totals = train(model, device, train_loader, optimizer, scaler, epoch, args)
         seconds = metrics.elapsed(start, device)
         totals = torch.cat([train_totals, evaluate(model, device, test_loader)])
         if dist.is_initialized():
             dist.all_reduce(totals)  # sums over the ranks: losses, samples, correct answers
         log.epoch(epoch, scheduler.get_last_lr()[0], seconds, totals.tolist())
         scheduler.step()
+        checkpoint.save(args, epoch, model, optimizer, scheduler, scaler, log)
     log.summary()
     if args.save_model:
         checkpoint.save_model(model, args.output_dir)

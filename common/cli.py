@@ -21,6 +21,8 @@ def default_output_dir(script, env=os.environ):
     run = env.get("SLURM_JOB_ID")
     if run and "SLURM_ARRAY_TASK_ID" in env:
         run += "_" + env["SLURM_ARRAY_TASK_ID"]
+    elif not run and env.get("TORCHELASTIC_RUN_ID", "none") != "none":
+        run = "torchrun-" + env["TORCHELASTIC_RUN_ID"]  # the same for every rank, and after a restart
     run = run or time.strftime("local-%Y%m%d-%H%M%S")
     return script.parent.parent / "runs" / script.parent.name / run
 
@@ -45,44 +47,28 @@ def non_negative_int(text):
 def parse_args(argv=None):
     script = Path(sys.argv[0]).resolve()
     p = argparse.ArgumentParser(description=f"MNIST training, {script.parent.name}")
-    p.add_argument(
-        "--batch-size", type=positive(int), default=64, help="global batch size, split across all GPUs (default: 64)"
-    )
-    p.add_argument(
-        "--test-batch-size",
-        type=positive(int),
-        default=1000,
-        help="batch size per process for evaluation (default: 1000)",
-    )
+    # fmt: off
+    p.add_argument("--batch-size", type=positive(int), default=64, help="global batch size, split across all GPUs (default: 64)")
+    p.add_argument("--test-batch-size", type=positive(int), default=1000, help="evaluation batch size per process (default: 1000)")
     p.add_argument("--epochs", type=positive(int), default=14, help="number of epochs to train (default: 14)")
     p.add_argument("--lr", type=positive(float), default=1.0, help="learning rate (default: 1.0)")
     p.add_argument("--gamma", type=positive(float), default=0.7, help="learning rate step gamma (default: 0.7)")
     p.add_argument("--seed", type=int, default=1, help="random seed (default: 1)")
-    p.add_argument(
-        "--log-interval", type=positive(int), default=100, help="batches between progress lines (default: 100)"
-    )
+    p.add_argument("--log-interval", type=positive(int), default=100, help="batches between progress lines (default: 100)")
     p.add_argument("--dry-run", action="store_true", help="one batch per epoch, to check that everything runs")
     p.add_argument("--save-model", action="store_true", help="save the trained model to --output-dir/model.pt")
     p.add_argument("--no-cuda", action="store_true", help="train on the CPU even if a GPU is visible")
-    p.add_argument(
-        "--data-dir", type=Path, default=REPO / "data", help="holds MNIST/raw/ (default: the repository's data/)"
-    )
-    p.add_argument(
-        "--num-workers",
-        type=non_negative_int,
-        default=default_num_workers(),
-        help="DataLoader workers per process (default: from SLURM_CPUS_PER_TASK, else the CPUs available, minus one)",
-    )
-    p.add_argument(
-        "--output-dir",
-        type=Path,
-        default=default_output_dir(script),
-        help="metrics and model (default: runs/<stage>/<job id or local-time>)",
-    )
-    p.add_argument(
-        "--dist-timeout",
-        type=positive(int),
-        default=300,
-        help="seconds a collective may wait for the other ranks (default: 300)",
-    )
+    p.add_argument("--data-dir", type=Path, default=REPO / "data", help="holds MNIST/raw/ (default: the repository's data/)")
+    p.add_argument("--num-workers", type=non_negative_int, default=default_num_workers(),
+                   help="DataLoader workers per process (default: the task's CPUs per rank, minus one)")
+    p.add_argument("--loader", choices=["batched", "classic", "device"], default="batched",
+                   help="input pipeline: whole batches from decoded tensors (default), pytorch/examples' per-sample one, or the data set held on the GPU")
+    p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast where supported, else fp16 with loss scaling")
+    p.add_argument("--output-dir", type=Path, default=default_output_dir(script),
+                   help="metrics, checkpoint and model (default: runs/<stage>/<job id or local-time>)")
+    p.add_argument("--resume", nargs="?", const=True, type=Path, metavar="PATH",
+                   help="continue from --output-dir's checkpoint, or from PATH (automatic after a Slurm requeue)")
+    p.add_argument("--dist-timeout", type=positive(int), default=300,
+                   help="seconds a collective may wait for the other ranks (default: 300)")
+    # fmt: on
     return p.parse_args(argv)

@@ -1,18 +1,26 @@
-"""MNIST from --data-dir, decoded once into tensors, and the loader every stage uses.
+"""MNIST from --data-dir, decoded once into tensors, and the loaders every stage uses (--loader):
 
+  batched  (default) the data set is one uint8 tensor; each batch is one indexing operation, pinned
+           and copied to the GPU asynchronously: no PIL image, no per-sample Python
+  classic  pytorch/examples' pipeline: torchvision's MNIST with ToTensor and Normalize, one PIL
+           image per sample, collated per batch; the reference that `make profile` shows
+  device   the whole (small) data set in GPU memory: batches are drawn there, nothing is copied
+
+All three follow the sampler they are given, so a DistributedSampler shards each of them the same way.
 The training scripts never download: compute nodes are often offline, and several ranks must not
 write into one folder at once. `make data` (python -m common.data) prepares the folder once.
 """
 
 import gzip
 import hashlib
+import math
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset
-from torchvision import datasets
+from torchvision import datasets, transforms
 
 MEAN, STD = 0.1307, 0.3081  # MNIST's pixel statistics, as in pytorch/examples
 FILES = {  # sha256 of the uncompressed IDX files
@@ -35,6 +43,7 @@ class MNIST(Dataset):
                 f"error: MNIST is not in {raw} (missing {missing[0]}): run `make data` on a machine "
                 "with internet access (the login node), or point --data-dir at a folder holding MNIST/raw/"
             )
+        self.data_dir, self.train = data_dir, train
         mnist = datasets.MNIST(data_dir, train=train, download=False)
         self.images, self.labels = mnist.data, mnist.targets
 
@@ -43,20 +52,48 @@ class MNIST(Dataset):
 
     def __getitem__(self, indices):
         indices = torch.as_tensor(indices)
-        x = self.images[indices].unsqueeze(-3).float().div_(255).sub_(MEAN).div_(STD)
-        return x, self.labels[indices]
+        return normalize(self.images[indices]), self.labels[indices]
 
 
-def loader(dataset, sampler, batch_size, num_workers, device):
-    """Batches of `dataset` in the order of `sampler`, pinned for fast, asynchronous copies to a GPU."""
-    return DataLoader(
-        dataset,
-        sampler=BatchSampler(sampler, batch_size, drop_last=False),
-        batch_size=None,  # the dataset builds whole batches itself
-        num_workers=num_workers,
-        pin_memory=device.type == "cuda",
-        persistent_workers=num_workers > 0,
+def normalize(images):
+    """uint8 N x 28 x 28 -> float N x 1 x 28 x 28, as ToTensor() and Normalize() would make it."""
+    return images.unsqueeze(-3).float().div_(255).sub_(MEAN).div_(STD)
+
+
+class OnDevice:
+    """The whole data set in device memory, batched in the sampler's order of each epoch."""
+
+    def __init__(self, dataset, sampler, batch_size, device):
+        self.images, self.labels = normalize(dataset.images).to(device), dataset.labels.to(device)
+        self.sampler, self.batch_size = sampler, batch_size
+
+    def __len__(self):
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+    def __iter__(self):
+        order = torch.tensor(list(self.sampler), device=self.images.device)  # one copy per epoch
+        for batch in order.split(self.batch_size):
+            yield self.images[batch], self.labels[batch]
+
+
+def loader(dataset, sampler, batch_size, args, device):
+    """Batches of `dataset` in the order of `sampler`, by the pipeline --loader names."""
+    if args.loader == "device":
+        return OnDevice(dataset, sampler, batch_size, device)
+    options = dict(
+        num_workers=args.num_workers,
+        pin_memory=device.type == "cuda",  # page-locked batches: the copy to the GPU can be asynchronous
+        persistent_workers=args.num_workers > 0,
+        # worker seeds from a generator of their own: the global RNG, which checkpoints save, then
+        # advances the same in a resumed run (a new loader) as in an uninterrupted one
+        generator=torch.Generator(),
     )
+    if args.loader == "classic":
+        to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize((MEAN,), (STD,))])
+        classic = datasets.MNIST(dataset.data_dir, train=dataset.train, transform=to_tensor)
+        return DataLoader(classic, batch_size=batch_size, sampler=sampler, **options)
+    # batched: the sampler's indices come in lists of batch_size, and the dataset builds each batch
+    return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None, **options)
 
 
 def prepare(data_dir):

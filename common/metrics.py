@@ -25,12 +25,21 @@ class Log:
     def __init__(self, output_dir, world_size):
         self.path = output_dir / "metrics.csv"
         self.world_size = world_size
-        self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
         self.rows = []
-        if self.rank0:
-            output_dir.mkdir(parents=True, exist_ok=True)
+
+    def restore(self, rows):
+        """The rows of the epochs a checkpoint holds: a resumed run rewrites the CSV from them, so an
+        epoch that was logged but not checkpointed before a crash is not counted twice."""
+        self.rows = list(rows)
+        self.write()
+
+    def write(self):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "w", newline="") as f:
-                csv.writer(f).writerow(FIELDS)
+                writer = csv.DictWriter(f, FIELDS)
+                writer.writeheader()
+                writer.writerows(self.rows)
 
     def epoch(self, epoch, lr, seconds, totals):
         """`totals`: sums over all ranks of train loss, train samples, test loss, correct, test samples."""
@@ -46,9 +55,7 @@ class Log:
             f"| accuracy {int(correct)}/{int(tested)} ({row['test_accuracy']:.2f}%) | {seconds:.2f} s "
             f"| {row['images_per_s']:.0f} img/s ({row['images_per_s_per_process']:.0f} per process)"
         )
-        if self.rank0:
-            with open(self.path, "a", newline="") as f:
-                csv.DictWriter(f, FIELDS).writerow(row)
+        self.write()
 
     def summary(self):
         seconds = sum(r["epoch_seconds"] for r in self.rows)

@@ -11,11 +11,12 @@ from helpers import REPO, TEST_SIZE, free_port, run, stage_args, torchrun
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import data
+from common import amp, data
 from common.models import Net
 
 BATCH, STEPS = 32, 6
-ARGS = SimpleNamespace(log_interval=10**6, dry_run=False)
+ARGS = SimpleNamespace(log_interval=10**6, dry_run=False, amp=False, loader="batched", num_workers=0)
+CPU = torch.device("cpu")
 
 
 def stage(name):
@@ -36,10 +37,10 @@ def ddp_rank(rank, world_size, port, data_dir, result):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     sampler = DistributedSampler(range(BATCH * STEPS), num_replicas=world_size, rank=rank, shuffle=False)
-    loader = data.loader(data.MNIST(data_dir, train=True), list(sampler), BATCH // world_size, 0, torch.device("cpu"))
+    loader = data.loader(data.MNIST(data_dir, train=True), list(sampler), BATCH // world_size, ARGS, CPU)
     model = DDP(model_without_dropout())
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    stage("03_ddp_single_node").train(model, torch.device("cpu"), loader, optimizer, 1, ARGS)
+    stage("03_ddp_single_node").train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), 1, ARGS)
     if rank == 0:
         torch.save(model.module.state_dict(), result)
     dist.destroy_process_group()
@@ -48,10 +49,10 @@ def ddp_rank(rank, world_size, port, data_dir, result):
 def test_two_ranks_with_half_batches_equal_one_process(tiny_data, tmp_path):
     """DDP over 2 ranks with B/2 each ends with the parameters of one process with batch B."""
     mp.spawn(ddp_rank, args=(2, free_port(), tiny_data, tmp_path / "ddp.pt"), nprocs=2)
-    loader = data.loader(data.MNIST(tiny_data, train=True), range(BATCH * STEPS), BATCH, 0, torch.device("cpu"))
+    loader = data.loader(data.MNIST(tiny_data, train=True), range(BATCH * STEPS), BATCH, ARGS, CPU)
     model = model_without_dropout()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    stage("01_single_gpu").train(model, torch.device("cpu"), loader, optimizer, 1, ARGS)
+    stage("01_single_gpu").train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), 1, ARGS)
     ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
     start = model_without_dropout().state_dict()
     for name, value in model.state_dict().items():
@@ -71,8 +72,8 @@ def test_evaluation_counts_every_test_image_once(tiny_data, tmp_path):
     model = Net()
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
     test_set = data.MNIST(tiny_data, train=False)
-    loader = data.loader(test_set, range(TEST_SIZE), 1000, 0, torch.device("cpu"))
-    loss, correct, count = stage("01_single_gpu").evaluate(model, torch.device("cpu"), loader).tolist()
+    loader = data.loader(test_set, range(TEST_SIZE), 1000, ARGS, CPU)
+    loss, correct, count = stage("01_single_gpu").evaluate(model, CPU, loader).tolist()
     assert count == TEST_SIZE
     assert f"accuracy {int(correct)}/{TEST_SIZE} ({100 * correct / count:.2f}%)" in line, line
     assert f"test loss {loss / count:.4f}" in line, line

@@ -39,6 +39,13 @@ def test_single_process_stages(stage, tiny_data, tmp_path):
     Net().load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # plain keys, any stage loads it
 
 
+@pytest.mark.parametrize("flags", [("--loader", "classic"), ("--loader", "device", "--amp")], ids=" ".join)
+def test_stage01_with_other_pipelines(flags, tiny_data, tmp_path):
+    out = run([sys.executable, "01_single_gpu/train.py", *stage_args(tiny_data, tmp_path, "--epochs", 2, *flags)])
+    assert out.returncode == 0, out.stderr
+    check_run(out.stdout, tmp_path, world_size=1)
+
+
 def test_stage03_under_torchrun(tiny_data, tmp_path):
     out = torchrun(2, REPO / "03_ddp_single_node/train.py", *stage_args(tiny_data, tmp_path, "--epochs", 2))
     assert out.returncode == 0, out.stderr

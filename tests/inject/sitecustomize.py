@@ -11,7 +11,7 @@ processes a variable names are touched, and nothing else is imported otherwise.
 import os
 
 env = os.environ
-rank = env.get("RANK", env.get("SLURM_PROCID") if "SLURM_STEP_ID" in env else None)
+rank = env.get("RANK", env.get("SLURM_PROCID") if "SLURM_STEP_ID" in env else "0")
 
 if "FAULT_RANK" in env and rank == env["FAULT_RANK"]:
     import io
@@ -45,7 +45,7 @@ if "FAULT_RANK" in env and rank == env["FAULT_RANK"]:
 
     torch.optim.Adadelta.step, torch.save = faulty_step, faulty_save
 
-if "RECORD_SAMPLES" in env and rank is not None:
+if "RECORD_SAMPLES" in env:
     import json
 
     from torch.utils.data import distributed
