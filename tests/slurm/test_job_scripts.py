@@ -8,6 +8,7 @@ a failing rank ending the job.
 
 import csv
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -87,3 +88,33 @@ def test_failing_rank_ends_the_job(slurm_cluster, tiny_data, tmp_path):
     while processes_with(f"SLURM_JOB_ID={job_id}") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert processes_with(f"SLURM_JOB_ID={job_id}") == []
+
+
+def test_preempted_job_requeues_and_resumes(slurm_cluster, tiny_data, tmp_path):
+    """USR1 to the batch script, as Slurm sends it before a time limit (--signal=B:USR1@90): the job
+    requeues itself, comes back with the same id and output folder, resumes from its last
+    end-of-epoch checkpoint and completes."""
+    out = tmp_path / "out"
+    job_id = slurm_cluster.submit(
+        REPO / "01_single_gpu/job.slurm", "--data-dir", tiny_data, "--epochs", 40, "--output-dir", out
+    )
+    log = Path(slurm_cluster.job_info(job_id)["StdOut"])
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint.pt").exists():
+            assert time.monotonic() < deadline, "no checkpoint"
+            time.sleep(0.2)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+        info = slurm_cluster.wait(job_id, timeout=240)
+        output = log.read_text()
+    finally:
+        log.unlink(missing_ok=True)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), output
+    assert "USR1: requeueing job" in output
+    [resumed] = lines(output, "resumed after epoch ")
+    assert "(Slurm restart 1," in resumed, resumed
+    done = int(resumed.split()[3])
+    assert 1 <= done < 40
+    # the log may show the epoch cut short by the requeue twice; the metrics hold every epoch once
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert [int(row["epoch"]) for row in rows] == list(range(1, 41))
