@@ -89,9 +89,8 @@ def test_killed_rank_restarts_and_resumes_under_torchrun(tiny_data, tmp_path):
     killed = tmp_path / "killed"
     cmd = torchrun_cmd(2, S03, *stage_args(tiny_data, killed, "--epochs", 3), restarts=1)
     marker = f"TEST_RUN={uuid.uuid4()}"
-    proc = subprocess.Popen(
-        cmd, env=clean_env(TEST_RUN=marker.split("=")[1]), cwd=REPO, stdout=subprocess.PIPE, text=True
-    )
+    env = clean_env(TEST_RUN=marker.split("=")[1], TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)  # as the job scripts
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
     wait_for(lambda: (killed / "checkpoint.pt").exists())
     rank1 = [
         pid for pid in processes_with(marker) if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
@@ -192,9 +191,9 @@ def test_two_jobs_on_one_node_run_side_by_side(tiny_data, tmp_path):
     for job_id in (3001, 3002):
         args = stage_args(tiny_data, tmp_path / str(job_id), "--epochs", 1)
         jobs.append(subprocess.Popen(
-            [sys.executable, "-c", "import helpers, sys; sys.exit(max(helpers.srun_like(2, *sys.argv[1:])[0]))",
-             str(S04), *map(str, args)],
-            cwd=REPO / "tests", env={**clean_env(), "SLURM_JOB_ID": str(job_id)},
+            [sys.executable, "-c", "import helpers, sys; sys.exit(max(helpers.srun_like(2, *sys.argv[2:], job_id=sys.argv[1])[0]))",
+             str(job_id), str(S04), *map(str, args)],
+            cwd=REPO / "tests", env=clean_env(),
         ))  # fmt: skip
     assert [job.wait(timeout=120) for job in jobs] == [0, 0]
 
