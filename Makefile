@@ -3,11 +3,11 @@ ifeq ($(origin PYTHON), undefined)
 PYTHON := .venv/bin/python
 VENV := .venv/installed
 endif
-export PYTHONPATH := $(CURDIR)
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 DATA := data/MNIST/raw/train-images-idx3-ubyte
 STAGES := 01_single_gpu 02_dataparallel 03_ddp_single_node 04_ddp_multi_node
 
-.PHONY: install test test-all test-slurm data run diff profile lint clean
+.PHONY: install test test-all test-slurm data run diff profile lint clean bench
 
 install: .venv/installed
 .venv/installed: requirements.txt pyproject.toml
@@ -37,8 +37,11 @@ diff:  ## what each stage adds to the previous one
 	  if [ -n "$$prev" ]; then for f in train.py job.slurm; do diff -u $$prev/$$f $$s/$$f || true; done; fi; prev=$$s; \
 	done; diff -u 04_ddp_multi_node/job.slurm 04_ddp_multi_node/job_torchrun.slurm || true
 
+# pytorch/examples' pipeline by default (one worker, a PIL image per sample); PROFILE= for this repository's
+PROFILE ?= --loader classic --num-workers 1
 profile: $(VENV) $(DATA)  ## time per line of stage 01's train(), one epoch
-	$(PYTHON) -m kernprof -l -v -o runs/profile/train.py.lprof 01_single_gpu/train.py --epochs 1 --output-dir runs/profile
+	rm -rf runs/profile
+	$(PYTHON) -m kernprof -l -v -o runs/profile.lprof 01_single_gpu/train.py --epochs 1 --output-dir runs/profile $(PROFILE)
 
 lint: $(VENV)
 	$(PYTHON) -m ruff check .
@@ -48,3 +51,6 @@ lint: $(VENV)
 
 clean:
 	rm -rf runs .pytest_cache */__pycache__ */*.out data/MNIST/raw/*-ubyte
+
+bench: $(VENV) $(DATA)  ## the stages on this machine's GPUs: bench-results/bench.{csv,md,png}
+	$(PYTHON) bench/bench.py $(if $(ARGS),-- $(ARGS))

@@ -14,6 +14,7 @@ write into one folder at once. `make data` (python -m common.data) prepares the 
 import gzip
 import hashlib
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -76,14 +77,24 @@ class OnDevice:
             yield self.images[batch], self.labels[batch]
 
 
+def default_num_workers(env=os.environ):
+    """DataLoader workers per process: the CPUs Slurm gave this task (or this process may use), shared
+    among the ranks the task runs (torchrun), minus one for the process itself."""
+    cpus = int(env.get("SLURM_CPUS_PER_TASK") or len(os.sched_getaffinity(0)))
+    return max(cpus // int(env.get("LOCAL_WORLD_SIZE", 1)) - 1, 0)
+
+
 def loader(dataset, sampler, batch_size, args, device):
     """Batches of `dataset` in the order of `sampler`, by the pipeline --loader names."""
     if args.loader == "device":
         return OnDevice(dataset, sampler, batch_size, device)
+    workers = args.num_workers
+    if workers is None:  # a batch is one indexing operation: passing it from a worker costs more than it saves
+        workers = default_num_workers() if args.loader == "classic" else 0
     options = dict(
-        num_workers=args.num_workers,
+        num_workers=workers,
         pin_memory=device.type == "cuda",  # page-locked batches: the copy to the GPU can be asynchronous
-        persistent_workers=args.num_workers > 0,
+        persistent_workers=workers > 0,
         # worker seeds from a generator of their own: the global RNG, which checkpoints save, then
         # advances the same in a resumed run (a new loader) as in an uninterrupted one
         generator=torch.Generator(),

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common import cli, distributed
+from common import cli, data, distributed
 from common.distributed import expand_hostlist, launcher_env, master_port
 
 
@@ -112,7 +112,7 @@ def test_fake_gpus_fall_back_to_cpu(monkeypatch):
     ],
 )
 def test_default_num_workers(env, workers):
-    assert cli.default_num_workers(env) == workers
+    assert data.default_num_workers(env) == workers
 
 
 def test_default_output_dir(tmp_path):
