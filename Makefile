@@ -16,9 +16,11 @@ install: .venv/installed
 	.venv/bin/pip install --no-deps -e .  # makes `common` importable from a copied stage folder
 	touch $@
 
-data: $(DATA)
+DATASET ?= mnist
+data: | $(VENV)  ## MNIST from the vendored files; DATASET=fashion-mnist|cifar10|cifar100 downloads (login node)
+	$(PYTHON) -m common.data data $(DATASET)
 $(DATA): | $(VENV)
-	$(PYTHON) -m common.data
+	$(PYTHON) -m common.data data mnist
 
 test: $(VENV) $(DATA)  ## everyday: CPU only, no root, a few minutes
 	$(PYTHON) -m pytest -m "not slow and not slurm"

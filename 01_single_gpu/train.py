@@ -21,12 +21,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import RandomSampler
 
 try:
-    from common import amp, checkpoint, cli, data, distributed, metrics
-    from common.models import Net
+    from common import amp, checkpoint, cli, data, distributed, metrics, models, optim
 except ModuleNotFoundError as err:
     if err.name != "common":
         raise
@@ -79,24 +77,29 @@ def main():
     distributed.banner(rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
 
-    train_set = data.MNIST(args.data_dir, train=True)
-    test_set = data.MNIST(args.data_dir, train=False)
+    train_set = data.dataset(args.data_dir, args.dataset, train=True)
+    train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
+    test_set = data.dataset(args.data_dir, args.dataset, train=False)
     train_sampler = RandomSampler(train_set)
     train_loader = data.loader(train_set, train_sampler, args.batch_size, args, device)
+    val_loader = data.loader(val_set, range(len(val_set)), args.test_batch_size, args, device)
     test_loader = data.loader(test_set, range(len(test_set)), args.test_batch_size, args, device)
 
-    model = Net().to(device)
-    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
-    scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
+    shape = train_set.in_channels, train_set.classes, train_set.image_size
+    model = models.build(args.model, *shape, args.depth, args.width).to(device)
+    optimizer = optim.optimizer(args, model.parameters())
+    scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)
 
     log = metrics.Log(args.output_dir, world_size)
     start_epoch = checkpoint.resume(args, model, optimizer, scheduler, scaler, log)
     for epoch in range(start_epoch, args.epochs + 1):
+        if log.reached(args.target_accuracy, args.patience):  # the same all-reduced rows on every rank
+            break
         start = time.perf_counter()
         train_totals = train(model, device, train_loader, optimizer, scaler, epoch, args)
         seconds = metrics.elapsed(start, device)
-        totals = torch.cat([train_totals, evaluate(model, device, test_loader)])
+        totals = torch.cat([train_totals, evaluate(model, device, val_loader), evaluate(model, device, test_loader)])
         log.epoch(epoch, scheduler.get_last_lr()[0], seconds, totals.tolist())
         scheduler.step()
         checkpoint.save(args, epoch, model, optimizer, scheduler, scaler, log)

@@ -23,13 +23,12 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.optim.lr_scheduler import StepLR
 from torch.utils.data.distributed import DistributedSampler
 
 try:
-    from common import amp, checkpoint, cli, data, distributed, metrics
-    from common.models import Net
+    from common import amp, checkpoint, cli, data, distributed, metrics, models, optim
 except ModuleNotFoundError as err:
     if err.name != "common":
         raise
@@ -82,32 +81,38 @@ def main():
     distributed.banner(rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
 
-    train_set = data.MNIST(args.data_dir, train=True)
-    test_set = data.MNIST(args.data_dir, train=False)
+    train_set = data.dataset(args.data_dir, args.dataset, train=True)
+    train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
+    test_set = data.dataset(args.data_dir, args.dataset, train=False)
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     batch_size = args.batch_size // world_size  # --batch-size is the global batch
     train_loader = data.loader(train_set, train_sampler, batch_size, args, device)
     # evaluation: an unpadded shard per rank (DistributedSampler would repeat samples to even out)
-    test_shard = range(rank, len(test_set), world_size)
-    test_loader = data.loader(test_set, test_shard, args.test_batch_size, args, device)
+    val_loader = data.loader(val_set, range(rank, len(val_set), world_size), args.test_batch_size, args, device)
+    test_loader = data.loader(test_set, range(rank, len(test_set), world_size), args.test_batch_size, args, device)
 
-    model = Net().to(device)
+    shape = train_set.in_channels, train_set.classes, train_set.image_size
+    model = models.build(args.model, *shape, args.depth, args.width).to(device)
     if dist.is_initialized():  # a plain `python train.py` has no process group and needs no DDP
+        if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # gradients are averaged across ranks during backward(), overlapped with it
         model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
-    optimizer = torch.optim.Adadelta(model.parameters(), lr=args.lr)
-    scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)
+    optimizer = optim.optimizer(args, model.parameters())
+    scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)
 
     log = metrics.Log(args.output_dir, world_size)
     start_epoch = checkpoint.resume(args, model, optimizer, scheduler, scaler, log)
     for epoch in range(start_epoch, args.epochs + 1):
+        if log.reached(args.target_accuracy, args.patience):  # the same all-reduced rows on every rank
+            break
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch repeats the first
         start = time.perf_counter()
         train_totals = train(model, device, train_loader, optimizer, scaler, epoch, args)
         seconds = metrics.elapsed(start, device)
-        totals = torch.cat([train_totals, evaluate(model, device, test_loader)])
+        totals = torch.cat([train_totals, evaluate(model, device, val_loader), evaluate(model, device, test_loader)])
         if dist.is_initialized():
             dist.all_reduce(totals)  # sums over the ranks: losses, samples, correct answers
         log.epoch(epoch, scheduler.get_last_lr()[0], seconds, totals.tolist())

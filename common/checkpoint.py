@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from common.distributed import print0
 
-FLAGS = ("batch_size", "lr", "gamma", "seed")  # a resumed run must share these with its checkpoint
+FLAGS = ("dataset", "model", "optimizer", "batch_size", "lr", "gamma", "seed")  # a resumed run must share these
 
 
 def is_rank0():

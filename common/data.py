@@ -1,30 +1,36 @@
-"""MNIST from --data-dir, decoded once into tensors, and the loaders every stage uses (--loader):
+"""The data sets (--dataset) from --data-dir, decoded once into tensors, and the loaders every stage uses
+(--loader):
 
   batched  (default) the data set is one uint8 tensor; each batch is one indexing operation, pinned
            and copied to the GPU asynchronously: no PIL image, no per-sample Python
-  classic  pytorch/examples' pipeline: torchvision's MNIST with ToTensor and Normalize, one PIL
-           image per sample, collated per batch; the reference that `make profile` shows
+  classic  pytorch/examples' pipeline: one PIL image per sample through ToTensor and Normalize, as
+           torchvision's data sets make them, collated per batch; the reference that `make profile` shows
   device   the whole (small) data set in GPU memory: batches are drawn there, nothing is copied
 
 All three follow the sampler they are given, so a DistributedSampler shards each of them the same way.
-The training scripts never download: compute nodes are often offline, and several ranks must not
-write into one folder at once. `make data` (python -m common.data) prepares the folder once.
+The data sets are in torchvision's on-disk layout; `synthetic` is random images made in memory, for
+benchmarks. The training scripts never download: compute nodes are often offline, and several ranks
+must not write into one folder at once. `make data DATASET=...` (python -m common.data) prepares the
+folder once.
 """
 
+import argparse
 import gzip
 import hashlib
 import math
 import os
+import pickle
 import shutil
-import sys
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 from torchvision import datasets, transforms
 
-MEAN, STD = 0.1307, 0.3081  # MNIST's pixel statistics, as in pytorch/examples
-FILES = {  # sha256 of the uncompressed IDX files
+FILES = {  # MNIST's sha256 of the uncompressed IDX files
     "train-images-idx3-ubyte": "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
     "train-labels-idx1-ubyte": "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
     "t10k-images-idx3-ubyte": "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
@@ -32,40 +38,150 @@ FILES = {  # sha256 of the uncompressed IDX files
 }
 
 
-class MNIST(Dataset):
-    """The images as one uint8 tensor. Indexed with a list of indices it returns a whole batch, so
-    a batch costs one tensor operation instead of 64 PIL images and a collate."""
+class Spec(NamedTuple):
+    folder: str  # under --data-dir, as torchvision lays it out
+    files: list  # what must be there; for CIFAR, the last one is the test set
+    mean: tuple  # per-channel pixel statistics of the training set, for Normalize
+    std: tuple
+    classes: int
+    download: type = None  # torchvision's class: downloads the set, and reads the IDX ones
 
-    def __init__(self, data_dir, train):
-        raw = Path(data_dir) / "MNIST" / "raw"
-        missing = [name for name in FILES if not (raw / name).is_file()]
-        if missing:
-            raise SystemExit(
-                f"error: MNIST is not in {raw} (missing {missing[0]}): run `make data` on a machine "
-                "with internet access (the login node), or point --data-dir at a folder holding MNIST/raw/"
-            )
-        self.data_dir, self.train = data_dir, train
-        mnist = datasets.MNIST(data_dir, train=train, download=False)
-        self.images, self.labels = mnist.data, mnist.targets
+
+CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+SETS = {
+    "mnist": Spec("MNIST/raw", list(FILES), (0.1307,), (0.3081,), 10, datasets.MNIST),  # as in pytorch/examples
+    "fashion-mnist": Spec("FashionMNIST/raw", list(FILES), (0.2860,), (0.3530,), 10, datasets.FashionMNIST),
+    "cifar10": Spec("cifar-10-batches-py", CIFAR10_FILES, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), 10, datasets.CIFAR10),
+    "cifar100": Spec("cifar-100-python", ["train", "test"], (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), 100, datasets.CIFAR100),
+    "synthetic": Spec("", [], (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), 10),
+}  # fmt: skip
+SYNTHETIC = {True: 50_000, False: 10_000}  # images of 3 x 32 x 32, as many as in CIFAR
+
+
+class Images(Dataset):
+    """A data set as one uint8 tensor N x C x H x W and its int64 labels. Indexed with a list of indices it
+    returns a whole normalized batch, so a batch costs one tensor operation instead of 64 PIL images and
+    a collate."""
+
+    def __init__(self, name, images, labels, mean, std, classes):
+        self.name, self.images, self.labels = name, images, labels
+        self.mean, self.std, self.classes = tuple(mean), tuple(std), classes
+        self.in_channels, self.image_size = images.shape[1], images.shape[-1]
 
     def __len__(self):
         return len(self.labels)
 
     def __getitem__(self, indices):
         indices = torch.as_tensor(indices)
-        return normalize(self.images[indices]), self.labels[indices]
+        return normalize(self.images[indices], self.mean, self.std), self.labels[indices]
+
+    def subset(self, indices):
+        """The images at `indices`, in tensors of their own."""
+        return Images(self.name, self.images[indices], self.labels[indices], self.mean, self.std, self.classes)
 
 
-def normalize(images):
-    """uint8 N x 28 x 28 -> float N x 1 x 28 x 28, as ToTensor() and Normalize() would make it."""
-    return images.unsqueeze(-3).float().div_(255).sub_(MEAN).div_(STD)
+def normalize(images, mean, std):
+    """uint8 N x C x H x W -> float, on the images' device, as ToTensor() and Normalize(mean, std) make it."""
+    mean = torch.tensor(mean, device=images.device).view(-1, 1, 1)
+    std = torch.tensor(std, device=images.device).view(-1, 1, 1)
+    return images.float().div_(255).sub_(mean).div_(std)
+
+
+def dataset(data_dir, name, train):
+    """The training (or test) set `name` of SETS, read from data_dir; a SystemExit saying what to do if
+    it is not there."""
+    spec = SETS[name]
+    folder = Path(data_dir) / spec.folder
+    missing = [file for file in spec.files if not (folder / file).is_file()]
+    if missing:
+        raise SystemExit(
+            f"error: {name} is not in {folder} (missing {missing[0]}): run `make data DATASET={name}` on a machine "
+            f"with internet access (the login node), or point --data-dir at a folder holding {spec.folder}/"
+        )
+    if name == "synthetic":
+        images, labels = synthetic(SYNTHETIC[train], spec.classes, seed=int(train))
+    elif name in ("mnist", "fashion-mnist"):  # IDX files, which torchvision reads without checking checksums
+        idx = spec.download(data_dir, train=train, download=False)
+        images, labels = idx.data.unsqueeze(1), idx.targets
+    else:  # not torchvision's CIFAR classes: they check the MD5s of the official files, and refuse any other
+        paths = [folder / file for file in (spec.files[:-1] if train else spec.files[-1:])]
+        images, labels = read_cifar(paths, b"labels" if name == "cifar10" else b"fine_labels")
+    return Images(name, images, labels, spec.mean, spec.std, spec.classes)
+
+
+def synthetic(count, classes, seed):
+    """Random 3 x 32 x 32 images and labels, the same for a seed: for benchmarks, nothing to learn."""
+    generator = torch.Generator().manual_seed(seed)
+    # eight pixels per 64-bit draw over the full int64 range: four times faster than one draw per pixel
+    pixels = torch.empty(count * 3 * 32 * 32 // 8, dtype=torch.int64).random_(-(2**63), None, generator=generator)
+    labels = torch.randint(classes, (count,), generator=generator)
+    return pixels.view(torch.uint8).view(count, 3, 32, 32), labels
+
+
+class NumpyOnly(pickle.Unpickler):
+    """The CIFAR batches are pickles (the official format, with encoding="bytes" for their Python 2 strings),
+    and unpickling can run any code a file names. These files hold dictionaries of numpy arrays, lists and
+    bytes only, so nothing else may be loaded: a crafted file fails instead of running."""
+
+    ALLOWED = {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),  # the name in the official files
+        ("numpy._core.multiarray", "_reconstruct"),  # numpy >= 2
+    }
+
+    def find_class(self, module, name):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a CIFAR batch, which holds numpy arrays")
+        return super().find_class(module, name)
+
+
+def read_cifar(paths, label_key):
+    """CIFAR's python batches: b"data", uint8 N x 3072 (the red, green and blue planes of 32 x 32 each)."""
+    batches = []
+    for path in paths:
+        with open(path, "rb") as f:
+            batches.append(NumpyOnly(f, encoding="bytes").load())
+    images = np.concatenate([batch[b"data"] for batch in batches]).reshape(-1, 3, 32, 32)
+    return torch.from_numpy(images), torch.tensor([label for batch in batches for label in batch[label_key]])
+
+
+def split(dataset, fraction, seed):
+    """(training part, validation part): `fraction` of the images, drawn at random with `seed`, held out
+    for validation; both keep their images in the order of `dataset`. For fraction 0 the validation part
+    is empty: evaluating it yields nothing, so the stages need no special case."""
+    if not fraction:
+        return dataset, dataset.subset([])
+    held = round(len(dataset) * fraction)
+    if not 0 < held < len(dataset):
+        raise SystemExit(f"error: a validation fraction of {fraction} of {len(dataset)} images leaves a part empty")
+    order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))
+    return dataset.subset(order[held:].sort().values), dataset.subset(order[:held].sort().values)
+
+
+class PerSample(Dataset):
+    """What torchvision's data sets do per sample: a PIL image of the decoded array, ToTensor and Normalize.
+    The DataLoader collates the samples into batches."""
+
+    def __init__(self, dataset):
+        self.images, self.labels = dataset.images, dataset.labels
+        self.transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(dataset.mean, dataset.std)])
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        image = self.images[index].permute(1, 2, 0).squeeze(2).numpy()  # H x W x C, or H x W for grey, as PIL reads
+        return self.transform(Image.fromarray(image)), int(self.labels[index])
 
 
 class OnDevice:
     """The whole data set in device memory, batched in the sampler's order of each epoch."""
 
     def __init__(self, dataset, sampler, batch_size, device):
-        self.images, self.labels = normalize(dataset.images).to(device), dataset.labels.to(device)
+        # normalized on the CPU, as the batched loader does: the same floats to the last bit on any device
+        self.images = normalize(dataset.images, dataset.mean, dataset.std).to(device)
+        self.labels = dataset.labels.to(device)
         self.sampler, self.batch_size = sampler, batch_size
 
     def __len__(self):
@@ -100,28 +216,54 @@ def loader(dataset, sampler, batch_size, args, device):
         generator=torch.Generator(),
     )
     if args.loader == "classic":
-        to_tensor = transforms.Compose([transforms.ToTensor(), transforms.Normalize((MEAN,), (STD,))])
-        classic = datasets.MNIST(dataset.data_dir, train=dataset.train, transform=to_tensor)
-        return DataLoader(classic, batch_size=batch_size, sampler=sampler, **options)
+        return DataLoader(PerSample(dataset), batch_size=batch_size, sampler=sampler, **options)
     # batched: the sampler's indices come in lists of batch_size, and the dataset builds each batch
     return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None, **options)
 
 
-def prepare(data_dir):
-    """Unpack the vendored .gz files after checking them; download with torchvision only if absent."""
-    raw = Path(data_dir) / "MNIST" / "raw"
-    if not all((raw / f"{name}.gz").is_file() or (raw / name).is_file() for name in FILES):
-        datasets.MNIST(data_dir, train=True, download=True)
-        datasets.MNIST(data_dir, train=False, download=True)
-    for name, sha256 in FILES.items():
-        if not (raw / name).is_file():
-            with gzip.open(raw / f"{name}.gz") as src, open(raw / f"{name}.part", "wb") as dst:
+def download(name, data_dir, train):
+    try:
+        SETS[name].download(data_dir, train=train, download=True)
+    except (OSError, RuntimeError) as err:  # no network: torchvision's URLError, or its last mirror's RuntimeError
+        raise SystemExit(
+            f"error: cannot download {name} ({err}): run `make data DATASET={name}` on a machine with internet "
+            f"access, or copy its {SETS[name].folder}/ into {data_dir}"
+        ) from err
+
+
+def prepare(data_dir, name="mnist"):
+    """Make `name` ready in data_dir. MNIST: unpack the vendored .gz files after checking them, downloading
+    only if absent; the others: torchvision's download, which checks them."""
+    folder = Path(data_dir) / SETS[name].folder
+    if name == "synthetic":
+        print("synthetic is made in memory: nothing to prepare")
+        return
+    if name != "mnist":
+        download(name, data_dir, train=True)
+        download(name, data_dir, train=False)
+        print(f"{name} ready in {folder}")
+        return
+    if not all((folder / f"{file}.gz").is_file() or (folder / file).is_file() for file in FILES):
+        download(name, data_dir, train=True)
+        download(name, data_dir, train=False)
+    for file, sha256 in FILES.items():
+        if not (folder / file).is_file():
+            with gzip.open(folder / f"{file}.gz") as src, open(folder / f"{file}.part", "wb") as dst:
                 shutil.copyfileobj(src, dst)
-            (raw / f"{name}.part").replace(raw / name)
-        if hashlib.sha256((raw / name).read_bytes()).hexdigest() != sha256:
-            raise SystemExit(f"error: {raw / name} is corrupt (sha256 mismatch): delete it and run `make data` again")
-    print(f"MNIST ready in {raw}")
+            (folder / f"{file}.part").replace(folder / file)
+        if hashlib.sha256((folder / file).read_bytes()).hexdigest() != sha256:
+            raise SystemExit(
+                f"error: {folder / file} is corrupt (sha256 mismatch): delete it and run `make data` again"
+            )
+    print(f"MNIST ready in {folder}")
 
 
 if __name__ == "__main__":
-    prepare(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent / "data")
+    cli = argparse.ArgumentParser(description="Prepare a data set in DATA_DIR (make data DATASET=NAME).")
+    default = Path(__file__).resolve().parent.parent / "data"
+    cli.add_argument("data_dir", nargs="?", type=Path, default=default, metavar="DATA_DIR",
+                     help="the stages' --data-dir (default: the repository's data/)")  # fmt: skip
+    cli.add_argument("name", nargs="?", choices=list(SETS), default="mnist", metavar="NAME",
+                     help=f"one of {', '.join(SETS)} (default: mnist)")  # fmt: skip
+    args = cli.parse_args()
+    prepare(args.data_dir, args.name)

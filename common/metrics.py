@@ -9,7 +9,7 @@ import torch.distributed as dist
 from common.distributed import print0
 
 FIELDS = [
-    "epoch", "lr", "train_loss", "test_loss", "test_accuracy",
+    "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",
     "epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size",
 ]  # fmt: skip
 
@@ -42,20 +42,35 @@ class Log:
                 writer.writerows(self.rows)
 
     def epoch(self, epoch, lr, seconds, totals):
-        """`totals`: sums over all ranks of train loss, train samples, test loss, correct, test samples."""
-        train_loss, seen, test_loss, correct, tested = totals
+        """`totals`: sums over all ranks of train loss and samples, then loss, correct answers and
+        samples of the validation set (zeros without one) and of the test set."""
+        train_loss, seen, val_loss, val_correct, validated, test_loss, correct, tested = totals
         row = dict(
             epoch=epoch, lr=lr, train_loss=train_loss / seen, test_loss=test_loss / tested,
+            val_loss=val_loss / validated if validated else "", val_accuracy=100 * val_correct / validated if validated else "",
             test_accuracy=100 * correct / tested, epoch_seconds=seconds, images_per_s=seen / seconds,
             images_per_s_per_process=seen / seconds / self.world_size, world_size=self.world_size,
         )  # fmt: skip
         self.rows.append(row)
+        val = f"| val loss {row['val_loss']:.4f} ({row['val_accuracy']:.2f}%) " if validated else ""
         print0(
-            f"epoch {epoch:3d} | lr {lr:.4f} | train loss {row['train_loss']:.4f} | test loss {row['test_loss']:.4f} "
+            f"epoch {epoch:3d} | lr {lr:.4f} | train loss {row['train_loss']:.4f} {val}| test loss {row['test_loss']:.4f} "
             f"| accuracy {int(correct)}/{int(tested)} ({row['test_accuracy']:.2f}%) | {seconds:.2f} s "
             f"| {row['images_per_s']:.0f} img/s ({row['images_per_s_per_process']:.0f} per process)"
         )
         self.write()
+
+    def reached(self, target, patience):
+        """--target-accuracy: have the last `patience` evaluations (validation if any, else test) all
+        reached `target`? Every rank logs the same all-reduced rows, so every rank stops together; the
+        rows are in the checkpoint, so a resumed run keeps counting."""
+        last = [
+            r["test_accuracy"] if r.get("val_accuracy", "") == "" else r["val_accuracy"] for r in self.rows[-patience:]
+        ]
+        if target is None or len(last) < patience or min(last) < target:
+            return False
+        print0(f"stopping: the last {patience} evaluations reached --target-accuracy {target}%")
+        return True
 
     def summary(self):
         seconds = sum(r["epoch_seconds"] for r in self.rows)

@@ -1,4 +1,10 @@
-"""The models. `Net` is the CNN of pytorch/examples mnist/main.py, unchanged."""
+"""The models (--model), built by `build` for a data set's channels, classes and image size. Each returns
+log-probabilities, as the stages train with F.nll_loss.
+
+  net         the CNN of pytorch/examples mnist/main.py, unchanged but for the channels and classes: 28x28 only
+  cnn         a small VGG-style CNN that ends in global average pooling, so any image size fits
+  wideresnet  WRN-depth-width of Zagoruyko & Komodakis, "Wide Residual Networks" (2016), for 32x32 images
+"""
 
 import torch
 import torch.nn.functional as F
@@ -6,14 +12,14 @@ from torch import nn
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, in_channels=1, num_classes=10):
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv1 = nn.Conv2d(in_channels, 32, 3, 1)
         self.conv2 = nn.Conv2d(32, 64, 3, 1)
         self.dropout1 = nn.Dropout(0.25)
         self.dropout2 = nn.Dropout(0.5)
-        self.fc1 = nn.Linear(9216, 128)
-        self.fc2 = nn.Linear(128, 10)
+        self.fc1 = nn.Linear(9216, 128)  # 64 channels x 12 x 12: what two 3x3 convolutions and a pooling leave of 28x28
+        self.fc2 = nn.Linear(128, num_classes)
 
     def forward(self, x):
         x = F.relu(self.conv1(x))
@@ -24,3 +30,93 @@ class Net(nn.Module):
         x = F.relu(self.fc1(x))
         x = self.dropout2(x)
         return F.log_softmax(self.fc2(x), dim=1)
+
+
+def conv_relu(cin, cout):
+    return [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU(inplace=True)]
+
+
+class CNN(nn.Module):
+    def __init__(self, in_channels=1, num_classes=10):
+        super().__init__()
+        self.features = nn.Sequential(
+            *conv_relu(in_channels, 64), *conv_relu(64, 64), nn.MaxPool2d(2),
+            *conv_relu(64, 128), *conv_relu(128, 128),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(),  # one value per channel whatever the image size
+        )  # fmt: skip
+        self.dropout = nn.Dropout(0.5)
+        self.fc = nn.Linear(128, num_classes)
+
+    def forward(self, x):
+        return F.log_softmax(self.fc(self.dropout(self.features(x))), dim=1)
+
+
+class Block(nn.Module):
+    """A pre-activation basic block: (BN, ReLU, conv 3x3) twice, plus the input, through a 1x1 convolution
+    where the width or the resolution changes."""
+
+    def __init__(self, cin, cout, stride, dropout):
+        super().__init__()
+        self.bn1, self.conv1 = nn.BatchNorm2d(cin), nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn2, self.conv2 = nn.BatchNorm2d(cout), nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.dropout = nn.Dropout(dropout)
+        self.shortcut = nn.Conv2d(cin, cout, 1, stride, bias=False) if cin != cout or stride != 1 else None
+
+    def forward(self, x):
+        out = F.relu(self.bn1(x))
+        # the projection takes the activated input, as in the authors' code: both paths see normalized values
+        shortcut = x if self.shortcut is None else self.shortcut(out)
+        out = self.conv1(out)
+        out = self.conv2(self.dropout(F.relu(self.bn2(out))))
+        return out + shortcut
+
+
+class WideResNet(nn.Module):
+    """WRN-depth-width: a 3x3 convolution, then three groups of (depth - 4) / 6 blocks, 16, 32 and 64 times
+    `width` channels wide, at 32x32, 16x16 and 8x8; BN, ReLU, global average pooling, one linear layer.
+    WRN-16-4 has 2.75 M parameters."""
+
+    def __init__(self, in_channels=3, num_classes=10, depth=16, width=4, dropout=0.0):
+        super().__init__()
+        blocks = (depth - 4) // 6
+        widths = [16, 16 * width, 32 * width, 64 * width]
+        layers = [nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False)]
+        for group, stride in enumerate((1, 2, 2)):
+            for i in range(blocks):
+                cin = widths[group] if i == 0 else widths[group + 1]
+                layers.append(Block(cin, widths[group + 1], stride if i == 0 else 1, dropout))
+        layers += [nn.BatchNorm2d(widths[3]), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        self.features = nn.Sequential(*layers)
+        self.fc = nn.Linear(widths[3], num_classes)
+        for m in self.modules():  # the authors' initialization: He et al. for convolutions, zero biases
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.Linear):
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x):
+        return F.log_softmax(self.fc(self.features(x)), dim=1)
+
+
+def build(name, in_channels, num_classes, image_size, depth=16, width=4):
+    """The model `name` for images of in_channels x image_size x image_size in num_classes classes; a
+    SystemExit that says what to change for a size it does not fit."""
+    if name == "net":
+        if image_size != 28:
+            raise SystemExit(
+                f"error: --model net fits 28x28 images (mnist, fashion-mnist), not {image_size}x{image_size}: "
+                "use --model cnn or wideresnet for 32x32"
+            )
+        return Net(in_channels, num_classes)
+    if name == "cnn":
+        return CNN(in_channels, num_classes)
+    if name == "wideresnet":
+        if image_size != 32:
+            raise SystemExit(
+                f"error: --model wideresnet fits 32x32 images (cifar10, cifar100, synthetic), not "
+                f"{image_size}x{image_size}: use --model net or cnn for 28x28"
+            )
+        if depth < 10 or (depth - 4) % 6:
+            raise SystemExit(f"error: --depth {depth}: a WideResNet is 6n+4 layers deep, n >= 1 (10, 16, 22, 28, 40)")
+        return WideResNet(in_channels, num_classes, depth, width)
+    raise SystemExit(f"error: unknown model {name!r}: net, cnn or wideresnet")

@@ -1,7 +1,12 @@
-"""Fixtures for every test: a tiny MNIST in the real on-disk format."""
+"""Fixtures for every test: tiny data sets in their real on-disk formats."""
 
+import pickle
+
+import numpy as np
 import pytest
 from helpers import REPO, TEST_SIZE, TRAIN_SIZE, write_idx_subset
+
+CIFAR_BATCH = 8  # images per CIFAR file: 40 training images in CIFAR-10's five batches, 8 test images
 
 
 @pytest.fixture(scope="session")
@@ -14,4 +19,38 @@ def tiny_data(tmp_path_factory):
         for kind in ("images-idx3", "labels-idx1"):
             name = f"{split}-{kind}-ubyte"
             write_idx_subset(REPO / "data" / "MNIST" / "raw" / f"{name}.gz", raw / name, count)
+    return root
+
+
+def write_idx(path, array):
+    """A uint8 array as an IDX file: two zero bytes, 0x08 (unsigned bytes), the rank, big-endian sizes, data."""
+    sizes = b"".join(size.to_bytes(4, "big") for size in array.shape)
+    path.write_bytes(bytes([0, 0, 8, array.ndim]) + sizes + array.tobytes())
+
+
+@pytest.fixture(scope="session")
+def tiny_sets(tiny_data, tmp_path_factory):
+    """A --data-dir holding every data set in its real format, a few images each: tiny_data's MNIST; random
+    images as Fashion-MNIST's IDX files and as CIFAR-10's and CIFAR-100's pickled batches."""
+    root = tmp_path_factory.mktemp("sets")
+    (root / "MNIST").symlink_to(tiny_data / "MNIST")
+    rng = np.random.default_rng(0)
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    for split, count in (("train", 40), ("t10k", 12)):
+        write_idx(raw / f"{split}-images-idx3-ubyte", rng.integers(0, 256, (count, 28, 28), dtype=np.uint8))
+        write_idx(raw / f"{split}-labels-idx1-ubyte", rng.integers(0, 10, count, dtype=np.uint8))
+    cifar10 = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    for folder, files, key, classes in (
+        ("cifar-10-batches-py", cifar10, b"labels", 10),
+        ("cifar-100-python", ["train", "test"], b"fine_labels", 100),
+    ):
+        (root / folder).mkdir()
+        for file in files:
+            batch = {
+                b"data": rng.integers(0, 256, (CIFAR_BATCH, 3 * 32 * 32), dtype=np.uint8),
+                key: rng.integers(0, classes, CIFAR_BATCH).tolist(),
+            }
+            # the official files are Python 2 pickles; protocol 4 holds the same dictionary of bytes keys
+            (root / folder / file).write_bytes(pickle.dumps(batch, protocol=4))
     return root

@@ -37,7 +37,7 @@ def ddp_rank(rank, world_size, port, data_dir, result):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     sampler = DistributedSampler(range(BATCH * STEPS), num_replicas=world_size, rank=rank, shuffle=False)
-    loader = data.loader(data.MNIST(data_dir, train=True), list(sampler), BATCH // world_size, ARGS, CPU)
+    loader = data.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, ARGS, CPU)
     model = DDP(model_without_dropout())
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
     stage("03_ddp_single_node").train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), 1, ARGS)
@@ -49,7 +49,7 @@ def ddp_rank(rank, world_size, port, data_dir, result):
 def test_two_ranks_with_half_batches_equal_one_process(tiny_data, tmp_path):
     """DDP over 2 ranks with B/2 each ends with the parameters of one process with batch B."""
     mp.spawn(ddp_rank, args=(2, free_port(), tiny_data, tmp_path / "ddp.pt"), nprocs=2)
-    loader = data.loader(data.MNIST(tiny_data, train=True), range(BATCH * STEPS), BATCH, ARGS, CPU)
+    loader = data.loader(data.dataset(tiny_data, "mnist", train=True), range(BATCH * STEPS), BATCH, ARGS, CPU)
     model = model_without_dropout()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
     stage("01_single_gpu").train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), 1, ARGS)
@@ -71,7 +71,7 @@ def test_evaluation_counts_every_test_image_once(tiny_data, tmp_path):
     line = next(line for line in out.stdout.splitlines() if line.startswith("epoch "))
     model = Net()
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
-    test_set = data.MNIST(tiny_data, train=False)
+    test_set = data.dataset(tiny_data, "mnist", train=False)
     loader = data.loader(test_set, range(TEST_SIZE), 1000, ARGS, CPU)
     loss, correct, count = stage("01_single_gpu").evaluate(model, CPU, loader).tolist()
     assert count == TEST_SIZE

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import REPO, STAGES, TEST_SIZE, TRAIN_SIZE, clean_env, run, srun_like, stage_args, torchrun
 
-from common.data import MNIST
+from common import data
 from common.metrics import FIELDS
 from common.models import Net
 
@@ -102,6 +102,6 @@ def test_missing_data_names_path_and_make_data(tmp_path):
 
 
 def test_tiny_data_reads_through_torchvision(tiny_data):
-    train = MNIST(tiny_data, train=True)
+    train = data.dataset(tiny_data, "mnist", train=True)
     x, y = train[[0, 1, 2]]
     assert len(train) == TRAIN_SIZE and x.shape == (3, 1, 28, 28) and y.tolist() == [5, 0, 4]  # MNIST's first labels

@@ -1,0 +1,37 @@
+"""Optimizer, learning-rate schedule and the learning-rate rule for large global batches.
+
+--lr is the learning rate for a global batch of 64 (cli.REFERENCE_BATCH). When the global batch
+grows, as it does with the number of GPUs at a fixed batch per GPU, --lr-scaling says how the rate
+follows: `linear` (k times the batch, k times the rate: Goyal et al. 2017, for SGD, best with a few
+epochs of warm-up), `sqrt` (the gradient noise shrinks with the square root of the batch: a safer
+rule for adaptive optimizers such as Adam or Adadelta), or `none`.
+"""
+
+import torch
+
+from common.cli import REFERENCE_BATCH
+
+
+def learning_rate(args):
+    ratio = args.batch_size / REFERENCE_BATCH
+    return args.lr * {"none": 1, "linear": ratio, "sqrt": ratio**0.5}[args.lr_scaling]
+
+
+def optimizer(args, parameters):
+    lr, decay = learning_rate(args), args.weight_decay
+    if args.optimizer == "adadelta":
+        return torch.optim.Adadelta(parameters, lr=lr, weight_decay=decay)
+    if args.optimizer == "adam":
+        return torch.optim.Adam(parameters, lr=lr, weight_decay=decay)
+    if args.optimizer == "rmsprop":
+        return torch.optim.RMSprop(parameters, lr=lr, momentum=args.momentum, weight_decay=decay)
+    return torch.optim.SGD(parameters, lr=lr, momentum=args.momentum, weight_decay=decay)
+
+
+def scheduler(args, optimizer):
+    """Stepped once per epoch."""
+    if args.scheduler == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    if args.scheduler == "exponential":
+        return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.gamma)
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.step_size, gamma=args.gamma)
