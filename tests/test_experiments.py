@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import run, stage_args
+from helpers import REPO, run, stage_args, torchrun
 
 from common import cli, optim
 
@@ -37,6 +37,7 @@ def test_schedules(name, lrs):
     seen = []
     for _ in range(4):
         seen.append(sched.get_last_lr()[0])
+        opt.step()
         sched.step()
     assert seen == pytest.approx(lrs, abs=1e-3)
 
@@ -60,3 +61,15 @@ def test_validation_and_early_stop(tiny_data, tmp_path):
     assert len(rows) == 2 and all(0 <= float(r["val_accuracy"]) <= 100 for r in rows)
     again = run([sys.executable, "01_single_gpu/train.py", *stage_args(tiny_data, tmp_path, *flags, "--resume")])
     assert again.returncode == 0 and "epoch   3" not in again.stdout and "done: 2 epochs" in again.stdout
+
+
+@pytest.mark.slow
+def test_stage03_wideresnet_on_cifar_with_two_ranks(tiny_sets, tmp_path):
+    """WideResNet-16-4 on CIFAR-10's real file format, DDP over two gloo ranks, with a validation split."""
+    flags = ("--dataset", "cifar10", "--model", "wideresnet", "--optimizer", "sgd", "--momentum", 0.9, "--lr", 0.05,
+             "--scheduler", "cosine", "--val-fraction", 0.2, "--batch-size", 8, "--epochs", 2)  # fmt: skip
+    out = torchrun(2, REPO / "03_ddp_single_node/train.py", *stage_args(tiny_sets, tmp_path, *flags))
+    assert out.returncode == 0, out.stderr
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert [int(r["world_size"]) for r in rows] == [2, 2] and all(r["val_accuracy"] != "" for r in rows)
+    assert float(rows[1]["lr"]) < float(rows[0]["lr"])  # cosine
