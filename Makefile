@@ -7,7 +7,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 DATA := data/MNIST/raw/train-images-idx3-ubyte
 STAGES := 01_single_gpu 02_dataparallel 03_ddp_single_node 04_ddp_multi_node
 
-.PHONY: install test test-all test-slurm data run diff profile lint clean bench
+.PHONY: install test test-all test-slurm data run diff profile lint clean bench plot
 
 install: .venv/installed
 .venv/installed: requirements.txt pyproject.toml
@@ -52,7 +52,10 @@ lint: $(VENV)
 	shellcheck */*.slurm tests/slurm/*.sh
 
 clean:
-	rm -rf runs .pytest_cache */__pycache__ */*.out data/MNIST/raw/*-ubyte
+	rm -rf runs .pytest_cache */__pycache__ */*.out */*.gpu.csv plot.png data/MNIST/raw/*-ubyte
 
 bench: $(VENV) $(DATA)  ## the stages on this machine's GPUs: bench-results/bench.{csv,md,png}
 	$(PYTHON) bench/bench.py $(if $(ARGS),-- $(ARGS))
+
+plot: $(VENV)  ## losses, accuracy and time per epoch of the run folders in RUNS, to plot.png
+	$(PYTHON) tools/plot.py -o plot.png $(RUNS)

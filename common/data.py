@@ -188,8 +188,9 @@ class OnDevice:
         return math.ceil(len(self.sampler) / self.batch_size)
 
     def __iter__(self):
-        order = torch.tensor(list(self.sampler), device=self.images.device)  # one copy per epoch
-        for batch in order.split(self.batch_size):
+        order = torch.tensor(list(self.sampler), dtype=torch.long, device=self.images.device)  # one copy per epoch
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start : start + self.batch_size]
             yield self.images[batch], self.labels[batch]
 
 

@@ -44,3 +44,10 @@ def test_prepare_checks_and_unpacks_the_vendored_files(tmp_path):
     corrupt.write_bytes(corrupt.read_bytes()[:-1] + b"\x00")
     with pytest.raises(SystemExit, match="sha256"):
         data.prepare(tmp_path)
+
+
+@pytest.mark.parametrize("loader", ["batched", "classic", "device"])
+def test_an_empty_validation_set_yields_nothing(loader, tiny_data):
+    """Without --val-fraction the validation set is empty, and every pipeline must take that in stride."""
+    empty = data.split(data.dataset(tiny_data, "mnist", train=True), 0, seed=1)[1]
+    assert batches(empty, range(0), loader) == []

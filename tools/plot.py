@@ -1,0 +1,93 @@
+"""Compare runs: train and test loss and test accuracy per epoch, and time per epoch.
+
+    python tools/plot.py RUN... [-o plot.png]        # make plot RUNS="runs/batch_size/<array job id>/*"
+
+A RUN is a folder holding the metrics.csv that every stage writes, or that file itself; each run is one
+line per panel, labelled with its folder's name. The last panel puts each run's median time per epoch
+(the median, so that the first epoch's warm-up weighs little) against its world size or, when every
+run has the same world size and every folder is named <word><number> like sweeps/ names them (bs64,
+cpus8), against that number.
+"""
+
+import argparse
+import csv
+import re
+import statistics
+import sys
+from pathlib import Path
+
+try:
+    from matplotlib.figure import Figure  # without pyplot: no display, no global state
+    from matplotlib.ticker import MaxNLocator
+except ImportError:
+    Figure = None
+
+NAMED = re.compile(r"([A-Za-z_]+?)[-_]?(\d+)")  # bs64, cpus-8, gpus_4
+
+
+def load(path):
+    """(folder, rows) of one run, numbers as floats; an empty cell (no validation set) is None."""
+    path = Path(path)
+    csv_path = path / "metrics.csv" if path.is_dir() else path
+    if not csv_path.is_file():
+        sys.exit(f"error: no metrics in {path}: give run folders or their metrics.csv")
+    with open(csv_path, newline="") as f:
+        rows = [{k: float(v) if v else None for k, v in row.items()} for row in csv.DictReader(f)]
+    if not rows:
+        sys.exit(f"error: {csv_path} has no finished epoch yet")
+    return csv_path.parent, rows
+
+
+def labels(folders):
+    """Folder names; with their parent's name as well where two are alike (runs/<stage>/<job id>)."""
+    names = [f.name for f in folders]
+    return names if len(set(names)) == len(names) else [f"{f.parent.name}/{f.name}" for f in folders]
+
+
+def x_axis(names, runs):
+    """The last panel's x values and axis label: see the module's docstring."""
+    sizes = [int(rows[0]["world_size"]) for rows in runs]
+    matches = [NAMED.fullmatch(name) for name in names]
+    if len(set(sizes)) == 1 and all(matches) and len({m[1] for m in matches}) == 1:
+        return [int(m[2]) for m in matches], f"{matches[0][1]}, from the run names"
+    return sizes, "world size (processes)"
+
+
+def figure(names, runs):
+    """Four panels; in each, one line (the last: one point) per run, in the same colour throughout."""
+    fig = Figure(figsize=(11, 8), layout="constrained")
+    *panels, ax = fig.subplots(2, 2).flat
+    columns = [("train_loss", "train loss"), ("test_loss", "test loss"), ("test_accuracy", "test accuracy (%)")]
+    for panel, (column, title) in zip(panels, columns, strict=True):
+        for i, (name, rows) in enumerate(zip(names, runs, strict=True)):
+            panel.plot([r["epoch"] for r in rows], [r[column] for r in rows], "o-", color=f"C{i % 10}", label=name)
+        panel.set(title=title, xlabel="epoch")
+        panel.xaxis.set_major_locator(MaxNLocator(integer=True))
+    xs, xlabel = x_axis(names, runs)
+    for i, (name, x, rows) in enumerate(zip(names, xs, runs, strict=True)):
+        ax.plot([x], [statistics.median(r["epoch_seconds"] for r in rows)], "o", color=f"C{i % 10}", label=name)
+    if min(xs) > 0 and len(set(xs)) > 1:
+        ax.set_xscale("log", base=2)  # sweeps double their values
+    ax.set_xticks(sorted(set(xs)), [str(x) for x in sorted(set(xs))])
+    ax.minorticks_off()
+    ax.set(title="time per epoch (median)", xlabel=xlabel, ylabel="s", ylim=(0, None))
+    panels[0].legend(fontsize="small")
+    return fig
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", type=Path, help="run folders (holding metrics.csv) or metrics.csv files")
+    p.add_argument("-o", "--output", type=Path, default=Path("plot.png"), help="the PNG to write (default: plot.png)")
+    args = p.parse_args(argv)
+    if Figure is None:
+        sys.exit("error: tools/plot.py needs matplotlib: pip install matplotlib")
+    folders, runs = zip(*map(load, args.runs), strict=True)
+    fig = figure(labels(folders), runs)
+    fig.savefig(args.output, dpi=100)
+    print(f"{args.output}: {len(runs)} runs")
+    return fig  # for the tests
+
+
+if __name__ == "__main__":
+    main()
