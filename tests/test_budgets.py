@@ -8,7 +8,7 @@ from helpers import REPO, STAGES
 
 TRAIN_BUDGETS = {("01_single_gpu", "02_dataparallel"): 12, ("02_dataparallel", "03_ddp_single_node"): 60,
                  ("03_ddp_single_node", "04_ddp_multi_node"): 10}  # fmt: skip
-JOB_SCRIPTS = sorted(REPO.glob("0*/*.slurm"))
+JOB_SCRIPTS = sorted(REPO.glob("0*/*.slurm")) + sorted(REPO.glob("sweeps/*.slurm"))
 
 
 def code(path):
