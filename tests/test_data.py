@@ -1,12 +1,15 @@
 """The input pipelines: the same batches whichever --loader and data set, and `make data`'s checks."""
 
+import pickle
+import re
 import shutil
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import REPO
+from helpers import REPO, TRAIN_SIZE, write_idx_subset
 from torch.utils.data.distributed import DistributedSampler
+from torchvision import datasets
 
 from common import data
 
@@ -51,3 +54,96 @@ def test_an_empty_validation_set_yields_nothing(loader, tiny_data):
     """Without --val-fraction the validation set is empty, and every pipeline must take that in stride."""
     empty = data.split(data.dataset(tiny_data, "mnist", train=True), 0, seed=1)[1]
     assert batches(empty, range(0), loader) == []
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_the_idx_reader_returns_torchvisions_tensors(train, tiny_data):
+    ours = data.dataset(tiny_data, "mnist", train=train)
+    reference = datasets.MNIST(tiny_data, train=train, download=False)
+    assert ours.images.dtype == torch.uint8 and ours.labels.dtype == torch.int64
+    assert torch.equal(ours.images, reference.data.unsqueeze(1)) and torch.equal(ours.labels, reference.targets)
+
+
+def refused(data_dir, name, path, train=True):
+    """Loading the set must stop with one line naming the broken file and `make data`."""
+    fix = re.escape(f"run `make data DATASET={name}` again")
+    with pytest.raises(SystemExit, match=f"^error: {re.escape(str(path))}: .*{fix}") as refusal:
+        data.dataset(data_dir, name, train=train)
+    assert "\n" not in str(refusal.value)
+    return str(refusal.value)
+
+
+@pytest.mark.parametrize(
+    "file, change, problem",
+    [
+        ("train-images-idx3-ubyte", lambda raw: raw[:-1], "bytes, not the"),  # truncated
+        ("train-images-idx3-ubyte", lambda raw: b"\x1f\x8b" + raw[2:], "not an IDX file"),  # still gzipped
+        ("train-labels-idx1-ubyte", lambda raw: raw[:3] + b"\x03" + raw[4:], "not an IDX file"),  # not labels
+        ("train-labels-idx1-ubyte", lambda raw: raw[:8] + bytes([12]) + raw[9:], "label 12 of image 0"),
+    ],
+    ids=["truncated", "wrong magic number", "images as labels", "label 12"],
+)
+def test_a_corrupt_idx_file_names_itself_and_make_data(file, change, problem, tiny_data, tmp_path):
+    shutil.copytree(tiny_data / "MNIST", tmp_path / "MNIST")
+    path = tmp_path / "MNIST" / "raw" / file
+    path.write_bytes(change(path.read_bytes()))
+    assert problem in refused(tmp_path, "mnist", path)
+
+
+def test_a_labels_file_shorter_than_its_images_is_refused(tiny_data, tmp_path):
+    """A well-formed labels file one record short: loading it would silently train on a subset."""
+    shutil.copytree(tiny_data / "MNIST", tmp_path / "MNIST")
+    path = tmp_path / "MNIST" / "raw" / "train-labels-idx1-ubyte"
+    write_idx_subset(REPO / "data" / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz", path, TRAIN_SIZE - 1)
+    assert f"{TRAIN_SIZE - 1} labels for {TRAIN_SIZE} images" in refused(tmp_path, "mnist", path)
+
+
+def cifar_batch(labels, images=None):
+    images = torch.zeros(len(labels), 3 * 32 * 32, dtype=torch.uint8) if images is None else images
+    return pickle.dumps({b"data": images.numpy(), b"labels": labels}, protocol=4)  # as conftest writes them
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (cifar_batch([0, 1, 2])[:-20], "not a CIFAR batch"),  # truncated
+        (pickle.dumps({b"data": torch.zeros(2, 3072, dtype=torch.uint8).numpy()}, protocol=4), "b'labels'"),
+        (cifar_batch([0, 1], torch.zeros(2, 3072 - 1, dtype=torch.uint8)), "not uint8 N x 3072"),
+        (cifar_batch([0, 1, 2], torch.zeros(2, 3072, dtype=torch.uint8)), "3 labels for 2 images"),
+        (cifar_batch([0, 10, 2]), "label 10 of image 1"),
+        (cifar_batch([0, -1]), "label -1 of image 1"),
+    ],
+    ids=["truncated", "no labels", "3071 pixels", "labels longer", "label 10", "label -1"],
+)
+def test_a_corrupt_cifar_batch_names_itself_and_make_data(content, problem, tiny_sets, tmp_path):
+    shutil.copytree(tiny_sets / "cifar-10-batches-py", tmp_path / "cifar-10-batches-py")
+    path = tmp_path / "cifar-10-batches-py" / "test_batch"
+    path.write_bytes(content)
+    assert len(data.dataset(tmp_path, "cifar10", train=True)) == 40  # the other files still load
+    assert problem in refused(tmp_path, "cifar10", path, train=False)
+
+
+def test_the_fingerprint_follows_labels_and_sampled_images():
+    count = 3000  # a sample of 1,000: every third image
+    images = torch.randint(256, (count, 1, 4, 4), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    labels = torch.arange(count) % 10
+
+    def fingerprint(images, labels):
+        return data.fingerprint(data.Images("numbers", images, labels, (0.5,), (0.25,), 10))
+
+    reference = fingerprint(images, labels)
+    assert fingerprint(images.clone(), labels.clone()) == reference  # equal data, equal fingerprints
+    assert reference.startswith(f"{count}-") and len(reference) < 30
+    other_label, other_image = labels.clone(), images.clone()
+    other_label[1234] = (labels[1234] + 1) % 10
+    other_image[3 * 123, 0, 2, 1] ^= 1  # one bit of one sampled image
+    assert len({reference, fingerprint(images, other_label), fingerprint(other_image, labels)}) == 3
+    assert fingerprint(images[1:], labels[1:]) != reference
+
+
+def test_ranks_reading_the_same_files_agree_on_the_fingerprint(tiny_sets):
+    """What the stages compare: every set read twice, whole and split, gives the same fingerprints."""
+    for name in ("mnist", "fashion-mnist", "cifar10", "cifar100"):
+        first, second = (data.split(data.dataset(tiny_sets, name, train=True), 0.25, seed=1) for _ in range(2))
+        assert [data.fingerprint(part) for part in first] == [data.fingerprint(part) for part in second]
+        assert data.fingerprint(first[0]) != data.fingerprint(first[1])
