@@ -1,5 +1,6 @@
 """The command line, identical in every stage: pytorch/examples' mnist flags plus what Slurm runs and
-the workshops' experiments need."""
+the workshops' experiments need. A usage error is one line on stderr and exit status 2; `python -m
+common.cli ARGS...` checks ARGS as a stage would, without importing torch."""
 
 import argparse
 import os
@@ -14,85 +15,165 @@ TESTED = {"net": DATASETS[:2], "cnn": DATASETS, "wideresnet": DATASETS[2:]}  # t
 
 
 def default_output_dir(script, env=os.environ):
-    """runs/<stage>/<job id>: a requeued job finds its own folder again; outside Slurm, a timestamp."""
+    """runs/<stage>/<job id>: a requeued job finds its own folder again; outside Slurm and torchrun, the
+    time and the process id, so that two runs started in the same second do not share a folder."""
     run = env.get("SLURM_JOB_ID")
     if run and "SLURM_ARRAY_TASK_ID" in env:
         run += "_" + env["SLURM_ARRAY_TASK_ID"]
     elif not run and env.get("TORCHELASTIC_RUN_ID", "none") != "none":
         run = "torchrun-" + env["TORCHELASTIC_RUN_ID"]  # the same for every rank, and after a restart
-    run = run or time.strftime("local-%Y%m%d-%H%M%S")
+    run = run or time.strftime("local-%Y%m%d-%H%M%S-") + str(os.getpid())
     return script.parent.parent / "runs" / script.parent.name / run
 
 
-def positive(kind):
+def lead(env=os.environ):
+    """False for the ranks other than 0 of torchrun or an srun step: every rank gets the same arguments,
+    so rank 0 alone reports what is wrong with them. A process no launcher started always reports."""
+    if "TORCHELASTIC_RUN_ID" in env:  # checked first: under `srun torchrun`, RANK is the global rank
+        return env.get("RANK", "0") == "0"
+    if "SLURM_STEP_ID" in env:  # an srun task; the batch shell has no step
+        return env.get("SLURM_PROCID", "0") == "0"
+    return True
+
+
+def say(message):
+    if lead():
+        print(message, file=sys.stderr)
+
+
+def cpus_per_rank(env=os.environ):
+    """The CPUs this process may run on, shared by the ranks torchrun started beside it."""
+    return max(len(os.sched_getaffinity(0)) // int(env.get("LOCAL_WORLD_SIZE", 1)), 1)
+
+
+def number(kind, interval):
+    """An argparse type: a `kind` (int or float) in `interval`, written "(0, 1]" or "[1, inf)". nan fails
+    every comparison and inf lies outside every interval, so neither passes."""
+    low, high = (float(end.strip("([]) ")) for end in interval.split(","))
+
     def check(text):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        noun = "an integer" if kind is int else "a number"
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {noun} in {interval}, got {text}") from None
+        above = low < value if interval[0] == "(" else low <= value
+        below = value < high if interval[-1] == ")" else value <= high
+        if not (above and below):
+            raise argparse.ArgumentTypeError(f"must be {noun} in {interval}, got {text}")
         return value
 
     return check
 
 
-def non_negative_int(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be zero or more, got {text}")
-    return value
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        """One line instead of a usage block, and from one rank: a job's log shows a usage error once."""
+        say(f"error: {message} (see --help)")
+        self.exit(2)
 
 
-def fraction(text):
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
+POSITIVE = number(int, "[1, inf)")
+SEED = number(int, "[0, 4294967295]")  # 2**32 - 1, numpy.random.seed's limit; past 2**64 torch.manual_seed crashes
+
+# What a run computes: stored in its checkpoint, compared on resume and across the ranks. (--epochs too
+# under --scheduler cosine: see defining().)
+DEFINING = (
+    "dataset", "model", "depth", "width", "sync_bn",  # the network and what it learns
+    "batch_size", "val_fraction", "seed",  # the global batch, the training set and its shuffles
+    "optimizer", "lr", "lr_scaling", "momentum", "weight_decay", "scheduler", "gamma", "step_size",  # the updates
+    "amp",  # the precision, and the scaler state a checkpoint holds
+    "dry_run",  # one batch per epoch: its checkpoints are no part of a real run; ranks that differ hang
+)  # fmt: skip
+FREE = (
+    "epochs",  # a resumed run may be given more or fewer epochs to go (not under cosine: defining())
+    "log_interval", "save_model", "output_dir", "resume",  # what is printed and written, not computed
+    "data_dir", "num_workers", "loader",  # where batches come from: the three loaders give the same batches
+    "test_batch_size",  # evaluation sums do not depend on how they are split into batches
+    "no_cuda", "dist_timeout",  # where it runs and how long a collective waits: checkpoints load on any device
+    "target_accuracy", "patience",  # when to stop early: a resumed run may change its mind
+)  # fmt: skip
 
 
-def parse_args(argv=None):
-    script = Path(sys.argv[0]).resolve()
-    p = argparse.ArgumentParser(description=f"image classification training, {script.parent.name}")
+def defining(args):
+    """{dest: value} of the options that define what a run computes: plain values, for a checkpoint
+    loaded with weights_only=True. A cosine schedule is defined by --epochs too: it decays to 0 over them."""
+    values = {name: getattr(args, name) for name in DEFINING}
+    if args.scheduler == "cosine":
+        values["epochs"] = args.epochs
+    return values
+
+
+def parser(script):
+    p = Parser(description=f"image classification training, {script.parent.name}")
     # fmt: off
-    p.add_argument("--batch-size", type=positive(int), default=64, help="global batch size, split across all GPUs (default: 64)")
-    p.add_argument("--test-batch-size", type=positive(int), default=1000, help="evaluation batch size per process (default: 1000)")
-    p.add_argument("--epochs", type=positive(int), default=14, help="number of epochs to train (default: 14)")
-    p.add_argument("--lr", type=positive(float), default=1.0, help="learning rate (default: 1.0)")
-    p.add_argument("--gamma", type=positive(float), default=0.7, help="learning rate step gamma (default: 0.7)")
-    p.add_argument("--seed", type=int, default=1, help="random seed (default: 1)")
-    p.add_argument("--log-interval", type=positive(int), default=100, help="batches between progress lines (default: 100)")
+    p.add_argument("--batch-size", type=POSITIVE, default=64, help="global batch size, split across all GPUs (default: 64)")
+    p.add_argument("--test-batch-size", type=POSITIVE, default=1000, help="evaluation batch size per process (default: 1000)")
+    p.add_argument("--epochs", type=POSITIVE, default=14, help="number of epochs to train (default: 14)")
+    p.add_argument("--lr", type=number(float, "(0, inf)"), default=1.0, help="learning rate (default: 1.0)")
+    p.add_argument("--gamma", type=number(float, "(0, 1]"), default=0.7, help="learning rate step gamma (default: 0.7)")
+    p.add_argument("--seed", type=SEED, default=1, help="random seed (default: 1)")
+    p.add_argument("--log-interval", type=POSITIVE, default=100, help="batches between progress lines (default: 100)")
     p.add_argument("--dry-run", action="store_true", help="one batch per epoch, to check that everything runs")
     p.add_argument("--save-model", action="store_true", help="save the trained model to --output-dir/model.pt")
     p.add_argument("--no-cuda", action="store_true", help="train on the CPU even if a GPU is visible")
     p.add_argument("--data-dir", type=Path, default=REPO / "data", help="the data sets, in torchvision's layout: MNIST/raw/, cifar-10-batches-py/, ... (default: the repository's data/)")
-    p.add_argument("--num-workers", type=non_negative_int,
-                   help="DataLoader workers per process (default: none for --loader batched, where they measurably slow it down; for classic, the task's CPUs per rank minus one)")
+    p.add_argument("--num-workers", type=number(int, "[0, inf)"),
+                   help="DataLoader workers per process, at most the CPUs per rank (default: none for --loader batched, where they measurably slow it down; for classic, the task's CPUs per rank minus one)")
     p.add_argument("--loader", choices=["batched", "classic", "device"], default="batched",
                    help="input pipeline: whole batches from decoded tensors (default), pytorch/examples' per-sample one, or the data set held on the GPU")
     p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast where supported, else fp16 with loss scaling")
     p.add_argument("--output-dir", type=Path, default=default_output_dir(script),
-                   help="metrics, checkpoint and model (default: runs/<stage>/<job id or local-time>)")
+                   help="metrics, checkpoint and model (default: runs/<stage>/<job id, torchrun id or local-time-pid>)")
     p.add_argument("--resume", nargs="?", const=True, type=Path, metavar="PATH",
-                   help="continue from --output-dir's checkpoint, or from PATH (automatic after a Slurm requeue)")
-    p.add_argument("--dist-timeout", type=positive(int), default=300,
+                   help="continue from --output-dir's checkpoint, or from the checkpoint file PATH (automatic after a Slurm requeue)")
+    # a collective that waits a day is a hang: a larger value is a typo (milliseconds?), and past
+    # datetime.timedelta's range it would crash the process group's setup
+    p.add_argument("--dist-timeout", type=number(int, "[1, 86400]"), default=300,
                    help="seconds a collective may wait for the other ranks (default: 300)")
     experiments = p.add_argument_group("experiments")
     experiments.add_argument("--dataset", choices=DATASETS, default="mnist", help="in torchvision's layout under --data-dir; `make data DATASET=...` (default: mnist)")
     experiments.add_argument("--model", choices=list(TESTED), default="net", help="net: pytorch/examples' CNN for 28x28; cnn: a small CNN for any size; wideresnet: for 32x32 (default: net)")
-    experiments.add_argument("--depth", type=positive(int), default=16, help="WideResNet depth, 6n+4 (default: 16)")
-    experiments.add_argument("--width", type=positive(int), default=4, help="WideResNet width factor (default: 4)")
+    experiments.add_argument("--depth", type=POSITIVE, default=16, help="WideResNet depth, 6n+4 (default: 16)")
+    experiments.add_argument("--width", type=POSITIVE, default=4, help="WideResNet width factor (default: 4)")
     experiments.add_argument("--sync-bn", action="store_true", help="DDP stages: BatchNorm statistics over the global batch, not each rank's share")
-    experiments.add_argument("--val-fraction", type=fraction, default=0.0, help="hold out this share of the training set for validation, seeded by --seed (default: 0)")
+    experiments.add_argument("--val-fraction", type=number(float, "[0, 1)"), default=0.0, help="hold out this share of the training set for validation, seeded by --seed (default: 0)")
     experiments.add_argument("--optimizer", choices=["adadelta", "adam", "rmsprop", "sgd"], default="adadelta", help="(default: adadelta, as pytorch/examples)")
-    experiments.add_argument("--momentum", type=float, default=0.0, help="for sgd and rmsprop (default: 0)")
-    experiments.add_argument("--weight-decay", type=float, default=0.0, help="(default: 0)")
+    experiments.add_argument("--momentum", type=number(float, "[0, 1)"), default=0.0, help="for sgd and rmsprop (default: 0)")
+    experiments.add_argument("--weight-decay", type=number(float, "[0, inf)"), default=0.0, help="(default: 0)")
     experiments.add_argument("--scheduler", choices=["step", "exponential", "cosine"], default="step",
                              help="step: lr x gamma every --step-size epochs; exponential: x gamma every epoch; cosine: down to 0 over --epochs (default: step)")
-    experiments.add_argument("--step-size", type=positive(int), default=1, help="epochs between steps of --scheduler step (default: 1, as pytorch/examples)")
+    experiments.add_argument("--step-size", type=POSITIVE, default=1, help="epochs between steps of --scheduler step (default: 1, as pytorch/examples)")
     experiments.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
                              help=f"--lr is for a global batch of {REFERENCE_BATCH}: scale it with --batch-size linearly, by the square root, or not (default: none)")
-    experiments.add_argument("--target-accuracy", type=float, help="stop once the last --patience evaluations (validation if any, else test) all reach this accuracy, in %%")
-    experiments.add_argument("--patience", type=positive(int), default=1, help="see --target-accuracy (default: 1)")
+    experiments.add_argument("--target-accuracy", type=number(float, "(0, 100]"),
+                             help="stop once the last --patience evaluations (validation if any, else test) all reach this accuracy, in %%")
+    experiments.add_argument("--patience", type=POSITIVE, default=1, help="see --target-accuracy (default: 1)")
     # fmt: on
+    return p
+
+
+def parse_args(argv=None, warn=True):
+    """The options of the stage that runs (sys.argv[0]), checked; usage errors exit 2 with one line."""
+    p = parser(Path(sys.argv[0]).resolve())
     args = p.parse_args(argv)
     if args.dataset not in TESTED[args.model]:
         p.error(f"--model {args.model} is tested with --dataset {', '.join(TESTED[args.model])}, not {args.dataset}")
+    # rank 0 alone reads the checkpoint, and on nodes that share no filesystem only its node has the file
+    path = args.resume
+    if isinstance(path, Path) and lead() and not path.is_file():
+        # a FIFO would hang torch.load, a directory make it fail with a traceback
+        what = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
+        p.error(f"argument --resume: {path} {what}: give a checkpoint file (<output-dir>/checkpoint.pt)")
+    cpus = cpus_per_rank()
+    if args.num_workers is not None and args.num_workers > cpus:
+        if warn:
+            say(f"warning: --num-workers {args.num_workers} is more than the {cpus} CPUs per rank here: using {cpus}")
+        args.num_workers = cpus
     return args
+
+
+if __name__ == "__main__":
+    # a job script's check before torchrun starts its workers: a usage error ends the job once, not once per
+    # worker and restart; silent on success (the workers print any warning themselves)
+    parse_args(sys.argv[1:], warn=False)

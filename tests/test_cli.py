@@ -1,0 +1,163 @@
+"""The command line: bounds on every option, one-line usage errors from one rank, the options a run is
+defined by, and `python -m common.cli` as the job scripts' check before torchrun."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import REPO, clean_env, run
+
+from common import cli
+
+LAUNCHER = ("RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_JOB_ID")
+
+
+@pytest.fixture(autouse=True)
+def no_launcher(monkeypatch):
+    """The tests set the launcher variables they need, whatever ran pytest."""
+    for name in LAUNCHER:
+        monkeypatch.delenv(name, raising=False)
+
+
+def refused(argv, capsys):
+    """stderr of a parse that must fail as a usage error: exit status 2."""
+    with pytest.raises(SystemExit) as stop:
+        cli.parse_args(argv)
+    assert stop.value.code == 2
+    return capsys.readouterr().err
+
+
+BAD = [
+    ("--lr", "nan"), ("--lr", "inf"), ("--lr", "-inf"), ("--lr", "0"), ("--lr", "1e400"),
+    ("--gamma", "0"), ("--gamma", "1.01"), ("--gamma", "nan"),
+    ("--seed", str(2**70)), ("--seed", str(2**32)), ("--seed", "-1"), ("--seed", "1.5"),
+    ("--momentum", "1"), ("--momentum", "-0.1"), ("--momentum", "nan"),
+    ("--weight-decay", "-1e-4"), ("--weight-decay", "inf"), ("--weight-decay", "nan"),
+    ("--target-accuracy", "0"), ("--target-accuracy", "100.5"), ("--target-accuracy", "nan"),
+    ("--val-fraction", "1"), ("--val-fraction", "-0.1"), ("--val-fraction", "nan"),
+    ("--epochs", "0"), ("--epochs", "1e3"), ("--batch-size", "-64"), ("--test-batch-size", "0"),
+    ("--log-interval", "0"), ("--patience", "0"), ("--step-size", "0"), ("--depth", "0"), ("--width", "0"),
+    ("--dist-timeout", "0"), ("--dist-timeout", "86401"), ("--num-workers", "-1"), ("--num-workers", "two"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("flag, value", BAD)
+def test_bad_value_is_one_line_naming_the_flag(flag, value, capsys):
+    err = refused([f"{flag}={value}"], capsys)  # "=": argparse reads a lone -1e-4 or -inf as an option
+    assert err.startswith(f"error: argument {flag}: must be ") and f"got {value}" in err
+    assert err.endswith("(see --help)\n") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "flag, value, parsed",
+    [("--lr", "1e30", 1e30), ("--gamma", "1", 1.0), ("--seed", str(2**32 - 1), 2**32 - 1), ("--seed", "0", 0),
+     ("--momentum", "0", 0.0), ("--target-accuracy", "100", 100.0), ("--val-fraction", "0", 0.0),
+     ("--dist-timeout", "86400", 86400), ("--num-workers", "0", 0)],
+)  # fmt: skip
+def test_edge_values_are_accepted(flag, value, parsed):
+    assert getattr(cli.parse_args([flag, value]), flag[2:].replace("-", "_")) == parsed
+
+
+@pytest.mark.parametrize(
+    "argv, text",
+    [(["--model", "net", "--dataset", "cifar10"], "--model net is tested with --dataset"),
+     (["--loader", "fast"], "argument --loader: invalid choice"), (["--lr"], "argument --lr: expected one argument"),
+     (["--learning-rate", "1"], "unrecognized arguments: --learning-rate")],
+)  # fmt: skip
+def test_other_usage_errors_are_one_line(argv, text, capsys):
+    err = refused(argv, capsys)
+    assert err.startswith(f"error: {text}") and err.count("\n") == 1
+
+
+def test_stage_refuses_nan_in_one_line():
+    start = time.monotonic()
+    out = run([sys.executable, "01_single_gpu/train.py", "--lr", "nan"], env=clean_env(), timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.splitlines() == ["error: argument --lr: must be a number in (0, inf), got nan (see --help)"]
+    assert time.monotonic() - start < 30  # refused before any data is read: the time is torch's import
+
+
+@pytest.mark.parametrize(
+    "env, prints",
+    [({"TORCHELASTIC_RUN_ID": "x", "RANK": "1"}, False), ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0"}, True),
+     ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "1"}, False), ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "0"}, True),
+     # srun torchrun: torchrun's global rank decides, not the srun task's
+     ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "TORCHELASTIC_RUN_ID": "x", "RANK": "0"}, True),
+     ({"SLURM_PROCID": "1"}, True),  # the batch shell: no step, no launcher
+     ({"RANK": "1"}, True)],  # a manual launch: nobody else reports
+)  # fmt: skip
+def test_only_rank_0_of_a_launcher_reports(env, prints, monkeypatch, capsys):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert bool(refused(["--lr", "nan"], capsys)) == prints
+    assert cli.parse_args(["--num-workers", "1000"]).num_workers <= len(os.sched_getaffinity(0))
+    assert bool(capsys.readouterr().err) == prints
+
+
+def test_num_workers_capped_by_cpus_per_rank(monkeypatch, capsys):
+    assert cli.parse_args(["--num-workers", "1000"]).num_workers == len(os.sched_getaffinity(0))  # this machine
+    assert capsys.readouterr().err.startswith("warning: --num-workers 1000 is more than")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks share the eight CPUs
+    assert cli.parse_args(["--num-workers", "1000"]).num_workers == 4
+    assert capsys.readouterr().err.count("\n") == 1
+    assert cli.parse_args(["--num-workers", "4"]).num_workers == 4
+    assert cli.parse_args([]).num_workers is None  # the loader's own default
+    assert capsys.readouterr().err == ""
+
+
+def test_every_option_is_classified():
+    dests = [action.dest for action in cli.parser(REPO / "01_single_gpu/train.py")._actions if action.dest != "help"]
+    assert not set(cli.DEFINING) & set(cli.FREE)
+    assert len(cli.DEFINING + cli.FREE) == len(set(cli.DEFINING + cli.FREE))
+    assert set(dests) == set(cli.DEFINING) | set(cli.FREE)
+
+
+def test_defining_values_and_the_cosine_rule():
+    step = cli.defining(cli.parse_args(["--epochs", "3"]))
+    assert list(step) == list(cli.DEFINING) and step["lr"] == 1.0 and step["dataset"] == "mnist"
+    cosine = cli.defining(cli.parse_args(["--epochs", "3", "--scheduler", "cosine"]))
+    assert cosine == step | {"scheduler": "cosine", "epochs": 3}
+    assert all(type(value) in (str, int, float, bool, type(None)) for value in cosine.values())  # weights_only loads
+
+
+def test_default_output_dirs_differ():
+    """Two runs started in the same second, outside Slurm and torchrun, get folders of their own."""
+    code = "from pathlib import Path; from common import cli; print(cli.default_output_dir(Path('01_single_gpu/t.py')))"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=clean_env(), stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    names = [Path(p.communicate(timeout=30)[0].strip()).name for p in procs]
+    assert names[0] != names[1] and all(name.startswith("local-") for name in names)
+    script = Path("01_single_gpu/train.py")
+    assert cli.default_output_dir(script, {"SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "2"}).name == "7_2"
+    assert cli.default_output_dir(script, {"TORCHELASTIC_RUN_ID": "abc"}).name == "torchrun-abc"
+
+
+def test_resume_needs_a_regular_file(tmp_path, monkeypatch, capsys):
+    os.mkfifo(tmp_path / "fifo")  # torch.load would wait on it forever
+    for path, what in ((tmp_path / "fifo", "is not a regular file"), (tmp_path, "is a directory"),
+                       (tmp_path / "none.pt", "does not exist")):  # fmt: skip
+        err = refused(["--resume", str(path)], capsys)
+        assert err.startswith(f"error: argument --resume: {path} {what}") and err.count("\n") == 1
+    (tmp_path / "checkpoint.pt").touch()
+    assert cli.parse_args(["--resume", str(tmp_path / "checkpoint.pt")]).resume == tmp_path / "checkpoint.pt"
+    assert cli.parse_args(["--resume"]).resume is True
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("RANK", "1")  # rank 0 reads the file: another node need not have it
+    assert cli.parse_args(["--resume", str(tmp_path / "none.pt")]).resume == tmp_path / "none.pt"
+
+
+def test_module_checks_arguments_fast_without_torch():
+    start = time.monotonic()
+    bad = run([sys.executable, "-m", "common.cli", "--lr", "nan"], timeout=30)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--lr" in bad.stderr and not bad.stdout
+    good = run([sys.executable, "-m", "common.cli", "--epochs", "1", "--num-workers", "1000"], timeout=30)
+    assert (good.returncode, good.stdout, good.stderr) == (0, "", "")  # silent: the workers warn themselves
+    assert time.monotonic() - start < 10
+    code = "import sys, common.cli; sys.exit('torch' in sys.modules)"
+    assert run([sys.executable, "-c", code], timeout=30).returncode == 0
