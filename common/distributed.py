@@ -3,28 +3,44 @@
 `setup()` returns `rank, local_rank, world_size, device` in every case, so the training code never
 branches on how it was launched. A process group exists whenever a launcher started the process
 (torchrun, or srun with one task per GPU); a plain `python train.py` is rank 0 of 1 without one.
+
+No wait for other ranks outlasts --dist-timeout by more than a few seconds, and each says what it
+waited for: the rendezvous names the address, the port and the ranks that did not arrive; a failed
+collective names the ranks that stopped answering (from the heartbeats every rank keeps in the store).
 """
 
 import datetime
 import os
 import re
 import socket
+import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
+from common import cli, data
+
+HEARTBEAT = 1.0  # seconds between a rank's signs of life in the store
+_run = {}  # this process's store, address and timeout, for the diagnosis of a failed collective
+
 
 def expand_hostlist(hostlist):
-    """Expand a Slurm hostlist ("node[01-03,07],gpu5") in Python: `scontrol` is not always there."""
+    """Expand a Slurm hostlist as `scontrol show hostnames` does ("node[01-03,07],r[1-2]n[1-2]") in Python:
+    `scontrol` is not always there. Every bracket group counts, the first one varying slowest."""
     hosts = []
-    for prefix, ranges, suffix, plain in re.findall(r"([^,\[]*)\[([^\]]+)\]([^,\[]*)|([^,\[\]]+)", hostlist):
-        if plain:
-            hosts.append(plain)
+    for name in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):  # commas inside brackets do not split
+        group = re.search(r"\[([^\]]*)\]", name)
+        if not group:
+            hosts.append(name)
             continue
-        for part in ranges.split(","):
+        for part in group[1].split(","):
             lo, _, hi = part.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{i:0{len(lo)}d}{suffix}")  # keep zero padding: node01, not node1
+            if not (lo.isdigit() and (hi or lo).isdigit()):
+                raise SystemExit(f"error: cannot read the Slurm hostlist {hostlist!r} (at [{group[1]}])")
+            for i in range(int(lo), int(hi or lo) + 1):  # keep zero padding: node01, not node1
+                hosts += expand_hostlist(f"{name[: group.start()]}{i:0{len(lo)}d}{name[group.end() :]}")
     return hosts
 
 
@@ -70,15 +86,183 @@ def setup(args):
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    if args.sync_bn and device.type != "cuda":
+        raise SystemExit("error: --sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only): drop it on CPUs")
     if launched:
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=args.dist_timeout),
-            device_id=device if device.type == "cuda" else None,
-        )
+        store = rendezvous(rank, world_size, args.dist_timeout)
+        with deadline(args.dist_timeout + 5, "the process group did not form although every rank arrived: the "
+                      "ranks cannot reach each other's addresses; set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to "
+                      "the network the nodes share"):  # fmt: skip
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo",
+                store=dist.PrefixStore("pg", store),
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=args.dist_timeout),
+                device_id=device if device.type == "cuda" else None,
+            )
+        watch(store, rank)
     return rank, local_rank, world_size, device
+
+
+class deadline:
+    """`with deadline(seconds, why):` ends the process with `why` if the block is still running by then:
+    for waits that take no timeout of their own, or ignore it (a TCP connection to a program that
+    accepts it but never answers)."""
+
+    def __init__(self, seconds, why):
+        self.timer = threading.Timer(seconds, lambda: fail(f"error: rank {os.environ.get('RANK', '?')}: {why}"))
+        self.timer.daemon = True
+
+    def __enter__(self):
+        self.timer.start()
+
+    def __exit__(self, *exc):
+        self.timer.cancel()
+
+
+def fail(message):
+    """Print and end this process now, from any thread: a rank stuck in C++ cannot be stopped politely."""
+    print(message, file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def rendezvous(rank, world_size, timeout):
+    """Meet the other ranks in a key-value store on rank 0's MASTER_ADDR:MASTER_PORT (torchrun's own
+    store under torchrun), each step bounded by `timeout` and, if it fails, named."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (addr and port):
+        raise SystemExit(
+            "error: RANK is set but MASTER_ADDR or MASTER_PORT is not: export both (rank 0's host and a free port)"
+        )
+    where, host = f"{addr}:{port}", socket.gethostname()
+    os.environ["RANK"] = str(rank)  # for the messages of every thread, srun tasks included
+    try:
+        socket.getaddrinfo(addr, port)
+    except socket.gaierror as err:
+        raise SystemExit(
+            f"error: MASTER_ADDR {addr} does not resolve on {host} ({err.strerror}): set it to rank 0's host name or address"
+        ) from None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves the store
+    serve = rank == 0 and not agent
+    end = time.monotonic() + timeout
+    if not serve:  # wait for the server in Python: torch's client retries silently past its timeout
+        while not reachable(addr, int(port)):
+            if time.monotonic() > end:
+                raise SystemExit(
+                    f"error: rank {rank} on {host}: nothing answers at {where} after --dist-timeout {timeout} s: "
+                    "rank 0 did not start or failed first (did you launch with srun or torchrun?), or the address is not rank 0's host"
+                )
+            time.sleep(0.2)
+    try:
+        with deadline(timeout + 5, f"{where} accepts connections but is no rendezvous store: MASTER_PORT is taken "
+                      "by another program; choose another port"):  # fmt: skip
+            store = dist.TCPStore(addr, int(port), world_size, is_master=serve, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
+    except dist.DistNetworkError as err:
+        if "EADDRINUSE" in str(err):
+            raise SystemExit(
+                f"error: MASTER_PORT {port} is in use on {host} by another program: choose another port"
+            ) from None
+        raise SystemExit(
+            f"error: rank {rank} could not reach the rendezvous store at {where}: {str(err).splitlines()[0]}"
+        ) from None
+    store = dist.PrefixStore(
+        f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store
+    )  # fresh keys per restart
+    _run.update(store=store, where=where, timeout=timeout, world_size=world_size)
+    try:
+        store.set(f"host/{rank}", host)
+        store.add("arrived", 1)
+        while store.add("arrived", 0) < world_size:
+            if time.monotonic() > end:
+                missing = [r for r in range(world_size) if not store.check([f"host/{r}"])]
+                raise SystemExit(
+                    f"error: rank {rank}: ranks {', '.join(map(str, missing))} of {world_size} did not arrive at "
+                    f"{where} within --dist-timeout {timeout} s: were they started (srun with --ntasks = world size, "
+                    "torchrun on every node)? A rank that failed first printed its own error"
+                )
+            time.sleep(0.1)
+    except dist.DistError:
+        raise SystemExit(
+            f"error: rank {rank}: lost the rendezvous store at {where}: rank 0 ended (its message says why)"
+        ) from None
+    return store
+
+
+def reachable(addr, port):
+    try:
+        socket.create_connection((addr, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def watch(store, rank):
+    """A thread that keeps this rank's heartbeat in the store, and ends the rank when the torchrun that
+    started it is gone (a killed launcher must not leave its workers running). A collective that fails
+    then names the ranks whose heartbeats stopped."""
+    parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+    def beat():
+        while True:
+            if parent and os.getppid() != parent:
+                fail(f"error: rank {rank}: torchrun (pid {parent}) has ended: this worker ends too")
+            try:
+                store.set(f"alive/{rank}", str(time.time()))
+            except dist.DistError:  # the store went with rank 0: the main thread reports what failed
+                return
+            time.sleep(HEARTBEAT)
+
+    threading.Thread(target=beat, daemon=True).start()
+    sys.excepthook = failed
+
+
+def failed(kind, error, tb):
+    """sys.excepthook: a failed collective becomes one line naming the ranks that stopped answering."""
+    if not issubclass(kind, dist.DistError):
+        return sys.__excepthook__(kind, error, tb)
+    rank, store, timeout = os.environ.get("RANK", "?"), _run["store"], _run["timeout"]
+    stalled = []
+
+    def ask():  # in a thread: a store on a stopped rank 0 accepts connections and never answers
+        now = time.time()
+        try:
+            for r in range(_run["world_size"]):
+                last = float(store.get(f"alive/{r}")) if store.check([f"alive/{r}"]) else 0
+                if now - last > 3 * HEARTBEAT:
+                    stalled.append(f"{r} ({store.get(f'host/{r}').decode()}, silent for {now - last:.0f} s)")
+        except dist.DistError:  # the store ended with rank 0
+            stalled.append(f"0 (the store at {_run['where']} is gone)")
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(5)
+    if asking.is_alive():
+        cause = f"rank 0, which holds the store at {_run['where']}, stopped answering"
+    elif stalled:
+        cause = f"rank {', rank '.join(stalled)} stopped answering: stopped, hung or swapping"
+    else:
+        cause = "another rank ended first (its message is above)"
+    fail(f"error: rank {rank}: a collective failed within --dist-timeout {timeout} s: {cause} "
+         f"[{kind.__name__}: {str(error).splitlines()[0][:160]}]")  # fmt: skip
+
+
+def agree(args, *datasets):
+    """Before the first step: every rank must train the same run on the same data. A difference in the
+    options that define the run, or in the data sets' sizes or fingerprints, ends every rank with the
+    option (or data set) and the ranks that differ, instead of a collective mismatch deep in torch."""
+    if not dist.is_initialized():
+        return
+    mine = {f"--{k.replace('_', '-')}": v for k, v in cli.defining(args).items()}
+    mine.update({f"the {s.name} data ({len(s)} images here)": data.fingerprint(s) for s in datasets})
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for key, value in everyone[0].items():
+        differ = [f"rank {r}: {theirs.get(key)}" for r, theirs in enumerate(everyone) if theirs.get(key) != value]
+        if differ:  # the same verdict on every rank; rank 0 says it
+            message = f"error: the ranks differ in {key}: rank 0: {value}, {', '.join(differ)}: give every rank the same options and data"
+            raise SystemExit(message if dist.get_rank() == 0 else 1)
 
 
 def cleanup():

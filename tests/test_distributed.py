@@ -18,10 +18,22 @@ from common.distributed import expand_hostlist, launcher_env, master_port
         ("gpu[008-010]", ["gpu008", "gpu009", "gpu010"]),
         ("x-1,y[9-10]", ["x-1", "y9", "y10"]),
         ("nid[0001,0003]-ib,login", ["nid0001-ib", "nid0003-ib", "login"]),
+        ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),  # every bracket group, the first varying slowest
+        ("r[1,3]n[08-09],x", ["r1n08", "r1n09", "r3n08", "r3n09", "x"]),
     ],
 )
 def test_expand_hostlist(hostlist, hosts):
     assert expand_hostlist(hostlist) == hosts
+
+
+def test_an_unreadable_hostlist_is_an_error():
+    with pytest.raises(SystemExit, match="cannot read the Slurm hostlist"):
+        expand_hostlist("node[a-b]")
+
+
+def test_sync_bn_on_cpus_is_refused():
+    with pytest.raises(SystemExit, match="--sync-bn needs GPUs"):
+        distributed.setup(SimpleNamespace(batch_size=64, no_cuda=True, dist_timeout=30, sync_bn=True))
 
 
 def test_plain_python_is_rank_0_of_1():
@@ -62,7 +74,7 @@ def test_ports_differ_between_jobs_and_stay_in_range():
 
 
 def args(**kw):
-    return SimpleNamespace(batch_size=64, no_cuda=False, dist_timeout=30, **kw)
+    return SimpleNamespace(batch_size=64, no_cuda=False, dist_timeout=30, sync_bn=False, **kw)
 
 
 @pytest.mark.parametrize(
