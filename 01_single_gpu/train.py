@@ -51,8 +51,8 @@ def train(model, device, loader, optimizer, scaler, epoch, args):
         scaler.update()
         totals[0] += loss.detach() * len(y)
         totals[1] += len(y)
-        if batch_idx % args.log_interval == 0:
-            distributed.print0(f"  epoch {epoch} batch {batch_idx}/{len(loader)} loss {loss.item():.4f}")
+        if batch_idx % args.log_interval == 0:  # a progress line, and a diverged run stops here
+            metrics.progress(epoch, batch_idx, len(loader), loss, totals, args)
         if args.dry_run:
             break
     return totals
@@ -73,6 +73,7 @@ def evaluate(model, device, loader):
 
 def main():
     args = cli.parse_args()
+    checkpoint.claim(args.output_dir)  # first: one run per folder, and a folder it can write
     rank, local_rank, world_size, device = distributed.setup(args)
     distributed.banner(rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
@@ -80,6 +81,7 @@ def main():
     train_set = data.dataset(args.data_dir, args.dataset, train=True)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
     test_set = data.dataset(args.data_dir, args.dataset, train=False)
+    distributed.agree(args, train_set, test_set)  # all ranks: the same options and the same data
     train_sampler = RandomSampler(train_set)
     train_loader = data.loader(train_set, train_sampler, args.batch_size, args, device)
     val_loader = data.loader(val_set, range(len(val_set)), args.test_batch_size, args, device)

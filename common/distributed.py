@@ -220,7 +220,9 @@ def watch(store, rank):
 
 def failed(kind, error, tb):
     """sys.excepthook: a failed collective becomes one line naming the ranks that stopped answering."""
-    if not issubclass(kind, dist.DistError):
+    # inside backward(), DDP's reducer turns a failed collective into a RuntimeError from the backend
+    backend = issubclass(kind, RuntimeError) and any(name in str(error) for name in ("gloo", "NCCL", "ProcessGroup"))
+    if not (issubclass(kind, dist.DistError) or backend):
         return sys.__excepthook__(kind, error, tb)
     rank, store, timeout = os.environ.get("RANK", "?"), _run["store"], _run["timeout"]
     stalled = []
@@ -261,13 +263,19 @@ def agree(args, *datasets):
     for key, value in everyone[0].items():
         differ = [f"rank {r}: {theirs.get(key)}" for r, theirs in enumerate(everyone) if theirs.get(key) != value]
         if differ:  # the same verdict on every rank; rank 0 says it
-            message = f"error: the ranks differ in {key}: rank 0: {value}, {', '.join(differ)}: give every rank the same options and data"
-            raise SystemExit(message if dist.get_rank() == 0 else 1)
+            stop(
+                f"error: the ranks differ in {key}: rank 0: {value}, {', '.join(differ)}: give every rank the same options and data"
+            )
 
 
 def cleanup():
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def stop(message):
+    """End every rank, which all reached the same verdict; rank 0 alone says why."""
+    raise SystemExit(message if not dist.is_initialized() or dist.get_rank() == 0 else 1)
 
 
 def print0(*args):

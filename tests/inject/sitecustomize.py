@@ -1,6 +1,8 @@
 """Test-only fault injection, from outside train.py: put this folder on PYTHONPATH and set
 
   FAULT_RANK=r FAULT_STEP=n   rank r raises at its n-th optimizer step;
+  FAULT_RANK=r FAULT_NAN=n    rank r's weights turn NaN after its n-th optimizer step (a divergence);
+  FAULT_RANK=r FAULT_ENOSPC=n rank r's n-th torch.save fails half-way with "No space left on device";
   FAULT_RANK=r FAULT_SAVE=n   rank r dies (SIGKILL) half-way through writing its n-th torch.save;
   RECORD_SAMPLES=path         every DistributedSampler appends (rank, epoch, indices) to path.
 
@@ -14,6 +16,7 @@ env = os.environ
 rank = env.get("RANK", env.get("SLURM_PROCID") if "SLURM_STEP_ID" in env else "0")
 
 if "FAULT_RANK" in env and rank == env["FAULT_RANK"]:
+    import errno
     import io
     import signal
 
@@ -26,11 +29,15 @@ if "FAULT_RANK" in env and rank == env["FAULT_RANK"]:
         calls["step"] += 1
         if calls["step"] == int(env.get("FAULT_STEP", 0)):
             raise RuntimeError(f"injected fault: rank {rank} at step {calls['step']}")
-        return step(self, *args, **kwargs)
+        result = step(self, *args, **kwargs)
+        if calls["step"] == int(env.get("FAULT_NAN", 0)):
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].fill_(float("nan"))
+        return result
 
     def faulty_save(obj, f, *args, **kwargs):
         calls["save"] += 1
-        if calls["save"] != int(env.get("FAULT_SAVE", 0)):
+        if calls["save"] not in (int(env.get("FAULT_SAVE", 0)), int(env.get("FAULT_ENOSPC", 0))):
             return save(obj, f, *args, **kwargs)
         buffer = io.BytesIO()
         save(obj, buffer, *args, **kwargs)
@@ -41,6 +48,8 @@ if "FAULT_RANK" in env and rank == env["FAULT_RANK"]:
         else:
             with open(f, "wb") as out:
                 out.write(half)
+        if calls["save"] == int(env.get("FAULT_ENOSPC", 0)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         os.kill(os.getpid(), signal.SIGKILL)
 
     torch.optim.Adadelta.step, torch.save = faulty_step, faulty_save

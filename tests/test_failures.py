@@ -1,0 +1,302 @@
+"""What goes wrong, as a hostile user would make it go wrong: each failure must be loud (non-zero exit,
+one `error:` line, no traceback), fast, specific (the flag, file, rank or address, and the fix), and
+keep what was already done (the previous checkpoint and metrics load and are finite).
+
+The fast cases run in `make test`; those that wait on purpose (stalled ranks, timeouts) are slow.
+README.md's failure table names the test of each row.
+"""
+
+import csv
+import fcntl
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import REPO, clean_env, free_port, processes_with, run, stage_args, torchrun_cmd
+
+from common import checkpoint
+
+S01, S03 = REPO / "01_single_gpu" / "train.py", REPO / "03_ddp_single_node" / "train.py"
+INJECT = str(REPO / "tests" / "inject")
+STEPS = 4  # optimizer steps per epoch: 256 training images, batch 64
+
+
+def python(script, *args, timeout=120, **env):
+    start = time.monotonic()
+    out = run([sys.executable, str(script), *map(str, args)], env=clean_env(**env), timeout=timeout)
+    out.seconds = time.monotonic() - start
+    return out
+
+
+def one_error(out, *words):
+    """Failed with exactly one `error:` line, naming all of `words`, and no traceback."""
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and len(errors) == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
+    for word in words:
+        assert word in errors[0], errors[0]
+    return errors[0]
+
+
+def kept(folder, epochs):
+    """The run's first `epochs` epochs survive: the checkpoint loads, holds them, and is finite; so are the metrics."""
+    state = torch.load(folder / "checkpoint.pt", weights_only=True)
+    assert state["epoch"] == epochs and checkpoint.finite(state)
+    rows = list(csv.DictReader(open(folder / "metrics.csv")))
+    assert len(rows) == epochs and all(math.isfinite(float(r["train_loss"])) for r in rows)
+    assert not list(folder.glob("*.tmp"))
+
+
+def ranks(args_per_rank, port=None, addr="127.0.0.1", **env):
+    """Start one process per entry of `args_per_rank` with RANK and WORLD_SIZE set by hand, as a user would."""
+    port = port or free_port()
+    procs = []
+    for rank, args in enumerate(args_per_rank):
+        if args is None:  # this rank is never started
+            continue
+        e = clean_env(
+            RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=len(args_per_rank), MASTER_ADDR=addr, MASTER_PORT=port, **env
+        )
+        procs.append(subprocess.Popen([sys.executable, str(S03), *map(str, args)], env=e, cwd=REPO, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+    return procs
+
+
+def finish(procs, timeout=60):
+    start, outs = time.monotonic(), []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            outs.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            p.kill()
+    for out in outs:
+        out.seconds = time.monotonic() - start
+    return outs
+
+
+# --- divergence ---------------------------------------------------------------------------------------
+
+
+def test_a_nan_mid_run_stops_at_the_next_progress_line_and_keeps_the_checkpoint(tiny_data, tmp_path):
+    # weights turn NaN after the 2nd step of epoch 2; the next progress line (batch 2) stops the run
+    out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 3, "--log-interval", 2),
+                 PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_NAN=STEPS + 2)  # fmt: skip
+    one_error(out, "not finite by epoch 2, batch 2", "nan", "--lr", str(tmp_path / "checkpoint.pt"))
+    kept(tmp_path, 1)
+
+
+def test_weights_that_diverge_in_the_last_step_are_never_saved(tiny_data, tmp_path):
+    out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2),
+                 PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_NAN=2 * STEPS)  # fmt: skip
+    one_error(out, "epoch 2 ended with a non-finite test loss", "--lr")
+    kept(tmp_path, 1)
+
+
+def test_a_huge_learning_rate_stops_in_the_first_epoch(tiny_data, tmp_path):
+    out = python(S01, *stage_args(tiny_data, tmp_path, "--lr", 1e30, "--log-interval", 1))
+    one_error(out, "not finite by epoch 1", "--lr")
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_a_non_finite_tensor_is_never_written(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    assert checkpoint.finite([model.state_dict(), {"state": {0: {"step": torch.tensor(3.0)}}}])
+    with torch.no_grad():
+        model.bias[1] = float("inf")
+    assert not checkpoint.finite({"nested": [model.state_dict()]})
+    with pytest.raises(SystemExit, match="not finite"):
+        checkpoint.save_model(model, tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+def test_divergence_on_one_rank_stops_every_rank_at_the_same_batch(tiny_data, tmp_path):
+    procs = ranks([stage_args(tiny_data, tmp_path, "--epochs", 3, "--log-interval", 2)] * 2,
+                  PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=1, FAULT_NAN=STEPS + 1)  # fmt: skip
+    rank0, rank1 = finish(procs)
+    one_error(rank0, "not finite by epoch 2, batch 2")
+    assert rank1.returncode != 0 and "error" not in rank1.stderr
+    kept(tmp_path, 1)
+
+
+# --- one run per output folder ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_second_run_into_the_same_folder_exits_at_once_naming_the_first(tiny_data, tmp_path):
+    first = subprocess.Popen([sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--epochs", 60)],
+                             env=clean_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lock = tmp_path / ".lock"
+    while not (lock.exists() and lock.read_text()):
+        time.sleep(0.05)
+    second = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 4))
+    one_error(second, "is in use by another run", f"pid {first.pid}", socket.gethostname())
+    assert second.seconds < 15
+    assert first.wait(120) == 0
+    kept(tmp_path, 60)
+
+
+def test_a_lock_left_by_a_dead_run_is_taken_over(tiny_data, tmp_path):
+    (tmp_path / ".lock").write_text(json.dumps({"host": "gone", "pid": 1, "job": None, "since": "yesterday"}))
+    assert python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1)).returncode == 0
+    assert json.loads((tmp_path / ".lock").read_text())["host"] == socket.gethostname()
+
+
+def test_a_requeued_job_takes_over_its_own_lock_only(tmp_path, monkeypatch):
+    holder = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)  # as a node that died holding it
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    os.write(holder, json.dumps({"host": "node7", "pid": 99, "job": "77"}).encode())
+    with pytest.raises(SystemExit, match="in use by another run .host node7, pid 99, Slurm job 77"):
+        checkpoint.claim(tmp_path, env={"SLURM_JOB_ID": "78"})
+    checkpoint.claim(tmp_path, env={"SLURM_JOB_ID": "77"})  # the same job, requeued
+    assert json.loads((tmp_path / ".lock").read_text())["job"] == "77"
+
+
+def test_two_runs_in_the_same_second_get_their_own_folders(tmp_path):
+    code = "from pathlib import Path; from common import cli; print(cli.default_output_dir(Path('x/01/train.py')))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=clean_env(), stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]  # fmt: skip
+    folders = [p.communicate()[0] for p in procs]
+    assert folders[0] != folders[1]
+
+
+@pytest.mark.parametrize("where", ["file", "readonly"])
+def test_an_unwritable_output_folder_fails_before_the_data_is_read(where, tmp_path):
+    (tmp_path / "file").touch()
+    (tmp_path / "readonly").mkdir(mode=0o555)
+    folder = tmp_path / where / "run"
+    if where == "readonly" and os.access(tmp_path / "readonly", os.W_OK):
+        pytest.skip("root writes anywhere")
+    out = python(S01, *stage_args(tmp_path / "no-data-here", folder))  # the data would fail next
+    one_error(out, f"cannot write to --output-dir {folder}")
+    assert out.seconds < 15
+
+
+# --- a resumed run is the same run --------------------------------------------------------------------
+
+
+def test_a_resume_with_a_changed_defining_option_is_refused_naming_both_values(tiny_data, tmp_path):
+    assert python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1)).returncode == 0
+    out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--resume", "--scheduler", "cosine",
+                                  "--weight-decay", 0.1))  # fmt: skip
+    one_error(out, "--scheduler step (now cosine)", "--weight-decay 0.0 (now 0.1)")
+    # free options may change: more epochs, another log interval
+    out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--resume", "--log-interval", 1))
+    assert out.returncode == 0 and "resumed after epoch 1" in out.stdout
+    kept(tmp_path, 2)
+
+
+def test_resuming_from_a_model_file_says_it_is_not_a_checkpoint(tiny_data, tmp_path):
+    assert python(S01, *stage_args(tiny_data, tmp_path / "a", "--epochs", 1, "--save-model")).returncode == 0
+    out = python(S01, *stage_args(tiny_data, tmp_path / "b", "--resume", tmp_path / "a" / "model.pt"))
+    one_error(out, "model.pt is not a training checkpoint", "checkpoint.pt")
+
+
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tiny_data, tmp_path):
+    out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 3),
+                 PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_ENOSPC=2)  # fmt: skip
+    one_error(out, f"could not write {tmp_path / 'checkpoint.pt'}", "No space left", "MiB free", "kept")
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert state["epoch"] == 1 and checkpoint.finite(state) and not list(tmp_path.glob("*.tmp"))
+
+
+# --- ranks agree before the first step ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag, other, named", [("--seed", 2, "--seed: rank 0: 1, rank 1: 2"),
+                                                ("--batch-size", 32, "--batch-size: rank 0: 64, rank 1: 32")])  # fmt: skip
+def test_ranks_started_with_different_options_stop_naming_the_option(flag, other, named, tiny_data, tmp_path):
+    args = stage_args(tiny_data, tmp_path, "--dist-timeout", 20)
+    rank0, rank1 = finish(ranks([args, [*args, flag, other]]))
+    one_error(rank0, named)
+    assert rank1.returncode != 0 and rank0.seconds < 20
+
+
+def test_ranks_reading_different_data_stop_naming_the_data(tiny_data, tmp_path):
+    other = tmp_path / "other"
+    (other / "MNIST" / "raw").mkdir(parents=True)
+    for f in (tiny_data / "MNIST" / "raw").iterdir():
+        (other / "MNIST" / "raw" / f.name).write_bytes(f.read_bytes())
+    labels = other / "MNIST" / "raw" / "train-labels-idx1-ubyte"
+    raw = bytearray(labels.read_bytes())
+    raw[8], raw[9] = raw[9], raw[8]  # two labels swapped: same sizes, other data
+    labels.write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    rank0, rank1 = finish(ranks([stage_args(tiny_data, out), stage_args(other, out)]))
+    one_error(rank0, "the ranks differ in the mnist data", "rank 1")
+    assert rank1.returncode != 0
+
+
+# --- bounded waits ------------------------------------------------------------------------------------
+
+
+def test_an_unresolvable_master_addr_fails_at_once(tiny_data, tmp_path):
+    (rank1,) = finish(ranks([None, stage_args(tiny_data, tmp_path)], addr="no-such-host.invalid"))
+    one_error(rank1, "MASTER_ADDR no-such-host.invalid does not resolve")
+    assert rank1.seconds < 15
+
+
+@pytest.mark.slow
+def test_a_master_port_in_use_is_named(tiny_data, tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rank0, rank1 = finish(ranks([stage_args(tiny_data, tmp_path, "--dist-timeout", 3)] * 2, port=port))
+    one_error(rank0, f"MASTER_PORT {port} is in use")
+    one_error(rank1, f"127.0.0.1:{port} accepts connections but is no rendezvous store")
+    assert rank0.seconds < 15 and rank1.seconds < 3 + 5 + 10
+
+
+@pytest.mark.parametrize("started", [0, 1])
+def test_a_rank_that_never_starts_is_named_within_the_timeout(started, tiny_data, tmp_path):
+    args = [None, None]
+    args[started] = stage_args(tiny_data, tmp_path, "--dist-timeout", 3)
+    (out,) = finish(ranks(args))
+    if started == 0:
+        one_error(out, "ranks 1 of 2 did not arrive", "within --dist-timeout 3 s", "srun")
+    else:
+        one_error(out, "nothing answers at 127.0.0.1", "did you launch with srun or torchrun?")
+    assert out.seconds < 3 + 12
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_is_named_within_the_timeout(tiny_data, tmp_path):
+    procs = ranks([stage_args(tiny_data, tmp_path, "--epochs", 50, "--dist-timeout", 5)] * 2)
+    while not (tmp_path / "checkpoint.pt").exists():  # training for an epoch: past the rendezvous
+        assert procs[0].poll() is None, procs[0].communicate()
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        rank0 = finish(procs[:1], timeout=60)[0]
+    finally:
+        procs[1].kill()
+    one_error(rank0, "rank 1 (", "stopped answering", "--dist-timeout 5")
+    assert time.monotonic() - stopped < 5 + 10
+
+
+@pytest.mark.slow
+def test_a_killed_torchrun_takes_its_workers_with_it(tiny_data, tmp_path):
+    marker = f"RUN_MARKER={tmp_path.name}"
+    env = clean_env(RUN_MARKER=tmp_path.name)
+    launcher = subprocess.Popen(torchrun_cmd(2, S03, *stage_args(tiny_data, tmp_path, "--epochs", 50)), env=env,
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    while not (tmp_path / "checkpoint.pt").exists():
+        time.sleep(0.1)
+    workers = [pid for pid in processes_with(marker) if pid != launcher.pid]
+    assert len(workers) == 2
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while any(pid in processes_with(marker) for pid in workers):
+        assert time.monotonic() < deadline, "the workers outlived their torchrun"
+        time.sleep(0.1)
