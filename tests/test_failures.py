@@ -11,6 +11,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -300,3 +301,17 @@ def test_a_killed_torchrun_takes_its_workers_with_it(tiny_data, tmp_path):
     while any(pid in processes_with(marker) for pid in workers):
         assert time.monotonic() < deadline, "the workers outlived their torchrun"
         time.sleep(0.1)
+
+
+def test_the_failure_table_names_real_tests():
+    """Every test tests/FAILURES.md names exists: `file.py::test`, then bare names from the same file."""
+    named = 0
+    for row in (REPO / "tests" / "FAILURES.md").read_text().splitlines():
+        if not row.startswith("| ") or "`" not in row.split("|")[-2]:
+            continue
+        file = None
+        for ref in re.findall(r"`([^`]+)`", row.split("|")[-2]):
+            file, _, name = ref.rpartition("::") if "::" in ref else (file, "", ref)
+            assert re.search(rf"^def {name}\(", (REPO / "tests" / file).read_text(), re.M), ref
+            named += 1
+    assert named >= 40

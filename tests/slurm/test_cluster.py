@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: BSD-3-Clause
 """Self-test of the local Slurm cluster: multi-node srun, fake GPUs, and a failing job."""
 
+import subprocess
 from pathlib import Path
 
 import pytest
+
+from common.distributed import expand_hostlist
 
 pytestmark = pytest.mark.slurm
 
@@ -37,3 +40,9 @@ def test_two_nodes_two_tasks_each_with_two_gpus(slurm_cluster, tmp_path):
 def test_failing_job_reports_its_exit_code(slurm_cluster, tmp_path):
     info = slurm_cluster.wait(slurm_cluster.submit(write_script(tmp_path, "exit 3\n")))
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "3:0"), info
+
+
+@pytest.mark.parametrize("hostlist", ["node[01-03,07]", "r[1-2]n[1-2],login", "gpu-a[9-11]-[0-1],cpu[1,3]"])
+def test_hostlists_expand_as_scontrol_expands_them(slurm_cluster, hostlist):
+    out = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, check=True)
+    assert expand_hostlist(hostlist) == out.stdout.split()
