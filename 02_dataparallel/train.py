@@ -16,19 +16,24 @@ Expect: the accuracy of stage 01 (same global batch, same recipe); images/s grow
 on a model this small.
 """
 
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import RandomSampler
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stage folders
 try:
     from common import amp, checkpoint, cli, data, distributed, metrics, models, optim
 except ModuleNotFoundError as err:
     if err.name != "common":
         raise
-    raise SystemExit("error: train.py needs the repository's common/ package: `make install` there") from err
+    raise SystemExit(
+        f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's common/ there"
+    ) from err
 try:
     from line_profiler import profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
 except ImportError:
@@ -78,9 +83,9 @@ def main():
     distributed.banner(rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
 
-    train_set = data.dataset(args.data_dir, args.dataset, train=True)
+    train_set = data.dataset(args.data_dir, args.dataset, train=True, limit=args.limit)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
-    test_set = data.dataset(args.data_dir, args.dataset, train=False)
+    test_set = data.dataset(args.data_dir, args.dataset, train=False, limit=args.limit)
     distributed.agree(args, train_set, test_set)  # all ranks: the same options and the same data
     train_sampler = RandomSampler(train_set)
     train_loader = data.loader(train_set, train_sampler, args.batch_size, args, device)

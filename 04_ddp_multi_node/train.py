@@ -15,7 +15,9 @@ Changes from stage 03: none in Python. The job scripts are the lesson: compare j
 Expect: the accuracy of stage 03 at the same global batch; one rank map line per GPU, across nodes.
 """
 
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,12 +26,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stage folders
 try:
     from common import amp, checkpoint, cli, data, distributed, metrics, models, optim
 except ModuleNotFoundError as err:
     if err.name != "common":
         raise
-    raise SystemExit("error: train.py needs the repository's common/ package: `make install` there") from err
+    raise SystemExit(
+        f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's common/ there"
+    ) from err
 try:
     from line_profiler import profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
 except ImportError:
@@ -79,9 +84,9 @@ def main():
     distributed.banner(rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
 
-    train_set = data.dataset(args.data_dir, args.dataset, train=True)
+    train_set = data.dataset(args.data_dir, args.dataset, train=True, limit=args.limit)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
-    test_set = data.dataset(args.data_dir, args.dataset, train=False)
+    test_set = data.dataset(args.data_dir, args.dataset, train=False, limit=args.limit)
     distributed.agree(args, train_set, test_set)  # all ranks: the same options and the same data
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)

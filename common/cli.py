@@ -80,7 +80,7 @@ SEED = number(int, "[0, 4294967295]")  # 2**32 - 1, numpy.random.seed's limit; p
 # under --scheduler cosine: see defining().)
 DEFINING = (
     "dataset", "model", "depth", "width", "sync_bn",  # the network and what it learns
-    "batch_size", "val_fraction", "seed",  # the global batch, the training set and its shuffles
+    "batch_size", "val_fraction", "limit", "seed",  # the global batch, the training set and its shuffles
     "optimizer", "lr", "lr_scaling", "momentum", "weight_decay", "scheduler", "gamma", "step_size",  # the updates
     "amp",  # the precision, and the scaler state a checkpoint holds
     "dry_run",  # one batch per epoch: its checkpoints are no part of a real run; ranks that differ hang
@@ -115,6 +115,7 @@ def parser(script):
     p.add_argument("--seed", type=SEED, default=1, help="random seed (default: 1)")
     p.add_argument("--log-interval", type=POSITIVE, default=100, help="batches between progress lines (default: 100)")
     p.add_argument("--dry-run", action="store_true", help="one batch per epoch, to check that everything runs")
+    p.add_argument("--limit", type=POSITIVE, metavar="N", help="train and evaluate on the first N images of each split: quick runs on CPUs, workshops, profiling")
     p.add_argument("--save-model", action="store_true", help="save the trained model to --output-dir/model.pt")
     p.add_argument("--no-cuda", action="store_true", help="train on the CPU even if a GPU is visible")
     p.add_argument("--data-dir", type=Path, default=REPO / "data", help="the data sets, in torchvision's layout: MNIST/raw/, cifar-10-batches-py/, ... (default: the repository's data/)")

@@ -87,9 +87,9 @@ def normalize(images, mean, std):
     return images.float().div_(255).sub_(mean).div_(std)
 
 
-def dataset(data_dir, name, train):
-    """The training (or test) set `name` of SETS, read from data_dir; a SystemExit saying what to do if
-    it is not there."""
+def dataset(data_dir, name, train, limit=None):
+    """The training (or test) set `name` of SETS, read from data_dir, its first `limit` images if given; a
+    SystemExit saying what to do if it is not there."""
     spec = SETS[name]
     folder = Path(data_dir) / spec.folder
     missing = [file for file in spec.files if not (folder / file).is_file()]
@@ -109,7 +109,7 @@ def dataset(data_dir, name, train):
     else:  # not torchvision's CIFAR classes: they check the MD5s of the official files, and refuse any other
         paths = [folder / file for file in (spec.files[:-1] if train else spec.files[-1:])]
         images, labels = read_cifar(paths, b"labels" if name == "cifar10" else b"fine_labels", spec.classes, name)
-    return Images(name, images, labels, spec.mean, spec.std, spec.classes)
+    return Images(name, images[:limit], labels[:limit], spec.mean, spec.std, spec.classes)
 
 
 def bad_file(path, name, problem):

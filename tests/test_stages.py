@@ -1,6 +1,7 @@
 """Every stage end to end, as the real script in real processes, on a tiny real-format MNIST."""
 
 import csv
+import shutil
 import sys
 
 import pytest
@@ -39,11 +40,16 @@ def test_single_process_stages(stage, tiny_data, tmp_path):
     Net().load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # plain keys, any stage loads it
 
 
-@pytest.mark.parametrize("flags", [("--loader", "classic"), ("--loader", "device", "--amp")], ids=" ".join)
+@pytest.mark.parametrize(
+    "flags", [("--loader", "classic"), ("--loader", "device", "--amp"), ("--limit", "100")], ids=" ".join
+)
 def test_stage01_with_other_pipelines(flags, tiny_data, tmp_path):
     out = run([sys.executable, "01_single_gpu/train.py", *stage_args(tiny_data, tmp_path, "--epochs", 2, *flags)])
     assert out.returncode == 0, out.stderr
-    check_run(out.stdout, tmp_path, world_size=1)
+    rows = check_run(out.stdout, tmp_path, world_size=1)
+    if "--limit" in flags:  # 100 training images: two batches of 64 and 36
+        assert "batch 0/2 " in out.stdout
+        assert float(rows[0]["images_per_s"]) * float(rows[0]["epoch_seconds"]) == pytest.approx(100)
 
 
 def test_stage03_under_torchrun(tiny_data, tmp_path):
@@ -67,25 +73,27 @@ def test_stage03_without_launcher_is_one_process(tiny_data, tmp_path):
 
 
 def test_copied_stage_runs_from_its_own_folder(tiny_data, tmp_path):
-    """A stage folder copied elsewhere imports the installed common/, and runs from its own folder."""
-    copy = tmp_path / "mine" / "01_single_gpu"
+    """A stage folder copied elsewhere imports the installed common/; with nothing installed, the common/
+    copied beside it; with neither, it says what to copy."""
+    project = tmp_path / "mine"
+    copy = project / "01_single_gpu"
     copy.mkdir(parents=True)
     copy.joinpath("train.py").write_text((REPO / "01_single_gpu/train.py").read_text())
     out = run([sys.executable, "train.py", *stage_args(tiny_data, tmp_path / "out", "--epochs", "1")], cwd=copy)
     assert out.returncode == 0, out.stderr
-    # without the repository installed (a sitecustomize hides it): a message saying what to do
+    # nothing installed: a sitecustomize removes what `make install` added (an editable finder and path hook)
     hide = tmp_path / "hide"
     hide.mkdir()
     hide.joinpath("sitecustomize.py").write_text(
-        "import sys\n"
-        "class Hide:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'common':\n"
-        "            raise ModuleNotFoundError(\"No module named 'common'\", name='common')\n"
-        "sys.meta_path.insert(0, Hide())\n"
+        "import sys\nsys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]\n"
+        "sys.path[:] = [p for p in sys.path if 'editable' not in p]\n"
     )
     out = run([sys.executable, "train.py"], env=clean_env(PYTHONPATH=str(hide)), cwd=copy)
-    assert out.returncode != 0 and "make install" in out.stderr, out.stderr
+    assert out.returncode != 0 and f"no common/ beside {copy}" in out.stderr, out.stderr
+    shutil.copytree(REPO / "common", project / "common")
+    args = stage_args(tiny_data, tmp_path / "out2", "--epochs", "1")
+    out = run([sys.executable, copy / "train.py", *args], env=clean_env(PYTHONPATH=str(hide)), cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
 
 
 def test_batch_step_trap_fails_fast(tiny_data, tmp_path):
