@@ -9,6 +9,7 @@ waited for: the rendezvous names the address, the port and the ranks that did no
 collective names the ranks that stopped answering (from the heartbeats every rank keeps in the store).
 """
 
+import contextlib
 import datetime
 import os
 import re
@@ -167,12 +168,13 @@ def rendezvous(rank, world_size, timeout):
         raise SystemExit(
             f"error: rank {rank} could not reach the rendezvous store at {where}: {str(err).splitlines()[0]}"
         ) from None
-    store = dist.PrefixStore(
-        f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store
-    )  # fresh keys per restart
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if agent:  # torchrun's own store outlives a restart: fresh keys for each (torch's own keys are kept apart alike)
+        store = dist.PrefixStore(f"attempt{restart}", store)
     _run.update(store=store, where=where, timeout=timeout, world_size=world_size)
     try:
         store.set(f"host/{rank}", host)
+        store.add("restarted", int(restart > 0))
         store.add("arrived", 1)
         while store.add("arrived", 0) < world_size:
             if time.monotonic() > end:
@@ -183,6 +185,10 @@ def rendezvous(rank, world_size, timeout):
                     "torchrun on every node)? A rank that failed first printed its own error"
                 )
             time.sleep(0.1)
+        # a torchrun that restarts its workers because another node's failed does not count that restart
+        # (torch 2.14): it is one for every rank if it is one for any, so that all of them resume
+        if restart == 0 and store.add("restarted", 0):
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
     except dist.DistError:
         raise SystemExit(
             f"error: rank {rank}: lost the rendezvous store at {where}: rank 0 ended (its message says why)"
@@ -205,16 +211,17 @@ def watch(store, rank):
     parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
     def beat():
-        while True:
+        while not _run["stop"].is_set():
             if parent and os.getppid() != parent:
                 fail(f"error: rank {rank}: torchrun (pid {parent}) has ended: this worker ends too")
             try:
                 store.set(f"alive/{rank}", str(time.time()))
             except dist.DistError:  # the store went with rank 0: the main thread reports what failed
                 return
-            time.sleep(HEARTBEAT)
+            _run["stop"].wait(HEARTBEAT)
 
-    threading.Thread(target=beat, daemon=True).start()
+    _run.update(stop=threading.Event(), beat=threading.Thread(target=beat, daemon=True), rank=rank)
+    _run["beat"].start()
     sys.excepthook = failed
 
 
@@ -269,6 +276,16 @@ def agree(args, *datasets):
 
 
 def cleanup():
+    """Stop the heartbeat, then leave. Rank 0 leaves last: its process serves the store (unless torchrun's
+    agent does), and a heartbeat sent to a closed store prints a C++ stack trace after the run's summary."""
+    if "beat" in _run:
+        _run["stop"].set()
+        _run.pop("beat").join()
+        store, end = _run["store"], time.monotonic() + _run["timeout"]
+        with contextlib.suppress(dist.DistError):
+            store.add("left", 1)
+            while _run["rank"] == 0 and store.add("left", 0) < _run["world_size"] and time.monotonic() < end:
+                time.sleep(0.05)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -1,0 +1,74 @@
+"""torchrun's ends, clean: a run that succeeds ends its log with its summary, a usage error ends the job in
+one line before torchrun starts (and restarts) workers. The job scripts run under bash with a fake srun
+(it runs its command here) and scontrol; a rank slow to exit, as a GPU rank tearing down CUDA is, once
+made the ranks' heartbeats hit rank 0's closed store: a C++ stack trace per rank after the summary."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import REPO, clean_env, free_port, run, stage_args
+
+pytestmark = pytest.mark.slow
+SLOW_EXIT = "import atexit, os, time\nif os.environ.get('RANK', '0') != '0':\n    atexit.register(time.sleep, 4)\n"
+
+
+def job_env(tmp_path, job_id=4242):
+    """What Slurm gives a one-node batch script with 2 GPUs; srun and scontrol from tmp_path/bin."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    (bin_ / "srun").write_text('#!/bin/bash\ntouch "$SRUN_RAN"\nwhile [[ $1 == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_ / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_ / tool).chmod(0o755)
+    (tmp_path / "sitecustomize.py").write_text(SLOW_EXIT)
+    return clean_env(
+        PATH=f"{bin_}:{clean_env()['PATH']}", PYTHONPATH=f"{tmp_path}:{REPO}", SRUN_RAN=tmp_path / "srun-ran",
+        SLURM_JOB_ID=job_id, SLURM_JOB_NAME="test", SLURM_JOB_NODELIST="node1", SLURM_JOB_NUM_NODES=1,
+        SLURM_GPUS_ON_NODE=2, SLURM_CPUS_PER_TASK=2,
+    )  # fmt: skip
+
+
+def job(script, tmp_path, *args, job_id=4242):
+    env = job_env(tmp_path, job_id) | {"SLURM_SUBMIT_DIR": str((REPO / script).parent)}
+    start = time.monotonic()
+    out = run(["bash", str(REPO / script), *map(str, args)], env=env, timeout=120, cwd=(REPO / script).parent)
+    return out, time.monotonic() - start
+
+
+def test_job_script_run_ends_with_its_summary(tiny_data, tmp_path):
+    port = free_port()
+    while port >= 60000:  # the script's MASTER_PORT is 20000 + job id % 40000
+        port = free_port()
+    out, seconds = job("04_ddp_multi_node/job_torchrun.slurm", tmp_path, *stage_args(tiny_data, tmp_path / "o", "--epochs", 1),
+                       job_id=port - 20000)  # fmt: skip
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert out.returncode == 0 and lines[-1].startswith("done: 1 epochs"), out.stdout + out.stderr
+    assert not out.stderr.strip() and seconds < 60, (out.stderr, seconds)
+
+
+def test_two_torchruns_end_with_the_summary(tiny_data, tmp_path):
+    """Two torchruns meeting in a c10d rendezvous, as on two nodes: nothing from either after the summary."""
+    env = job_env(tmp_path) | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=1",
+           "--rdzv_backend=c10d", "--rdzv_id=1", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+           "04_ddp_multi_node/train.py", *stage_args(tiny_data, tmp_path / "o", "--epochs", 1)]  # fmt: skip
+    start = time.monotonic()
+    agents = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]  # fmt: skip
+    outputs = [agent.communicate(timeout=120)[0] for agent in agents]
+    seconds = time.monotonic() - start
+    assert [agent.returncode for agent in agents] == [0, 0] and seconds < 60, outputs
+    quiet, summary = sorted(outputs, key=lambda output: "done:" in output)  # rank 0's agent prints the run
+    assert summary.strip().splitlines()[-1].startswith("done: 1 epochs") and quiet == "", outputs
+
+
+@pytest.mark.parametrize("script", ["04_ddp_multi_node/job_torchrun.slurm", "03_ddp_single_node/job.slurm"])
+def test_usage_error_ends_the_job_before_torchrun(script, tmp_path):
+    out, seconds = job(script, tmp_path, "--lr", "nan")
+    assert out.returncode == 2 and seconds < 15, (out, seconds)
+    assert (out.stdout + out.stderr).splitlines() == [
+        "error: argument --lr: must be a number in (0, inf), got nan (see --help)"
+    ]
+    assert not (tmp_path / "srun-ran").exists()  # torchrun never started
