@@ -1,20 +1,26 @@
-# `make test` and `make run` are all a newcomer needs. PYTHON=... uses that interpreter instead of .venv.
+# `make test` and `make run` are all a newcomer needs; `make help` lists the rest. `make` alone installs.
+# PYTHON=... uses that interpreter instead of .venv, and the PATH's shellcheck (or SHELLCHECK=...).
 ifeq ($(origin PYTHON), undefined)
 PYTHON := .venv/bin/python
 VENV := .venv/installed
+SHELLCHECK ?= .venv/bin/shellcheck
 endif
+SHELLCHECK ?= shellcheck
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 DATA := data/MNIST/raw/train-images-idx3-ubyte
 STAGES := 01_single_gpu 02_dataparallel 03_ddp_single_node 04_ddp_multi_node
 
-.PHONY: install test test-all test-slurm data run diff profile lint clean bench plot
+.PHONY: install help test test-all test-slurm data run diff profile lint clean bench plot scaling
 
-install: .venv/installed
+install: .venv/installed  ## the default: a .venv with requirements.txt (torch, tests, lint, plots)
 .venv/installed: requirements.txt pyproject.toml
 	python3 -m venv .venv
 	.venv/bin/pip install -r requirements.txt
 	.venv/bin/pip install --no-deps -e .  # makes `common` importable from a copied stage folder
 	touch $@
+
+help:  ## these lines
+	@awk -F ':.*## ' '/^[a-z][a-z-]*:.*## / {printf "make %-11s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 DATASET ?= mnist
 data: | $(VENV)  ## MNIST from the vendored files; DATASET=fashion-mnist|cifar10|cifar100 downloads (login node)
@@ -34,9 +40,26 @@ test-slurm: $(VENV) $(DATA)  ## the job scripts under a real local Slurm (root)
 run: $(VENV) $(DATA)  ## stage 01, one epoch on real MNIST, on this machine's GPU or CPU
 	$(PYTHON) 01_single_gpu/train.py --epochs 1
 
-diff:  ## what each stage adds to the previous one
+# diff -u of two train.py below their opening docstrings (the rule of code() in tests/test_budgets.py), which
+# describe each stage rather than change it; the names and line numbers are those of the files.
+define CODE_DIFF
+import ast, difflib, re, sys
+def code(path):
+    lines = open(path).read().splitlines(keepends=True)
+    first = ast.parse("".join(lines)).body[0]
+    skip = first.end_lineno if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) else 0
+    return skip, lines[skip:]
+(skip_a, a), (skip_b, b) = map(code, sys.argv[1:])
+for line in difflib.unified_diff(a, b, *sys.argv[1:]):
+    m = re.fullmatch(r"@@ -(\d+)(\S*) \+(\d+)(\S*) @@\n", line)
+    sys.stdout.write(f"@@ -{int(m[1]) + skip_a}{m[2]} +{int(m[3]) + skip_b}{m[4]} @@\n" if m else line)
+endef
+export CODE_DIFF
+
+diff:  ## what each stage adds to the previous one: the train.py code (not the docstrings) and job scripts
 	@set -e; prev=; for s in $(STAGES); do \
-	  if [ -n "$$prev" ]; then for f in train.py job.slurm; do diff -u $$prev/$$f $$s/$$f || true; done; fi; prev=$$s; \
+	  if [ -n "$$prev" ]; then python3 -c "$$CODE_DIFF" $$prev/train.py $$s/train.py; \
+	    diff -u $$prev/job.slurm $$s/job.slurm || true; fi; prev=$$s; \
 	done; diff -u 04_ddp_multi_node/job.slurm 04_ddp_multi_node/job_torchrun.slurm || true
 
 # pytorch/examples' pipeline by default (one worker, a PIL image per sample); PROFILE= for this repository's
@@ -45,17 +68,21 @@ profile: $(VENV) $(DATA)  ## time per line of stage 01's train(), one epoch
 	rm -rf runs/profile
 	$(PYTHON) -m kernprof -l -v -o runs/profile.lprof 01_single_gpu/train.py --epochs 1 --output-dir runs/profile $(PROFILE)
 
-lint: $(VENV)
+SHELL_SCRIPTS := */*.slurm tests/slurm/*.sh .ci/run
+lint: $(VENV)  ## ruff (check, format --check); bash -n and shellcheck on the job scripts and shell scripts
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
-	for f in */*.slurm tests/slurm/*.sh; do bash -n $$f; done
-	shellcheck */*.slurm tests/slurm/*.sh
+	for f in $(SHELL_SCRIPTS); do bash -n $$f; done
+	$(SHELLCHECK) $(SHELL_SCRIPTS)
 
-clean:
-	rm -rf runs .pytest_cache */__pycache__ */*.out */*.gpu.csv plot.png data/MNIST/raw/*-ubyte
+clean:  ## deletes runs/ (every run's metrics and checkpoints), plot and scaling outputs, decompressed MNIST, caches
+	rm -rf runs .pytest_cache */__pycache__ */*.out */*.gpu.csv plot.png scaling.md scaling.png data/MNIST/raw/*-ubyte
 
 bench: $(VENV) $(DATA)  ## the stages on this machine's GPUs: bench-results/bench.{csv,md,png}
 	$(PYTHON) bench/bench.py $(if $(ARGS),-- $(ARGS))
 
 plot: $(VENV)  ## losses, accuracy and time per epoch of the run folders in RUNS, to plot.png
 	$(PYTHON) tools/plot.py -o plot.png $(RUNS)
+
+scaling: $(VENV)  ## images/s, speed-up, efficiency and time to 99 % per world size of the run folders in RUNS: scaling.md, scaling.png
+	$(PYTHON) tools/scaling.py --out scaling.md --plot scaling.png $(if $(BANDWIDTH),--bandwidth $(BANDWIDTH)) $(RUNS)

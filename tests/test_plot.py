@@ -1,4 +1,5 @@
-"""tools/plot.py (`make plot`): the metrics of real runs of stage 01 become one PNG, a line per run."""
+"""tools/plot.py (`make plot`): the metrics of runs become one PNG, a line per run, labelled and ordered by what
+tells runs apart; written by hand, and of real runs of stage 01."""
 
 import csv
 import importlib.util
@@ -7,9 +8,57 @@ import sys
 import pytest
 from helpers import REPO, run, stage_args
 
-pytestmark = pytest.mark.slow
+from common.metrics import FIELDS
+
 PLOT = REPO / "tools/plot.py"
 BATCH_SIZES = [16, 32, 64]
+
+
+def load_plot():
+    """tools/plot.py as a module, to read the figure its main() returns."""
+    spec = importlib.util.spec_from_file_location("plot", PLOT)
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    return plot
+
+
+def write_metrics(folder, world, epochs=2):
+    """A metrics.csv as the stages write it; the losses and times tell the runs apart by world size."""
+    folder.mkdir(parents=True)
+    with open(folder / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, FIELDS)
+        writer.writeheader()
+        for epoch in range(1, epochs + 1):
+            row = dict.fromkeys(FIELDS, 1.0)  # the columns the plot does not tell apart
+            row.update(epoch=epoch, train_loss=world / epoch, epoch_seconds=10 / world, world_size=world)
+            writer.writerow(dict(row, val_loss="", val_accuracy=""))  # no validation set
+    return folder
+
+
+def test_legend_names_stage_world_size_and_run_in_numeric_order(tmp_path):
+    pytest.importorskip("matplotlib")
+    given = [  # (stage, run folder, world size), in the order of a shell glob: text order
+        ("03_ddp_single_node", "101", 1), ("03_ddp_single_node", "116", 16), ("03_ddp_single_node", "102", 2),
+        ("03_ddp_single_node", "104", 4), ("04_ddp_multi_node", "10", 8), ("04_ddp_multi_node", "9", 8),
+        ("03_ddp_single_node", "108", 8), ("02_dataparallel", "7", 1),
+    ]  # fmt: skip
+    runs = [write_metrics(tmp_path / stage / name, world) for stage, name, world in given]
+    fig = load_plot().main([*map(str, runs), "-o", str(tmp_path / "plot.png")])
+    *per_epoch, timing = fig.axes
+    expected = [  # world size as a number, then stage and run folder, "9" before "10"
+        "02_dataparallel, 1 process, 7", "03_ddp_single_node, 1 process, 101",
+        "03_ddp_single_node, 2 processes, 102", "03_ddp_single_node, 4 processes, 104",
+        "03_ddp_single_node, 8 processes, 108", "04_ddp_multi_node, 8 processes, 9",
+        "04_ddp_multi_node, 8 processes, 10", "03_ddp_single_node, 16 processes, 116",
+    ]  # fmt: skip
+    for ax in [*per_epoch, timing]:
+        assert [line.get_label() for line in ax.get_lines()] == expected, ax.get_title()
+    assert [text.get_text() for text in per_epoch[0].get_legend().get_texts()] == expected
+    worlds = [1, 1, 2, 4, 8, 8, 8, 16]
+    train_loss = per_epoch[0].get_lines()
+    assert [list(line.get_ydata()) for line in train_loss] == [[n / 1, n / 2] for n in worlds]  # each its own data
+    assert [list(line.get_xdata()) for line in timing.get_lines()] == [[n] for n in worlds]
+    assert timing.get_xlabel() == "world size (processes)"
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +74,7 @@ def runs(tiny_data, tmp_path_factory):
     return runs
 
 
+@pytest.mark.slow
 def test_plot_draws_one_line_per_run(runs, tmp_path):
     image = pytest.importorskip("matplotlib.image")
     png = tmp_path / "plot.png"
@@ -33,15 +83,13 @@ def test_plot_draws_one_line_per_run(runs, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert image.imread(png).shape == (800, 1100, 4)  # 11 x 8 inches at 100 dpi, RGBA
 
-    spec = importlib.util.spec_from_file_location("plot", PLOT)
-    plot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot)
-    fig = plot.main([*map(str, runs), "-o", str(tmp_path / "again.png")])
+    fig = load_plot().main([*map(str, reversed(runs)), "-o", str(tmp_path / "again.png")])  # in any order
     *per_epoch, timing = fig.axes
     metrics = [list(csv.DictReader(open(r / "metrics.csv"))) for r in runs]
+    names = [f"{r.parent.name}, 1 process, {r.name}" for r in runs]  # bs16, bs32, bs64: by number
     for ax, column in zip(per_epoch, ["train_loss", "test_loss", "test_accuracy"], strict=True):
         lines = ax.get_lines()
-        assert [line.get_label() for line in lines] == ["bs16", "bs32", "bs64"], ax.get_title()
+        assert [line.get_label() for line in lines] == names, ax.get_title()
         for line, rows in zip(lines, metrics, strict=True):
             assert list(line.get_xdata()) == [1, 2]
             assert list(line.get_ydata()) == pytest.approx([float(r[column]) for r in rows])

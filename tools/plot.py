@@ -3,7 +3,9 @@
     python tools/plot.py RUN... [-o plot.png]        # make plot RUNS="runs/batch_size/<array job id>/*"
 
 A RUN is a folder holding the metrics.csv that every stage writes, or that file itself; each run is one
-line per panel, labelled with its folder's name. The last panel puts each run's median time per epoch
+line per panel, labelled with what tells runs apart: its stage (the folder's parent, as in runs/<stage>/<job
+id>), its world size and its folder's name; the legend lists them by world size, then by that label, numbers
+in it read as numbers (bs8 before bs16). The last panel puts each run's median time per epoch
 (the median, so that the first epoch's warm-up weighs little) against its world size or, when every
 run has the same world size and every folder is named <word><number> like sweeps/ names them (bs64,
 cpus8), against that number.
@@ -44,6 +46,19 @@ def labels(folders):
     return names if len(set(names)) == len(names) else [f"{f.parent.name}/{f.name}" for f in folders]
 
 
+def label(folder, rows):
+    """A run's curve label: its stage (the folder's parent), world size and folder name."""
+    folder, n = folder.resolve(), int(rows[0]["world_size"])  # resolved: a RUN of `.` has names too
+    return f"{folder.parent.name}, {n} process{'es' if n != 1 else ''}, {folder.name}"
+
+
+def order(run):
+    """The legend's order of a loaded (folder, rows): world size, then the label, its numbers as numbers."""
+    folder, rows = run
+    parts = re.split(r"(\d+)", label(folder, rows))
+    return rows[0]["world_size"], [int(p) if i % 2 else p for i, p in enumerate(parts)]
+
+
 def x_axis(names, runs):
     """The last panel's x values and axis label: see the module's docstring."""
     sizes = [int(rows[0]["world_size"]) for rows in runs]
@@ -53,8 +68,9 @@ def x_axis(names, runs):
     return sizes, "world size (processes)"
 
 
-def figure(names, runs):
+def figure(folders, runs):
     """Four panels; in each, one line (the last: one point) per run, in the same colour throughout."""
+    names = [label(folder, rows) for folder, rows in zip(folders, runs, strict=True)]
     fig = Figure(figsize=(11, 8), layout="constrained")
     *panels, ax = fig.subplots(2, 2).flat
     columns = [("train_loss", "train loss"), ("test_loss", "test loss"), ("test_accuracy", "test accuracy (%)")]
@@ -63,7 +79,7 @@ def figure(names, runs):
             panel.plot([r["epoch"] for r in rows], [r[column] for r in rows], "o-", color=f"C{i % 10}", label=name)
         panel.set(title=title, xlabel="epoch")
         panel.xaxis.set_major_locator(MaxNLocator(integer=True))
-    xs, xlabel = x_axis(names, runs)
+    xs, xlabel = x_axis([folder.resolve().name for folder in folders], runs)
     for i, (name, x, rows) in enumerate(zip(names, xs, runs, strict=True)):
         ax.plot([x], [statistics.median(r["epoch_seconds"] for r in rows)], "o", color=f"C{i % 10}", label=name)
     if min(xs) > 0 and len(set(xs)) > 1:
@@ -82,8 +98,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if Figure is None:
         sys.exit("error: tools/plot.py needs matplotlib: pip install matplotlib")
-    folders, runs = zip(*map(load, args.runs), strict=True)
-    fig = figure(labels(folders), runs)
+    folders, runs = zip(*sorted(map(load, args.runs), key=order), strict=True)
+    fig = figure(folders, runs)
     fig.savefig(args.output, dpi=100)
     print(f"{args.output}: {len(runs)} runs")
     return fig  # for the tests

@@ -4,15 +4,17 @@
 # A real two-node Slurm cluster on this one machine, so that tests can `sbatch` the job scripts.
 #
 #   sudo tests/slurm/cluster.sh start     # install if missing, configure, start (no-op if already up)
-#   sudo tests/slurm/cluster.sh stop      # stop exactly what start started
+#   sudo tests/slurm/cluster.sh stop      # stop exactly what start started, give back /etc/slurm's files
 #   tests/slurm/cluster.sh status         # exit 0 iff the cluster is up
 #   sudo tests/slurm/cluster.sh install   # only install the Debian packages if missing
 #
 # The "nodes" node1 and node2 are two slurmd processes on 127.0.0.1 with their own ports. Each has
 # $SLURM_TEST_CPUS CPUs (default 8, more than the machine may have) and two fake GPUs: gres backed by
 # dummy character devices, so jobs see CUDA_VISIBLE_DEVICES=0,1 while torch.cuda is unavailable.
-# The config goes to /etc/slurm, so plain `sbatch` works. Logs, PID files and Slurm state go to
-# $SLURM_TEST_DIR (default /tmp/slurm-test); the state is wiped on every start (job ids restart at 1).
+# The config goes to /etc/slurm, so plain `sbatch` works: start moves a slurm.conf, gres.conf or cgroup.conf
+# that is not ours aside, to <file>.before-slurm-test, and stop moves it back (or deletes ours where there
+# was none). Logs, PID files and Slurm state go to $SLURM_TEST_DIR (default /tmp/slurm-test); the state is
+# wiped on every start (job ids restart at 1).
 set -euo pipefail
 
 DIR=${SLURM_TEST_DIR:-/tmp/slurm-test}
@@ -21,6 +23,8 @@ MEM_MB=${SLURM_TEST_MEM_MB:-$(awk '/^MemTotal:/ {printf "%d", $2 / 1024 * 0.9}' 
 NODES=(node1 node2)
 CTLD_PORT=6817  # the slurmd of node i listens on CTLD_PORT + i
 ETC=/etc/slurm
+CONFS=(slurm.conf gres.conf cgroup.conf)  # what start writes to $ETC
+SAVED=before-slurm-test  # $ETC/<conf>.$SAVED: the file that was there before start
 TAG="# slurm-test"  # marks the files and the /etc/hosts line that we write
 # Every process of the cluster carries this in its environment: the daemons get it from us,
 # slurmstepd from slurmd, job tasks from the TaskProlog. `stop` uses it to find leftovers by PID.
@@ -110,7 +114,7 @@ up() {  # our daemons are alive and every node can run jobs
   [ "$(grep -cE '^(idle|mix|alloc|comp)$' <<<"$states")" = "${#NODES[@]}" ]
 }
 
-stop() {  # [keep-munged]
+halt() {  # [keep-munged]: our processes and /etc/hosts line
   local pids=() f pid
   if live_pid "$DIR/run/slurmctld.pid" slurmctld >/dev/null; then
     # Cancel the jobs first: with proctrack/linuxproc their processes would outlive slurmd.
@@ -133,6 +137,37 @@ stop() {  # [keep-munged]
   fi
   rm -f "$DIR"/run/slurm*.pid
   hosts_remove
+}
+
+ours() { [ -f "$1" ] && grep -q -- "^$TAG" "$1"; }  # a file that start wrote
+exists() { [ -e "$1" ] || [ -L "$1" ]; }  # a dangling symlink too
+
+conf_write() {  # name text: into $ETC, the file that was there (a symlink stays one) moved aside, once
+  local f=$ETC/$1
+  if exists "$f" && ! ours "$f"; then
+    if exists "$f.$SAVED"; then die "$f is not ours and $f.$SAVED exists: move one of them away"; fi
+    mv "$f" "$f.$SAVED"
+  fi
+  printf '%s\n' "$2" >"$f"
+}
+
+conf_restore() {  # what conf_write moved aside goes back; where it found nothing, ours goes
+  local name f
+  for name in "${CONFS[@]}"; do
+    f=$ETC/$name
+    if exists "$f" && ! ours "$f"; then
+      if exists "$f.$SAVED"; then log "left $f (not ours) and $f.$SAVED as they are"; fi
+    elif exists "$f.$SAVED"; then
+      mv -f "$f.$SAVED" "$f"
+    else
+      rm -f "$f"
+    fi
+  done
+}
+
+stop() {  # the command: everything start started, and /etc/slurm as it was
+  halt
+  conf_restore
 }
 
 slurm_conf() {
@@ -226,14 +261,14 @@ daemon() {  # command...: start a Slurm daemon, marked, without our lock fd or o
 }
 
 start() {
-  local conf gres f node port cycles saved=$ETC/slurm.conf.before-slurm-test
+  local conf gres f node port cycles
   install
   conf=$(slurm_conf)
   gres=$(gres_conf)
   if up && [ "$conf" = "$(cat $ETC/slurm.conf)" ] && [ "$gres" = "$(cat $ETC/gres.conf)" ]; then
     return 0
   fi
-  stop keep-munged  # anything partial, stale or differently configured of ours
+  halt keep-munged  # anything partial, stale or differently configured of ours
   mkdir -p "$DIR"/{run,log,dev}
   rm -rf "$DIR/state" "$DIR/spool"  # old state can keep a node drained
   mkdir -p "$DIR/state"
@@ -244,13 +279,10 @@ start() {
   chmod 0755 "$DIR/task-prolog.sh"
 
   mkdir -p $ETC
-  if [ -f $ETC/slurm.conf ] && ! grep -q "^$TAG" $ETC/slurm.conf && [ ! -e "$saved" ]; then
-    cp $ETC/slurm.conf "$saved"  # someone else's: keep it, once
-  fi
-  printf '%s\n' "$conf" >$ETC/slurm.conf
-  printf '%s\n' "$gres" >$ETC/gres.conf
+  conf_write slurm.conf "$conf"
+  conf_write gres.conf "$gres"
   # Only matters on cgroup v2 hosts, where there may be no systemd to ask.
-  printf '%s\n' "$TAG" CgroupPlugin=autodetect IgnoreSystemd=yes >$ETC/cgroup.conf
+  conf_write cgroup.conf "$(printf '%s\n' "$TAG" CgroupPlugin=autodetect IgnoreSystemd=yes)"
   echo "127.0.0.1 ${NODES[*]} $TAG" >>/etc/hosts  # so that MASTER_ADDR=node1 resolves
 
   start_munged

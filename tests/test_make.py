@@ -1,0 +1,51 @@
+"""The Makefile: `make help` lists every target, `make diff` shows the code each stage changes, with the real
+files' names and line numbers."""
+
+import re
+import shutil
+import subprocess
+from itertools import pairwise
+
+import pytest
+from helpers import REPO, STAGES
+from test_budgets import code  # the rule that `make diff` follows
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+
+
+def make(*args):
+    result = subprocess.run(["make", "--no-print-directory", *args], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_help_describes_every_target():
+    phony = re.search(r"^\.PHONY:(.*)$", (REPO / "Makefile").read_text(), re.M)[1].split()
+    described = dict(re.fullmatch(r"make (\S+) +(.+)", line).groups() for line in make("help").splitlines())
+    assert sorted(described) == sorted(phony)
+    assert all(described.values())
+
+
+def test_diff_shows_train_py_code_at_its_real_lines():
+    sections = re.split(r"^(?=--- )", make("diff"), flags=re.M)[1:]
+    train = [s for s in sections if s.split("\n", 1)[0].endswith("/train.py")]
+    differ = [(a, b) for a, b in pairwise(STAGES) if code(REPO / a / "train.py") != code(REPO / b / "train.py")]
+    assert differ and [s.splitlines()[:2] for s in train] == [
+        [f"--- {a}/train.py", f"+++ {b}/train.py"] for a, b in differ
+    ]
+    for section in train:
+        for name, sign, start in zip(section.splitlines()[:2], "-+", (1, 2), strict=True):
+            text = (REPO / name[4:]).read_text().splitlines()
+            docstring = len(text) - len(code(REPO / name[4:]))  # its last line
+            for hunk in re.split(r"^(?=@@ )", section, flags=re.M)[1:]:
+                first = int(re.match(r"@@ -(\d+)\S* \+(\d+)\S* @@\n", hunk)[start])
+                lines = [line[1:] for line in hunk.splitlines()[1:] if line[:1] in (" ", sign)]
+                assert first > docstring  # the docstrings are left out
+                assert text[first - 1 : first - 1 + len(lines)] == lines  # at the file's own line numbers
+
+
+def test_scaling_and_clean_commands():
+    scaling = make("-n", "PYTHON=python3", "scaling", "RUNS=runs/a runs/b", "BANDWIDTH=25")
+    assert scaling == "python3 tools/scaling.py --out scaling.md --plot scaling.png --bandwidth 25 runs/a runs/b\n"
+    assert "--bandwidth" not in make("-n", "PYTHON=python3", "scaling", "RUNS=runs/a")
+    assert {"scaling.md", "scaling.png", "plot.png"} <= set(make("-n", "clean").split())
