@@ -1,0 +1,128 @@
+"""tools/scaling.py (`make scaling`): the scaling table of hand-written metrics, and of real 1- and 2-process
+runs of stage 03 on tiny data."""
+
+import csv
+import importlib
+import sys
+
+import pytest
+import torch
+from helpers import REPO, run, stage_args, torchrun
+
+from common.metrics import FIELDS
+
+SCALING = REPO / "tools/scaling.py"
+sys.path.insert(0, str(SCALING.parent))  # scaling.py imports plot.py from beside it, as when run as a script
+scaling = importlib.import_module("scaling")
+
+
+def table(text):
+    """The rows of the Markdown table in `text`, as {column: cell}."""
+    lines = [line.strip("|").split("|") for line in text.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in lines[0]]
+    return [dict(zip(header, [cell.strip() for cell in line], strict=True)) for line in lines[2:]]
+
+
+def write_run(folder, world, rates, accuracy, seconds=(3, 2, 2, 2), val=None, **columns):
+    """A metrics.csv as the stages write it, one row per epoch; `columns`: extra columns, the same every epoch."""
+    folder.mkdir(parents=True)
+    with open(folder / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, FIELDS + list(columns))
+        writer.writeheader()
+        for epoch, (rate, acc, secs) in enumerate(zip(rates, accuracy, seconds, strict=True), 1):
+            row = dict.fromkeys(FIELDS, 1.0)  # the columns the table does not read
+            row.update(epoch=epoch, images_per_s=rate, test_accuracy=acc, epoch_seconds=secs, world_size=world)
+            row.update(val_loss="", val_accuracy="" if val is None else val[epoch - 1], **columns)
+            writer.writerow(row)
+    return folder
+
+
+def report(capsys, *args):
+    scaling.main([*map(str, args)])
+    return capsys.readouterr().out
+
+
+def test_table_sorts_world_sizes_as_numbers_and_reads_the_steady_epochs(tmp_path, capsys):
+    steady = {16: 1000, 2: 190, 8: 640, 1: 100, 4: 360}  # images/s after the first epoch, in the order given
+    runs = []
+    for n, rate in steady.items():
+        reached = n != 4  # the 4-process run never reaches 99 %
+        extra = dict(nodes=4, global_batch=1024) if n == 16 else {}  # the columns metrics.csv may grow
+        accuracy = [90, 98, 99.2, 99.5] if reached else [90, 95, 97, 98.9]
+        # 1 process: the test set reaches 99 % at epoch 3, but the validation set (which counts) never
+        val = [90, 95, 97, 98] if n == 1 else None
+        # a slow first epoch: counted in the median of all four epochs, it would move it off `rate`
+        runs.append(write_run(tmp_path / f"w{n}", n, [5, 0.9 * rate, 1.1 * rate, rate], accuracy, val=val, **extra))
+    text = report(capsys, *runs, "--out", tmp_path / "scaling.md")
+    assert (tmp_path / "scaling.md").read_text() == text
+    rows = table(text)
+    assert [r["world size"] for r in rows] == ["1", "2", "4", "8", "16"]  # text would sort 1, 16, 2, 4, 8
+    assert [r["run"] for r in rows] == ["w1", "w2", "w4", "w8", "w16"]
+    for r in rows:
+        n, rate = int(r["world size"]), steady[int(r["world size"])]
+        assert r["images/s"] == f"{rate}"
+        assert (r["speed-up"], r["efficiency"]) == (f"{rate / 100:.2f}", f"{rate / 100 / n:.2f}")
+        assert r["time to 99%"] == ("not reached" if n in (1, 4) else "7.0 s")  # 3 + 2 + 2 s: through epoch 3
+    assert [r["nodes"] for r in rows] == ["1", "?", "?", "?", "4"]  # one process is one node; else a column says
+    assert [r["global batch"] for r in rows] == ["?", "?", "?", "?", "1024"]  # no checkpoint.pt: only a column says
+
+
+def test_rows_on_paper_with_bandwidth(tmp_path, capsys):
+    one = write_run(tmp_path / "one", 1, [500, 1000, 1000], [90, 95, 99], seconds=(1, 1, 1))
+    two = write_run(tmp_path / "two", 2, [500, 1500, 1500], [90, 95, 99], seconds=(1, 1, 1))
+    flags = dict(dataset="mnist", model="net", depth=16, width=4, batch_size=64)  # --batch-size is the global batch
+    for folder in (one, two):  # of a checkpoint, the table reads the flags alone
+        torch.save({"flags": flags}, folder / "checkpoint.pt")
+    text = report(capsys, two, one, "--bandwidth", 1, "--plot", tmp_path / "scaling.png")
+    assert "1,199,882 fp32 gradients (4.8 MB) at 1 GB/s" in text  # the parameters of models.Net, counted
+    rows = table(text)
+    assert [(r["world size"], r["run"]) for r in rows] == [
+        ("1", "one"), ("1", "on paper: 64.00 ms compute + 0.00 ms all-reduce"),
+        ("2", "two"), ("2", "on paper: 32.00 ms compute + 4.80 ms all-reduce"),  # 2 (N-1)/N x 4.8 MB at 1 GB/s
+    ]  # fmt: skip
+    # 64 images in 32 ms of compute (1 ms per image at world size 1, half the batch each) + 4.8 ms of all-reduce
+    assert [r["images/s"] for r in rows] == ["1000", "1000", "1500", f"{64 / (0.032 + 0.004799528):.0f}"]
+    assert [r["global batch"] for r in rows] == ["64"] * 4
+    assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    bare = write_run(tmp_path / "bare", 2, [500, 2000], [90, 95], seconds=(1, 1), global_batch=64)
+    with pytest.raises(SystemExit, match="--bandwidth needs --params"):
+        scaling.main([str(bare), "--bandwidth", "1"])
+    assert table(report(capsys, bare, "--bandwidth", 1, "--params", 1_000_000))[1]["run"] == (
+        "on paper: 32.00 ms compute + 4.00 ms all-reduce"  # 2000 images/s of 2 processes: 1 ms per image each
+    )
+
+
+def test_without_matplotlib_a_plot_is_refused(tmp_path):
+    hide = "import sys, runpy; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rpartition('/')[0]); runpy.run_path(sys.argv[0], run_name='__main__')"
+    result = run([sys.executable, "-c", hide, str(SCALING), str(tmp_path), "--plot", str(tmp_path / "s.png")])
+    assert (result.returncode, result.stderr) == (1, "error: --plot needs matplotlib: pip install matplotlib\n")
+
+
+@pytest.mark.slow
+def test_real_runs_of_one_and_two_processes(tiny_data, tmp_path, capsys):
+    runs = [tmp_path / f"gloo{n}" for n in (1, 2)]
+    for n, folder in zip((1, 2), runs, strict=True):  # two epochs: the first is warm-up, the median is the second
+        result = torchrun(n, REPO / "03_ddp_single_node/train.py", *stage_args(tiny_data, folder, "--epochs", 2))
+        assert result.returncode == 0, result.stderr
+    metrics = [list(csv.DictReader(open(folder / "metrics.csv"))) for folder in runs]
+    # as `make scaling` runs it, in a process of its own; then in this one, for a target no run reaches
+    result = run([sys.executable, str(SCALING), *map(str, reversed(runs)), "--target-accuracy", "50"])
+    assert result.returncode == 0, result.stderr
+    for target, text in ((50, result.stdout), (100.5, report(capsys, *runs, "--target-accuracy", 100.5))):
+        rows = table(text)
+        assert [(r["world size"], r["nodes"], r["global batch"]) for r in rows] == [("1", "1", "64"), ("2", "?", "64")]
+        assert (rows[0]["speed-up"], rows[0]["efficiency"]) == ("1.00", "1.00")
+        for r, epochs in zip(rows, metrics, strict=True):
+            assert r["images/s"] == f"{float(epochs[1]['images_per_s']):.0f}"  # the median of the one after the first
+            seconds, reached = 0.0, "not reached"
+            for e in epochs:  # training seconds through the first epoch whose test accuracy reaches the target
+                seconds += float(e["epoch_seconds"])
+                if float(e["test_accuracy"]) >= target:
+                    reached = f"{seconds:.1f} s"
+                    break
+            assert r[f"time to {target:g}%"] == reached
+        speedup = float(rows[1]["images/s"]) / float(rows[0]["images/s"])  # from the printed, rounded numbers
+        assert float(rows[1]["speed-up"]) == pytest.approx(speedup, abs=0.01)
+        assert float(rows[1]["efficiency"]) == pytest.approx(speedup / 2, abs=0.01)
+    assert {r["time to 100.5%"] for r in rows} == {"not reached"}

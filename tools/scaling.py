@@ -1,0 +1,120 @@
+"""Scaling you can read off your own runs: images/s, speed-up, efficiency and time to an accuracy per world size.
+
+    python tools/scaling.py RUN... [--target-accuracy 99] [--out scaling.md] [--plot scaling.png] [--bandwidth GBps]
+
+RUNs as for tools/plot.py. The global batch is read from a `global_batch` column of metrics.csv, else from
+checkpoint.pt; the nodes from a `nodes` column (1 for one process), else "?". --bandwidth adds rows on paper.
+"""
+
+import argparse
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from plot import Figure, labels, load  # tools/plot.py, beside this file
+
+from common import data, models
+
+NOTE = (
+    "images/s: the median of the epochs after the first, which includes warm-up. Efficiency: speed-up / (world size"
+    " / smallest world size). Time to {0:g}%: training seconds until the validation (else test) accuracy reached it.\n"
+)
+PAPER = "On paper: {:,} fp32 gradients ({:.1f} MB) at {:g} GB/s, without latency or overlap with backward().\n"
+HEADER = (
+    "| world size | nodes | global batch | images/s | speed-up | efficiency | time to {0:g}% | run |\n"
+    "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | :--- |"
+)
+
+
+def measure(folder, rows, target):
+    """One run: world size, nodes, global batch, images/s, seconds to `target` % (None: not reached), flags."""
+    saved = folder / "checkpoint.pt"
+    flags = torch.load(saved, map_location="cpu", weights_only=True)["flags"] if saved.is_file() else {}
+    seconds = itertools.accumulate(r["epoch_seconds"] for r in rows)
+    accuracy = [r["test_accuracy"] if r.get("val_accuracy") is None else r["val_accuracy"] for r in rows]
+    world, first = int(rows[0]["world_size"]), rows[0]
+    return dict(
+        world=world, nodes=first.get("nodes") or (1 if world == 1 else None), flags=flags,
+        batch=first.get("global_batch") or flags.get("batch_size"),
+        rate=statistics.median(r["images_per_s"] for r in rows[1:] or rows),  # a one-epoch run: that epoch
+        to_target=next((s for s, a in zip(seconds, accuracy, strict=True) if a >= target), None),
+    )  # fmt: skip
+
+
+def parameters(flags, given):
+    """Values each step all-reduces: the parameters of the model the checkpoint names, else --params."""
+    if "model" not in flags:
+        return given or sys.exit("error: --bandwidth needs --params: no checkpoint.pt names the model")
+    spec, shape = data.SETS[flags["dataset"]], (flags.get("depth", 16), flags.get("width", 4))
+    size = 28 if len(spec.mean) == 1 else 32  # the 1-channel sets are 28x28, the others 32x32: what build() checks
+    return sum(p.numel() for p in models.build(flags["model"], len(spec.mean), spec.classes, size, *shape).parameters())
+
+
+def row(base, run, rate, to_target, name):
+    """A table row; speed-up and efficiency against `base`, the run of the smallest world size."""
+    n, speedup = run["world"], rate / base["rate"]
+    known = ["?" if v is None else f"{v:g}" for v in (run["nodes"], run["batch"])]
+    cells = [n, *known, f"{rate:.0f}", f"{speedup:.2f}", f"{speedup * base['world'] / n:.2f}", to_target, name]
+    return f"| {' | '.join(map(str, cells))} |"
+
+
+def report(names, runs, args):
+    """The Markdown text, and the (world size, images/s) points on paper."""
+    base, paper, lines = runs[0], [], [NOTE.format(args.target_accuracy)]
+    if args.bandwidth is not None:
+        params = parameters(base["flags"], args.params)
+        lines.append(PAPER.format(params, 4 * params / 1e6, args.bandwidth))
+    lines.append(HEADER.format(args.target_accuracy))
+    for name, r in zip(names, runs, strict=True):
+        to_target = "not reached" if r["to_target"] is None else f"{r['to_target']:.1f} s"
+        lines.append(row(base, r, r["rate"], to_target, name))
+        if args.bandwidth is not None and r["batch"]:
+            compute = base["world"] / base["rate"] * r["batch"] / r["world"]  # its batch share, the smallest run's pace
+            comm = 2 * (r["world"] - 1) / r["world"] * 4 * params / (args.bandwidth * 1e9)  # ring: 2(N-1)/N per rank
+            paper.append((r["world"], r["batch"] / (compute + comm)))
+            how = f"on paper: {1e3 * compute:.2f} ms compute + {1e3 * comm:.2f} ms all-reduce"
+            lines.append(row(base, r, paper[-1][1], "", how))
+    return "\n".join(lines) + "\n", paper
+
+
+def figure(runs, paper):
+    """images/s against world size: measured, ideal (the smallest run's rate per process times N), on paper."""
+    ax = Figure(figsize=(6, 4.5), layout="constrained").subplots()
+    sizes = [r["world"] for r in runs]
+    ax.plot(sizes, [runs[0]["rate"] / runs[0]["world"] * n for n in sizes], "--", color="grey", label="ideal")
+    ax.plot(sizes, [r["rate"] for r in runs], "o-", color="C0", label="measured")
+    if paper:
+        ax.plot(*zip(*paper, strict=True), "s:", color="C1", label="on paper")
+    ax.set_xscale("log", base=2)  # world sizes double
+    ax.set_xticks(sorted(set(sizes)), [str(n) for n in sorted(set(sizes))])
+    ax.minorticks_off()
+    ax.set(title="images/s (median epoch after the first)", xlabel="world size (processes)", ylim=(0, None))
+    ax.legend(fontsize="small")
+    return ax.figure
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", type=Path, help="run folders (holding metrics.csv) or metrics.csv files")
+    p.add_argument("--target-accuracy", type=float, default=99.0, help="in %%, for the time-to column (default: 99)")
+    p.add_argument("--out", type=Path, help="also write the Markdown to this file")
+    p.add_argument("--plot", type=Path, help="draw images/s against world size into this PNG (needs matplotlib)")
+    p.add_argument("--bandwidth", type=float, help="GB/s of the all-reduce links: adds the rows on paper")
+    p.add_argument("--params", type=int, help="the model's parameters, where no checkpoint.pt names the model")
+    args = p.parse_args(argv)
+    if args.plot and Figure is None:
+        sys.exit("error: --plot needs matplotlib: pip install matplotlib")
+    loaded = sorted(map(load, args.runs), key=lambda run: run[1][0]["world_size"])  # as numbers: 2 before 16
+    runs = [measure(folder, rows, args.target_accuracy) for folder, rows in loaded]
+    text, paper = report(labels([folder for folder, _ in loaded]), runs, args)
+    print(text, end="")
+    if args.out:
+        args.out.write_text(text)
+    if args.plot:
+        figure(runs, paper).savefig(args.plot, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
