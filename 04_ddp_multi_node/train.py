@@ -81,7 +81,7 @@ def main():
     args = cli.parse_args()
     checkpoint.claim(args.output_dir)  # first: one run per folder, and a folder it can write
     rank, local_rank, world_size, device = distributed.setup(args)
-    distributed.banner(rank, local_rank, world_size, device)
+    distributed.banner(args, rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
 
     train_set = data.dataset(args.data_dir, args.dataset, train=True, limit=args.limit)

@@ -272,13 +272,19 @@ def default_num_workers(env=os.environ):
     return max(cpus // int(env.get("LOCAL_WORLD_SIZE", 1)) - 1, 0)
 
 
+def num_workers(args):
+    """The DataLoader workers of each rank: --num-workers, else the CPUs for the classic pipeline and none
+    for the batched one, where a batch is one indexing operation and passing it from a worker costs more."""
+    if args.loader == "device":
+        return 0
+    return default_num_workers() if args.num_workers is None and args.loader == "classic" else args.num_workers or 0
+
+
 def loader(dataset, sampler, batch_size, args, device):
     """Batches of `dataset` in the order of `sampler`, by the pipeline --loader names."""
     if args.loader == "device":
         return OnDevice(dataset, sampler, batch_size, device)
-    workers = args.num_workers
-    if workers is None:  # a batch is one indexing operation: passing it from a worker costs more than it saves
-        workers = default_num_workers() if args.loader == "classic" else 0
+    workers = num_workers(args)
     options = dict(
         num_workers=workers,
         pin_memory=device.type == "cuda",  # page-locked batches: the copy to the GPU can be asynchronous

@@ -301,11 +301,16 @@ def print0(*args):
         print(*args, flush=True)
 
 
-def banner(rank, local_rank, world_size, device):
-    """One start-up banner: versions, and the rank <-> host <-> device map, the first thing to read when a job hangs."""
+def banner(args, rank, local_rank, world_size, device):
+    """The start of every log: what ran, where and how, so that two logs of a sweep tell themselves apart;
+    then the rank <-> host <-> device map, the first thing to read when a job hangs."""
     cuda = torch.version.cuda if torch.cuda.is_available() else "none"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none"
     print0(f"torch {torch.__version__} | CUDA {cuda} | NCCL {nccl} | device {device.type} | world size {world_size}")
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
+    print0(f"started {time.strftime('%Y-%m-%d %H:%M:%S')} | job {job} | loader {args.loader}, {data.num_workers(args)} "
+           f"workers and {torch.get_num_threads()} OMP threads per rank | output {args.output_dir}")  # fmt: skip
+    print0(f"options: {' '.join(sys.argv[1:]) or '(the defaults)'}")
     here = (rank, local_rank, os.environ.get("SLURMD_NODENAME", socket.gethostname()), str(device))  # Slurm's name
     everyone = [here] * world_size
     if dist.is_initialized():

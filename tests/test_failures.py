@@ -212,8 +212,8 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tiny_data, tmp_p
 # --- ranks agree before the first step ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flag, other, named", [("--seed", 2, "--seed: rank 0: 1, rank 1: 2"),
-                                                ("--batch-size", 32, "--batch-size: rank 0: 64, rank 1: 32")])  # fmt: skip
+@pytest.mark.parametrize("flag, other, named", [("--seed", 2, "--seed: rank 0: 1, rank 1: 2"), pytest.param(
+    "--batch-size", 32, "--batch-size: rank 0: 64, rank 1: 32", marks=pytest.mark.slow)])  # fmt: skip
 def test_ranks_started_with_different_options_stop_naming_the_option(flag, other, named, tiny_data, tmp_path):
     args = stage_args(tiny_data, tmp_path, "--dist-timeout", 20)
     rank0, rank1 = finish(ranks([args, [*args, flag, other]]))
@@ -257,7 +257,7 @@ def test_a_master_port_in_use_is_named(tiny_data, tmp_path):
     assert rank0.seconds < 15 and rank1.seconds < 3 + 5 + 10
 
 
-@pytest.mark.parametrize("started", [0, 1])
+@pytest.mark.parametrize("started", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_rank_that_never_starts_is_named_within_the_timeout(started, tiny_data, tmp_path):
     args = [None, None]
     args[started] = stage_args(tiny_data, tmp_path, "--dist-timeout", 3)

@@ -1,6 +1,9 @@
 """What the job scripts share stays the same text everywhere, so that it never shows in the diffs
 between stages (their lengths: test_budgets.py)."""
 
+import re
+import subprocess
+
 from helpers import REPO
 
 SCRIPTS = sorted(REPO.glob("0*/*.slurm"))
@@ -20,3 +23,25 @@ def test_gpu_log_block_is_the_same_in_every_job_script():
     # the sweep names its GPU log as its log, after the array: %x-%A_%a
     sweep = [line.replace("${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID", "$SLURM_JOB_ID") for line in block(SWEEP)]
     assert sweep == first
+
+
+def test_strict_mode_and_the_python_environment_are_the_same_everywhere():
+    """Strict mode before the environment lines, so that a failure there stops the job where it happens."""
+    blocks = [block(path, first="set -euo pipefail", last="fi") for path in [*SCRIPTS, SWEEP]]
+    assert len(blocks) == 6 and all(b == blocks[0] for b in blocks) and "source" in blocks[0][5]
+
+
+def test_without_python_and_torch_a_copied_job_script_names_the_line_to_edit(tmp_path):
+    """Copied elsewhere, with no environment active and no .venv beside it: one line, at once."""
+    copy = tmp_path / "elsewhere" / "01_single_gpu"
+    copy.mkdir(parents=True)
+    script = copy / "job.slurm"
+    script.write_text((REPO / "01_single_gpu/job.slurm").read_text())
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").write_text("#!/bin/sh\nexit 1\n")  # a python without torch
+    (tmp_path / "bin" / "python").chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SLURM_SUBMIT_DIR": str(copy)}
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    line = int(re.search(r"at line (\d+) of the job script", out.stderr)[1])
+    assert out.returncode == 1 and out.stderr.count("error:") == 1 and not out.stdout, out
+    assert "set yours up here" in script.read_text().splitlines()[line - 1]

@@ -17,6 +17,7 @@ def check_run(output, output_dir, world_size, epochs=2):
     """What every stage must print and write, whatever the launcher."""
     assert output.count("torch ") == 1, output  # one banner, from rank 0 only
     assert f"world size {world_size}" in output
+    assert output.count("\noptions: --data-dir ") == 1 and output.count(f"| output {output_dir}\n") == 1  # what ran
     assert sum(line.startswith("  rank ") for line in output.splitlines()) == world_size  # the rank map
     epoch_lines = [line for line in output.splitlines() if line.startswith("epoch ")]
     assert len(epoch_lines) == epochs, output  # one line per epoch, from rank 0 only
