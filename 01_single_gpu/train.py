@@ -32,7 +32,8 @@ except ModuleNotFoundError as err:
     if err.name != "common":
         raise
     raise SystemExit(
-        f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's common/ there"
+        f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's common/ there, or install "
+        "the repository: `make install` in it (its .venv), or `pip install --no-deps -e <repository>` (conda, modules)"
     ) from err
 try:
     from line_profiler import profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run

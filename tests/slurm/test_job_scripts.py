@@ -8,6 +8,7 @@ a failing rank ending the job.
 
 import csv
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -120,3 +121,30 @@ def test_preempted_job_requeues_and_resumes(slurm_cluster, tiny_data, tmp_path):
     # the log may show the epoch cut short by the requeue twice; the metrics hold every epoch once
     rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert [int(row["epoch"]) for row in rows] == list(range(1, 41))
+
+
+HIDE_INSTALL = (  # a sitecustomize that removes what `make install` added: an editable finder and path hook
+    "import sys\nsys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]\n"
+    "sys.path[:] = [p for p in sys.path if 'editable' not in p]\n"
+)
+
+
+@pytest.mark.parametrize(
+    "script, world_size",
+    [("01_single_gpu/job.slurm", 1), ("03_ddp_single_node/job.slurm", 2), ("04_ddp_multi_node/job_torchrun.slurm", 4)],
+)
+def test_a_stage_copied_beside_common_runs_in_any_environment(slurm_cluster, tiny_data, tmp_path, script, world_size):
+    """The newcomer's path: the stage folder and common/ copied into a project of one's own, an active
+    environment with torch that has nothing of this repository installed, `sbatch job.slurm` unedited."""
+    project = tmp_path / "project"
+    stage = project / Path(script).parent.name
+    shutil.copytree(REPO / Path(script).parent, stage)
+    shutil.copytree(REPO / "common", project / "common", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "sitecustomize.py").write_text(HIDE_INSTALL)
+    env = {"PATH": f"{REPO / '.venv' / 'bin'}{os.pathsep}{os.environ['PATH']}", "PYTHONPATH": str(tmp_path / "hide")}
+    args = ["--data-dir", tiny_data, "--epochs", 1, "--output-dir", tmp_path / "out"]
+    job_id = slurm_cluster.submit(stage / Path(script).name, *args, env=env, cwd=stage)
+    info = slurm_cluster.wait(job_id)
+    output = Path(info["StdOut"]).read_text()
+    check_completed(info, output, tmp_path / "out", world_size)
