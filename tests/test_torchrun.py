@@ -3,12 +3,14 @@ one line before torchrun starts (and restarts) workers. The job scripts run unde
 (it runs its command here) and scontrol; a rank slow to exit, as a GPU rank tearing down CUDA is, once
 made the ranks' heartbeats hit rank 0's closed store: a C++ stack trace per rank after the summary."""
 
+import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from helpers import REPO, clean_env, free_port, run, stage_args
+from helpers import REPO, clean_env, free_port, processes_with, run, stage_args
 
 pytestmark = pytest.mark.slow
 SLOW_EXIT = "import atexit, os, time\nif os.environ.get('RANK', '0') != '0':\n    atexit.register(time.sleep, 4)\n"
@@ -72,3 +74,25 @@ def test_usage_error_ends_the_job_before_torchrun(script, tmp_path):
         "error: argument --lr: must be a number in (0, inf), got nan (see --help)"
     ]
     assert not (tmp_path / "srun-ran").exists()  # torchrun never started
+
+
+def test_a_restart_torch_does_not_count_still_resumes(tiny_data, tmp_path):
+    """Two torchruns as on two nodes; rank 1 is killed. Its torchrun counts a restart; rank 0's, whose worker
+    was still busy (slow here), restarts it "for a new node" and counts none (torch 2.14). The ranks must
+    still meet again, and resume, rather than wait out --dist-timeout under two restart counts."""
+    env = clean_env(PYTHONPATH=f"{REPO / 'tests' / 'inject'}:{REPO}", FAULT_RANK=0, FAULT_SLEEP=1.5,
+                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, RUN_MARKER=tmp_path.name)  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=1",
+           "--rdzv_backend=c10d", "--rdzv_id=1", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "04_ddp_multi_node/train.py",
+           *stage_args(tiny_data, tmp_path / "o", "--epochs", 3, "--dist-timeout", 60)]  # fmt: skip
+    agents = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]  # fmt: skip
+    while not (tmp_path / "o" / "checkpoint.pt").exists():
+        time.sleep(0.1)
+    start = time.monotonic()
+    [rank1] = [pid for pid in processes_with(f"RUN_MARKER={tmp_path.name}")
+               if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")]  # fmt: skip
+    os.kill(rank1, signal.SIGKILL)
+    outputs = [agent.communicate(timeout=180)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    assert "resumed after epoch " in "".join(outputs) and time.monotonic() - start < 60

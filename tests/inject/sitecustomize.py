@@ -2,6 +2,7 @@
 
   FAULT_RANK=r FAULT_STEP=n   rank r raises at its n-th optimizer step;
   FAULT_RANK=r FAULT_NAN=n    rank r's weights turn NaN after its n-th optimizer step (a divergence);
+  FAULT_RANK=r FAULT_SLEEP=s  rank r sleeps s seconds in every optimizer step (a slow node);
   FAULT_RANK=r FAULT_ENOSPC=n rank r's n-th torch.save fails half-way with "No space left on device";
   FAULT_RANK=r FAULT_SAVE=n   rank r dies (SIGKILL) half-way through writing its n-th torch.save;
   RECORD_SAMPLES=path         every DistributedSampler appends (rank, epoch, indices) to path.
@@ -19,6 +20,7 @@ if "FAULT_RANK" in env and rank == env["FAULT_RANK"]:
     import errno
     import io
     import signal
+    import time
 
     import torch
 
@@ -29,6 +31,7 @@ if "FAULT_RANK" in env and rank == env["FAULT_RANK"]:
         calls["step"] += 1
         if calls["step"] == int(env.get("FAULT_STEP", 0)):
             raise RuntimeError(f"injected fault: rank {rank} at step {calls['step']}")
+        time.sleep(float(env.get("FAULT_SLEEP", 0)))
         result = step(self, *args, **kwargs)
         if calls["step"] == int(env.get("FAULT_NAN", 0)):
             with torch.no_grad():
