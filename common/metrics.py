@@ -3,6 +3,7 @@ divergence check: a non-finite loss stops every rank together, before it can rea
 
 import csv
 import math
+import os
 import time
 
 import torch
@@ -13,7 +14,7 @@ from common.distributed import print0, stop
 
 FIELDS = [
     "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",
-    "epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size",
+    "epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size", "nodes",
 ]  # fmt: skip
 
 
@@ -43,6 +44,10 @@ class Log:
     def __init__(self, output_dir, world_size):
         self.path = output_dir / "metrics.csv"
         self.world_size = world_size
+        # the nodes of this srun step (srun, or srun torchrun), else torchrun's nodes (ranks / ranks per node)
+        self.nodes = int(
+            os.environ.get("SLURM_STEP_NUM_NODES") or world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        )
         self.rows = []
 
     def restore(self, rows):
@@ -70,7 +75,7 @@ class Log:
             epoch=epoch, lr=lr, train_loss=train_loss / seen, test_loss=test_loss / tested,
             val_loss=val_loss / validated if validated else "", val_accuracy=100 * val_correct / validated if validated else "",
             test_accuracy=100 * correct / tested, epoch_seconds=seconds, images_per_s=seen / seconds,
-            images_per_s_per_process=seen / seconds / self.world_size, world_size=self.world_size,
+            images_per_s_per_process=seen / seconds / self.world_size, world_size=self.world_size, nodes=self.nodes,
         )  # fmt: skip
         self.rows.append(row)
         val = f"| val loss {row['val_loss']:.4f} ({row['val_accuracy']:.2f}%) " if validated else ""

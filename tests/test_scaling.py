@@ -47,7 +47,7 @@ def test_table_sorts_world_sizes_as_numbers_and_reads_the_steady_epochs(tmp_path
     runs = []
     for n, rate in steady.items():
         reached = n != 4  # the 4-process run never reaches 99 %
-        extra = dict(nodes=4, global_batch=1024) if n == 16 else {}  # the columns metrics.csv may grow
+        extra = dict(nodes=4, global_batch=1024) if n == 16 else {}  # nodes: recorded since; global_batch: may be
         accuracy = [90, 98, 99.2, 99.5] if reached else [90, 95, 97, 98.9]
         # 1 process: the test set reaches 99 % at epoch 3, but the validation set (which counts) never
         val = [90, 95, 97, 98] if n == 1 else None
@@ -111,7 +111,7 @@ def test_real_runs_of_one_and_two_processes(tiny_data, tmp_path, capsys):
     assert result.returncode == 0, result.stderr
     for target, text in ((50, result.stdout), (100.5, report(capsys, *runs, "--target-accuracy", 100.5))):
         rows = table(text)
-        assert [(r["world size"], r["nodes"], r["global batch"]) for r in rows] == [("1", "1", "64"), ("2", "?", "64")]
+        assert [(r["world size"], r["nodes"], r["global batch"]) for r in rows] == [("1", "1", "64"), ("2", "1", "64")]
         assert (rows[0]["speed-up"], rows[0]["efficiency"]) == ("1.00", "1.00")
         for r, epochs in zip(rows, metrics, strict=True):
             assert r["images/s"] == f"{float(epochs[1]['images_per_s']):.0f}"  # the median of the one after the first

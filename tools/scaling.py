@@ -3,7 +3,7 @@
     python tools/scaling.py RUN... [--target-accuracy 99] [--out scaling.md] [--plot scaling.png] [--bandwidth GBps]
 
 RUNs as for tools/plot.py. The global batch is read from a `global_batch` column of metrics.csv, else from
-checkpoint.pt; the nodes from a `nodes` column (1 for one process), else "?". --bandwidth adds rows on paper.
+checkpoint.pt; the nodes from metrics.csv (runs from before it was recorded: 1 for one process, else "?"). --bandwidth adds rows on paper.
 """
 
 import argparse

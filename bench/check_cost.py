@@ -1,0 +1,63 @@
+"""What the divergence check costs: the progress line with its check (common.metrics.progress) against
+the plain line it replaced, and the once-an-epoch finiteness scan of a checkpoint (common.checkpoint.finite),
+both beside the time of a training step of stage 01's Net at batch 64, on this machine's GPU or CPU.
+
+    python bench/check_cost.py
+"""
+
+import argparse
+import contextlib
+import io
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common import checkpoint, metrics, models
+
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+model = models.build("net", 1, 10, 28, 16, 4).to(device)
+optimizer = torch.optim.Adadelta(model.parameters())
+x, y = torch.randn(64, 1, 28, 28, device=device), torch.randint(0, 10, (64,), device=device)
+totals = torch.zeros(2, device=device)
+
+
+def step():
+    optimizer.zero_grad(set_to_none=True)
+    loss = F.nll_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    totals[0] += loss.detach() * len(y)
+    return loss
+
+
+def seconds(fn, n):
+    """Mean seconds per call of fn, the device's work included."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n
+
+
+args = argparse.Namespace(output_dir=Path("runs"))
+loss = step()
+with contextlib.redirect_stdout(io.StringIO()):  # the lines themselves are not what is measured
+    plain = lambda: print(f"  epoch 1 batch 0/938 loss {step().item():.4f}")  # noqa: E731
+    checked = lambda: metrics.progress(1, 0, 938, step(), totals, args)  # noqa: E731
+    for fn in (step, plain, checked):
+        seconds(fn, 20)  # warm-up
+    runs = {"step": [], "plain": [], "checked": []}
+    for _ in range(5):  # alternated, so that drifts in clock or load hit all three alike
+        for name, fn in (("step", step), ("plain", plain), ("checked", checked)):
+            runs[name].append(seconds(fn, 100))
+per = {name: sorted(times)[2] for name, times in runs.items()}  # the median of five
+scan = seconds(lambda: checkpoint.finite([model.state_dict(), optimizer.state_dict()]), 20)
+print(f"{device.type}: a step {per['step'] * 1e3:.3f} ms; a step with the plain progress line "
+      f"{per['plain'] * 1e3:.3f} ms, with the checked one {per['checked'] * 1e3:.3f} ms: "
+      f"{(per['checked'] - per['plain']) * 1e6:+.1f} us per --log-interval (100 steps by default); "
+      f"the scan before each checkpoint {scan * 1e3:.2f} ms per epoch")  # fmt: skip
