@@ -145,6 +145,7 @@ def test_a_second_run_into_the_same_folder_exits_at_once_naming_the_first(tiny_d
     kept(tmp_path, 60)
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_dead_run_is_taken_over(tiny_data, tmp_path):
     (tmp_path / ".lock").write_text(json.dumps({"host": "gone", "pid": 1, "job": None, "since": "yesterday"}))
     assert python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1)).returncode == 0
@@ -195,6 +196,7 @@ def test_a_resume_with_a_changed_defining_option_is_refused_naming_both_values(t
     kept(tmp_path, 2)
 
 
+@pytest.mark.slow
 def test_resuming_from_a_model_file_says_it_is_not_a_checkpoint(tiny_data, tmp_path):
     assert python(S01, *stage_args(tiny_data, tmp_path / "a", "--epochs", 1, "--save-model")).returncode == 0
     out = python(S01, *stage_args(tiny_data, tmp_path / "b", "--resume", tmp_path / "a" / "model.pt"))

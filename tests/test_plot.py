@@ -98,6 +98,7 @@ def test_plot_draws_one_line_per_run(runs, tmp_path):
     assert timing.get_xlabel().startswith("bs")
 
 
+@pytest.mark.slow
 def test_plot_without_matplotlib_says_so(tmp_path):
     hide = "import sys, runpy; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     result = run([sys.executable, "-c", hide, str(PLOT), str(tmp_path), "-o", str(tmp_path / "plot.png")])

@@ -27,12 +27,13 @@ def write_run(folder, world, rates, accuracy, seconds=(3, 2, 2, 2), val=None, **
     """A metrics.csv as the stages write it, one row per epoch; `columns`: extra columns, the same every epoch."""
     folder.mkdir(parents=True)
     with open(folder / "metrics.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS + list(columns))
+        writer = csv.DictWriter(f, FIELDS + [c for c in columns if c not in FIELDS])
         writer.writeheader()
         for epoch, (rate, acc, secs) in enumerate(zip(rates, accuracy, seconds, strict=True), 1):
             row = dict.fromkeys(FIELDS, 1.0)  # the columns the table does not read
             row.update(epoch=epoch, images_per_s=rate, test_accuracy=acc, epoch_seconds=secs, world_size=world)
-            row.update(val_loss="", val_accuracy="" if val is None else val[epoch - 1], **columns)
+            row.update(val_loss="", nodes="", val_accuracy="" if val is None else val[epoch - 1])  # nodes: an older run
+            row.update(columns)
             writer.writerow(row)
     return folder
 
@@ -93,6 +94,7 @@ def test_rows_on_paper_with_bandwidth(tmp_path, capsys):
     )
 
 
+@pytest.mark.slow
 def test_without_matplotlib_a_plot_is_refused(tmp_path):
     hide = "import sys, runpy; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rpartition('/')[0]); runpy.run_path(sys.argv[0], run_name='__main__')"
     result = run([sys.executable, "-c", hide, str(SCALING), str(tmp_path), "--plot", str(tmp_path / "s.png")])

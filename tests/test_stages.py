@@ -73,6 +73,7 @@ def test_stage03_without_launcher_is_one_process(tiny_data, tmp_path):
     check_run(out.stdout, tmp_path, world_size=1)
 
 
+@pytest.mark.slow
 def test_copied_stage_runs_from_its_own_folder(tiny_data, tmp_path):
     """A stage folder copied elsewhere imports the installed common/; with nothing installed, the common/
     copied beside it; with neither, it says what to copy."""
