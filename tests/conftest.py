@@ -11,7 +11,7 @@ CIFAR_BATCH = 8  # images per CIFAR file: 40 training images in CIFAR-10's five 
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
-    """A --data-dir holding the first images of real MNIST as uncompressed IDX files, read by torchvision."""
+    """A --data-dir holding the first images of real MNIST as uncompressed IDX files, as `make data` leaves them."""
     root = tmp_path_factory.mktemp("data")
     raw = root / "MNIST" / "raw"
     raw.mkdir(parents=True)

@@ -111,7 +111,7 @@ def test_missing_data_names_path_and_make_data(tmp_path):
     assert "make data" in out.stderr
 
 
-def test_tiny_data_reads_through_torchvision(tiny_data):
+def test_tiny_data_reads_as_real_mnist(tiny_data):
     train = data.dataset(tiny_data, "mnist", train=True)
     x, y = train[[0, 1, 2]]
     assert len(train) == TRAIN_SIZE and x.shape == (3, 1, 28, 28) and y.tolist() == [5, 0, 4]  # MNIST's first labels
