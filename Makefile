@@ -8,7 +8,7 @@ endif
 SHELLCHECK ?= shellcheck
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 DATA := data/MNIST/raw/train-images-idx3-ubyte
-STAGES := 01_single_gpu 02_dataparallel 03_ddp_single_node 04_ddp_multi_node
+STAGES := 01_single_gpu 02_dataparallel 03_ddp_single_node 04_ddp_multi_node 05_fsdp
 
 .PHONY: install help test test-all test-slurm data run diff profile lint clean bench plot scaling
 

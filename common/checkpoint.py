@@ -5,6 +5,11 @@ mid-write leaves the previous checkpoint intact. Rank 0 also reads it back and b
 output folder need not be on a filesystem that every node sees. Files are loaded with
 `weights_only=True`: a checkpoint holds tensors and plain values, never code to run.
 
+Stage 05's model is sharded: every rank writes its own shard with torch.distributed.checkpoint into a
+new folder <output-dir>/epoch-N, and rank 0 then points the link <output-dir>/checkpoint at it, which
+is atomic too. Such a checkpoint loads at any world size: each rank reads the pieces its new shard needs,
+so every node must see the folder.
+
 A run resumes by itself when Slurm requeued or restarted its job (SLURM_RESTART_COUNT > 0, same job
 id, same output folder) or torchrun restarted its workers; otherwise only with --resume [PATH], and
 only with the options that define the run unchanged (common.cli.DEFINING). A run first claims its
@@ -19,6 +24,7 @@ import os
 import shutil
 import socket
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -26,7 +32,9 @@ import torch.distributed as dist
 from common import cli
 from common.distributed import launcher_env, print0, stop
 
-DIVERGED = "the run diverged; {0}/checkpoint.pt keeps the last good epoch: try a lower --lr (or --amp off)"
+DIVERGED = "the run diverged; the checkpoint in {0} keeps the last good epoch: try a lower --lr (or --amp off)"
+# stage 05 run by plain `python train.py` saves and loads its sharded checkpoints in one process, as meant
+warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
 _lock = []  # the open lock file: the folder stays claimed for as long as this process lives
 
 
@@ -83,7 +91,10 @@ def restarts(env=os.environ):
 
 
 def finite(state):
-    """Are all the floating-point tensors in `state` (nested dicts and lists) finite? Once an epoch."""
+    """Are all the floating-point tensors in `state` (nested dicts and lists) finite? Once an epoch. Of a
+    sharded tensor, the shard this rank holds."""
+    if hasattr(state, "to_local"):  # a DTensor (not imported: it costs every stage 0.4 s)
+        state = state.to_local()
     if isinstance(state, torch.Tensor):
         return not state.is_floating_point() or bool(torch.isfinite(state).all())
     if isinstance(state, (dict, list, tuple)):
@@ -117,28 +128,74 @@ def save(args, epoch, model, optimizer, scheduler, scaler, log):
     if not finite([unwrap(model).state_dict(), optimizer.state_dict()]):
         stop(f"error: epoch {epoch} left non-finite weights: {DIVERGED.format(args.output_dir)}")
     if is_rank0():
-        state = {
-            "epoch": epoch,
-            "model": unwrap(model).state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-            "rng": {
-                "cpu": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            },
-            "metrics": log.rows,
-            "flags": cli.defining(args),
-        }
+        state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
         with atomic(args.output_dir / "checkpoint.pt") as f:
-            torch.save(state, f)
+            torch.save(run_state(args, epoch, scheduler, scaler, log) | state, f)
     if dist.is_initialized():
         dist.barrier()  # every rank leaves the epoch with its checkpoint complete on disk
 
 
-def read(args):
-    """Rank 0: the checkpoint to resume from, None to start afresh, or an error message."""
-    own = args.output_dir / "checkpoint.pt"
+def run_state(args, epoch, scheduler, scaler, log):
+    """What a checkpoint holds besides the weights and the optimizer state: plain values and small tensors."""
+    return {
+        "epoch": epoch,
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "rng": {
+            "cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        },
+        "metrics": log.rows,
+        "flags": cli.defining(args),
+    }
+
+
+def save_sharded(args, epoch, model, optimizer, scheduler, scaler, log):
+    """Stage 05: each rank writes its shards of the weights and optimizer state into <output-dir>/epoch-N
+    (torch.distributed.checkpoint), rank 0 adds state.pt and then switches the link <output-dir>/checkpoint
+    to the new folder: a kill before the switch leaves the previous checkpoint whole."""
+    from torch.distributed import checkpoint as dcp  # here: the stages that do not shard skip the import
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards, named as in the model
+    bad = torch.tensor([float(not finite([weights, optimizer_state]))])  # each rank sees only its shards
+    if dist.is_initialized():
+        dist.all_reduce(bad)
+    if bad.item():
+        stop(f"error: epoch {epoch} left non-finite weights: {DIVERGED.format(args.output_dir)}")
+    folder = args.output_dir / f"epoch-{epoch}"
+    if is_rank0():
+        shutil.rmtree(folder, ignore_errors=True)  # what a save killed half-way left behind
+    if dist.is_initialized():
+        dist.barrier()
+    try:
+        dcp.save({"model": weights, "optimizer": optimizer_state}, checkpoint_id=folder)
+    except OSError as err:
+        raise SystemExit(f"error: could not write {folder}: {err.strerror}: the previous checkpoint is kept") from None
+    if is_rank0():
+        with atomic(folder / "state.pt") as f:
+            torch.save(run_state(args, epoch, scheduler, scaler, log), f)
+        link = args.output_dir / "checkpoint.tmp"
+        link.unlink(missing_ok=True)
+        link.symlink_to(folder.name)
+        os.replace(link, args.output_dir / "checkpoint")  # atomic: the old checkpoint or the new one
+        for old in args.output_dir.glob("epoch-*"):
+            if old != folder:
+                shutil.rmtree(old)
+    if dist.is_initialized():  # a resume at another world size reads every rank's shards: every node must see them
+        dist.barrier()  # rank 0 has switched the link
+        blind = [None] * dist.get_world_size()
+        dist.all_gather_object(blind, None if (folder / "state.pt").exists() else socket.gethostname())
+        if any(blind):
+            stop(f"error: {args.output_dir} is not shared: {', '.join(sorted(set(filter(None, blind))))} cannot see "
+                 "rank 0's checkpoint: in stage 05 every rank writes and reads shards there: choose an --output-dir "
+                 "that every node sees")  # fmt: skip
+
+
+def read(args, name="checkpoint.pt"):
+    """Rank 0: the checkpoint to resume from (a stage 05 folder: its state.pt, with "folder" added), None
+    to start afresh, or an error message."""
+    own = args.output_dir / name
     if args.resume is None and not any(restarts()):
         if own.exists():
             return f"error: {own} exists: add --resume to continue that run, or choose another --output-dir"
@@ -146,12 +203,16 @@ def read(args):
     path = own if args.resume in (None, True) else args.resume
     if not path.exists():
         return None if args.resume is None else f"error: no checkpoint at {path} to resume from"
+    folder = path.resolve() if path.is_dir() else None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(folder / "state.pt" if folder else path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated file, or a pickle that would run code
         return f"error: {path} is not a checkpoint this code wrote ({type(err).__name__}): delete it or use another"
-    if not (isinstance(state, dict) and {"epoch", "model", "flags"} <= state.keys()):
+    if not (isinstance(state, dict) and {"epoch", "flags"} <= state.keys() and ("model" in state or folder)):
         return f"error: {path} is not a training checkpoint (a --save-model file holds weights only): give <output-dir>/checkpoint.pt"
+    if folder and name != "checkpoint":
+        return f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its weights with its --save-model"
+    state["folder"] = folder
     # a checkpoint from before an option existed does not record it: what it records must match
     now = cli.defining(args)
     differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in state["flags"].items() if now.get(k) != v]
@@ -160,9 +221,9 @@ def read(args):
     return state
 
 
-def resume(args, model, optimizer, scheduler, scaler, log):
+def resume(args, model, optimizer, scheduler, scaler, log, name="checkpoint.pt"):
     """Load the checkpoint this run should continue from, if any: returns the first epoch to run."""
-    box = [read(args) if is_rank0() else None]
+    box = [read(args, name) if is_rank0() else None]
     if dist.is_initialized():
         dist.broadcast_object_list(box)  # every rank gets rank 0's verdict and state
     state = box[0]
@@ -171,8 +232,11 @@ def resume(args, model, optimizer, scheduler, scaler, log):
     if state is None:
         return 1
     try:
-        unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if name == "checkpoint":
+            load_sharded(state, model, optimizer)
+        else:
+            unwrap(model).load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
     except (RuntimeError, ValueError, KeyError) as err:
         raise SystemExit(f"error: the checkpoint does not match this model: {err}") from None
     scheduler.load_state_dict(state["scheduler"])
@@ -186,9 +250,43 @@ def resume(args, model, optimizer, scheduler, scaler, log):
     return state["epoch"] + 1
 
 
+def resume_sharded(args, model, optimizer, scheduler, scaler, log):
+    """Stage 05's resume: from its own sharded checkpoint <output-dir>/checkpoint, saved at any world
+    size, or with --resume from another checkpoint folder or from a checkpoint.pt of stages 01-04."""
+    return resume(args, model, optimizer, scheduler, scaler, log, name="checkpoint")
+
+
+def load_sharded(state, model, optimizer):
+    """Into a sharded model: each rank reads from the folder the pieces of its own shards (at any world
+    size: the checkpoint records where each piece lies), or takes its shards of a whole checkpoint.pt."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    if state["folder"]:
+        weights, optimizer_state = get_state_dict(model, optimizer)  # the shapes to fill, this rank's shards
+        pieces = {"model": weights, "optimizer": optimizer_state}
+        dcp.load(pieces, checkpoint_id=state["folder"])
+        set_state_dict(model, optimizer, model_state_dict=pieces["model"], optim_state_dict=pieces["optimizer"])
+        return
+    names = [name for name, _ in model.named_parameters()]  # optimizer.state_dict() numbers them in this order
+    saved = state["optimizer"]
+    optimizer_state = {
+        "state": {names[i]: value for i, value in saved["state"].items()},
+        "param_groups": [group | {"params": [names[i] for i in group["params"]]} for group in saved["param_groups"]],
+    }
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optimizer_state,
+                   options=StateDictOptions(full_state_dict=True))  # fmt: skip
+
+
 def save_model(model, output_dir):
-    if not finite(unwrap(model).state_dict()):
+    """The whole weights, as stage 01's model names them: from any stage, a file any stage loads."""
+    weights = unwrap(model).state_dict()
+    if any(hasattr(w, "to_local") for w in weights.values()):  # stage 05's DTensors: gather the shards on rank 0
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not finite(weights):  # every rank's own weights, or rank 0's whole ones (the others then have none)
         stop(f"error: the trained weights are not finite: {DIVERGED.format(output_dir)}")
     if is_rank0():
         with atomic(output_dir / "model.pt") as f:
-            torch.save(unwrap(model).state_dict(), f)
+            torch.save(weights, f)

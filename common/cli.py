@@ -91,6 +91,9 @@ FREE = (
     "data_dir", "num_workers", "loader",  # where batches come from: the three loaders give the same batches
     "test_batch_size",  # evaluation sums do not depend on how they are split into batches
     "no_cuda", "dist_timeout",  # where it runs and how long a collective waits: checkpoints load on any device
+    # stage 05: how the same global batch fits in memory (not BatchNorm's statistics, which see the micro-batches);
+    # a job requeued onto fewer GPUs may need more accumulation than before
+    "grad_accum", "checkpoint_activations",
     "target_accuracy", "patience",  # when to stop early: a resumed run may change its mind
 )  # fmt: skip
 
@@ -132,6 +135,11 @@ def parser(script):
     # datetime.timedelta's range it would crash the process group's setup
     p.add_argument("--dist-timeout", type=number(int, "[1, 86400]"), default=300,
                    help="seconds a collective may wait for the other ranks (default: 300)")
+    large = p.add_argument_group("large models (stage 05 only: refused in the stages that do not teach them)")
+    large.add_argument("--grad-accum", type=POSITIVE, default=1, metavar="N",
+                       help="split each rank's share of --batch-size into N micro-batches, one backward each, gradients reduced once after the last (default: 1)")
+    large.add_argument("--checkpoint-activations", action="store_true",
+                       help="keep only each block's input for the backward pass and recompute the rest: less memory, about one more forward pass of time")
     experiments = p.add_argument_group("experiments")
     experiments.add_argument("--dataset", choices=DATASETS, default="mnist", help="in torchvision's layout under --data-dir; `make data DATASET=...` (default: mnist)")
     experiments.add_argument("--model", choices=list(TESTED), default="net", help="net: pytorch/examples' CNN for 28x28; cnn: a small CNN for any size; wideresnet: for 32x32 (default: net)")
@@ -154,18 +162,23 @@ def parser(script):
     return p
 
 
-def parse_args(argv=None, warn=True):
-    """The options of the stage that runs (sys.argv[0]), checked; usage errors exit 2 with one line."""
+def parse_args(argv=None, warn=True, teaches=()):
+    """The options of the stage that runs (sys.argv[0]), checked; usage errors exit 2 with one line. A
+    large-model option is refused unless the stage `teaches` it: silently ignored, it would mislead."""
     p = parser(Path(sys.argv[0]).resolve())
     args = p.parse_args(argv)
+    for name in ("grad_accum", "checkpoint_activations"):
+        if name not in teaches and getattr(args, name) != p.get_default(name):
+            p.error(f"--{name.replace('_', '-')} is taught in stage 05_fsdp, not here: run 05_fsdp/train.py")
     if args.dataset not in TESTED[args.model]:
         p.error(f"--model {args.model} is tested with --dataset {', '.join(TESTED[args.model])}, not {args.dataset}")
     # rank 0 alone reads the checkpoint, and on nodes that share no filesystem only its node has the file
     path = args.resume
-    if isinstance(path, Path) and lead() and not path.is_file():
+    if isinstance(path, Path) and lead() and not (path.is_file() or (path / "state.pt").is_file()):
         # a FIFO would hang torch.load, a directory make it fail with a traceback
         what = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
-        p.error(f"argument --resume: {path} {what}: give a checkpoint file (<output-dir>/checkpoint.pt)")
+        p.error(f"argument --resume: {path} {what}: give a checkpoint file (<output-dir>/checkpoint.pt) or, "
+                "from stage 05, a checkpoint folder (<output-dir>/checkpoint)")  # fmt: skip
     cpus = cpus_per_rank()
     if args.num_workers is not None and args.num_workers > cpus:
         if warn:

@@ -9,12 +9,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from common import optim
 from common.checkpoint import DIVERGED, atomic
 from common.distributed import print0, stop
 
 FIELDS = [
     "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",
-    "epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size", "nodes",
+    "epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size", "nodes", "peak_memory_mib",
 ]  # fmt: skip
 
 
@@ -31,6 +32,18 @@ def progress(epoch, batch, batches, loss, totals, args):
         stop(f"error: the training loss is not finite by epoch {epoch}, batch {batch} (rank 0's: {loss}): "
              + DIVERGED.format(args.output_dir))  # fmt: skip
     print0(f"  epoch {epoch} batch {batch}/{batches} loss {loss:.4f}")
+
+
+def memory(model, args, world_size):
+    """Stage 05, at start: the bytes each rank holds of the weights, their gradients and the optimizer
+    state, replicated (DDP: all of them on every rank) and sharded (FSDP: 1/world size of each). Activations
+    and the one block FSDP gathers at a time come on top: the peak of each epoch is measured on GPUs."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    total = weights * (2 + optim.state_tensors(args))
+    peak = "in the log and metrics.csv each epoch" if torch.cuda.is_initialized() else "not measured on the CPU"
+    print0(f"memory per rank: weights {weights:.1f} MiB + gradients {weights:.1f} MiB + {args.optimizer} state "
+           f"{total - 2 * weights:.1f} MiB = {total:.1f} MiB under DDP, {total / world_size:.1f} MiB under FSDP "
+           f"at world size {world_size} | peak device memory: {peak}")  # fmt: skip
 
 
 def elapsed(start, device):
@@ -76,13 +89,17 @@ class Log:
             val_loss=val_loss / validated if validated else "", val_accuracy=100 * val_correct / validated if validated else "",
             test_accuracy=100 * correct / tested, epoch_seconds=seconds, images_per_s=seen / seconds,
             images_per_s_per_process=seen / seconds / self.world_size, world_size=self.world_size, nodes=self.nodes,
+            peak_memory_mib=torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else "",
         )  # fmt: skip
+        if torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()  # each epoch's own peak
         self.rows.append(row)
         val = f"| val loss {row['val_loss']:.4f} ({row['val_accuracy']:.2f}%) " if validated else ""
         print0(
             f"epoch {epoch:3d} | lr {lr:.4f} | train loss {row['train_loss']:.4f} {val}| test loss {row['test_loss']:.4f} "
             f"| accuracy {int(correct)}/{int(tested)} ({row['test_accuracy']:.2f}%) | {seconds:.2f} s "
             f"| {row['images_per_s']:.0f} img/s ({row['images_per_s_per_process']:.0f} per process)"
+            + (f" | peak {row['peak_memory_mib']:.0f} MiB" if row["peak_memory_mib"] != "" else "")
         )
         self.write()
 

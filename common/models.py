@@ -98,6 +98,13 @@ class WideResNet(nn.Module):
         return F.log_softmax(self.fc(self.features(x)), dim=1)
 
 
+def blocks(model):
+    """The pieces stage 05 shards one at a time and, with --checkpoint-activations, recomputes in the
+    backward pass: a WideResNet's residual blocks; in the plain CNNs, each layer with weights."""
+    found = [m for m in model.modules() if isinstance(m, Block)]
+    return found or [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+
+
 def build(name, in_channels, num_classes, image_size, depth=16, width=4):
     """The model `name` for images of in_channels x image_size x image_size in num_classes classes; a
     SystemExit that says what to change for a size it does not fit."""

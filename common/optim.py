@@ -28,6 +28,14 @@ def optimizer(args, parameters):
     return torch.optim.SGD(parameters, lr=lr, momentum=args.momentum, weight_decay=decay)
 
 
+def state_tensors(args):
+    """How many tensors the size of the weights the optimizer keeps: Adadelta and Adam two (running averages),
+    RMSprop one, SGD none; momentum one more (stage 05's memory line)."""
+    return {"adadelta": 2, "adam": 2, "rmsprop": 1, "sgd": 0}[args.optimizer] + int(
+        args.optimizer in ("rmsprop", "sgd") and args.momentum > 0
+    )
+
+
 def scheduler(args, optimizer):
     """Stepped once per epoch."""
     if args.scheduler == "cosine":

@@ -5,7 +5,9 @@
   FAULT_RANK=r FAULT_SLEEP=s  rank r sleeps s seconds in every optimizer step (a slow node);
   FAULT_RANK=r FAULT_ENOSPC=n rank r's n-th torch.save fails half-way with "No space left on device";
   FAULT_RANK=r FAULT_SAVE=n   rank r dies (SIGKILL) half-way through writing its n-th torch.save;
-  RECORD_SAMPLES=path         every DistributedSampler appends (rank, epoch, indices) to path.
+  RECORD_SAMPLES=path         every DistributedSampler appends (rank, epoch, indices) to path;
+  NO_DROPOUT=1                every dropout layer passes its input through: each rank draws its own
+                              masks, so runs at different world sizes differ by them alone.
 
 Python imports sitecustomize at start-up in every process, the launchers included; only the
 processes a variable names are touched, and nothing else is imported otherwise.
@@ -71,3 +73,8 @@ if "RECORD_SAMPLES" in env:
         return iter(indices)
 
     distributed.DistributedSampler.__iter__ = recording_iter
+
+if "NO_DROPOUT" in env:
+    from torch import nn
+
+    nn.Dropout.forward = lambda self, x: x

@@ -1,0 +1,182 @@
+"""Stage 05: sharded training trains as DDP does, its checkpoints survive a kill and a change of world
+size, and its exported model is stage 01's."""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import REPO, TEST_SIZE, clean_env, free_port, processes_with, run, stage_args, torchrun, torchrun_cmd
+from test_equivalence import ARGS, BATCH, CPU, model_without_dropout, stage
+from test_reliability import INJECT, wait_for
+from test_stages import check_run
+from torch.distributed._composable import checkpoint as recompute
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+from common import amp, data, models
+
+S03, S05 = REPO / "03_ddp_single_node/train.py", REPO / "05_fsdp/train.py"
+STEPS = 4
+# what each claim is checked to: the same sums in another order (fp32 on CPU, a few steps of Adadelta at lr 1)
+TOLERANCE = dict(rtol=0, atol=1e-5)
+
+
+def weights(folder):
+    return torch.load(folder / "model.pt", weights_only=True)
+
+
+def assert_close_weights(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], **TOLERANCE, msg=name)
+
+
+def test_stage05_exports_stage01s_model(tiny_data, tmp_path):
+    """World size 2: the run of every stage, sharded checkpoints, the memory line, and a model.pt that stage
+    01's Net loads strictly and evaluates to the accuracy of the last epoch."""
+    out = torchrun(2, S05, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--save-model"))
+    assert out.returncode == 0, out.stderr
+    rows = check_run(out.stdout, tmp_path, world_size=2)
+    assert (
+        "= 18.3 MiB under DDP, 9.2 MiB under FSDP at world size 2 | peak device memory: not measured on the CPU"
+        in out.stdout
+    )
+    assert os.readlink(tmp_path / "checkpoint") == "epoch-2" and not (tmp_path / "epoch-1").exists()
+    model = models.Net()
+    model.load_state_dict(weights(tmp_path), strict=True)
+    loader = data.loader(data.dataset(tiny_data, "mnist", train=False), range(TEST_SIZE), 1000, ARGS, CPU)
+    correct = stage("01_single_gpu").evaluate(model, CPU, loader)[1]
+    assert 100 * correct.item() / TEST_SIZE == pytest.approx(float(rows[-1]["test_accuracy"]))
+
+
+@pytest.mark.slow
+def test_stage05_trains_as_stage03(tiny_data, tmp_path):
+    """One epoch at world size 2, the same flags: stage 03's losses, accuracy and weights (the same sums,
+    reduce-scattered instead of all-reduced)."""
+    for name, script in (("05", S05), ("03", S03)):
+        out = torchrun(2, script, *stage_args(tiny_data, tmp_path / name, "--epochs", 1, "--save-model"))
+        assert out.returncode == 0, out.stderr
+    ours, theirs = (next(csv.DictReader(open(tmp_path / name / "metrics.csv"))) for name in ("05", "03"))
+    for key in ("train_loss", "test_loss", "test_accuracy"):
+        assert float(ours[key]) == pytest.approx(float(theirs[key]), rel=1e-4), key
+    assert_close_weights(weights(tmp_path / "05"), weights(tmp_path / "03"))
+
+
+def ranks(rank, world_size, port, data_dir, result):
+    """Each rank trains STEPS steps four ways from the same weights: DDP; FSDP; FSDP with four micro-batches
+    per step; FSDP with recomputed activations."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    sampler = DistributedSampler(range(BATCH * STEPS), num_replicas=world_size, rank=rank, shuffle=False)
+    loader = data.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, ARGS, CPU)
+    trained = {}
+    for way, accum, checkpointed in (
+        ("ddp", 1, False),
+        ("fsdp", 1, False),
+        ("accum", 4, False),
+        ("recompute", 1, True),
+    ):
+        model = model_without_dropout()
+        if way == "ddp":
+            model = DDP(model)
+        else:
+            for block in models.blocks(model):  # as stage 05 does
+                if checkpointed:
+                    recompute(block)
+                fully_shard(block)
+            fully_shard(model)
+        optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+        args = type(ARGS)(**vars(ARGS), grad_accum=accum)
+        stage("05_fsdp" if way != "ddp" else "03_ddp_single_node").train(
+            model, CPU, loader, optimizer, amp.scaler(CPU, args), 1, args
+        )
+        trained[way] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save({way: {k.removeprefix("module."): v for k, v in w.items()} for way, w in trained.items()}, result)
+    dist.destroy_process_group()
+
+
+def test_fsdp_micro_batches_and_recompute_equal_ddp(tiny_data, tmp_path):
+    """After a few steps at world size 2, FSDP's weights are DDP's, with the global batch in four
+    micro-batches too (gradients summed, reduced once), and with recomputed activations."""
+    mp.spawn(ranks, args=(2, free_port(), tiny_data, tmp_path / "w.pt"), nprocs=2)
+    trained = torch.load(tmp_path / "w.pt", weights_only=True)
+    start = model_without_dropout().state_dict()
+    for way in ("fsdp", "accum", "recompute"):
+        assert_close_weights(trained[way], trained["ddp"])
+    assert all(not torch.equal(trained["accum"][k], start[k]) for k in start)  # training moved every tensor
+
+
+def test_the_large_model_flags_are_refused_where_not_taught(tiny_data, tmp_path):
+    for flag in (["--grad-accum", "2"], ["--checkpoint-activations"]):
+        out = run([sys.executable, "-m", "common.cli", *flag])
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert f"error: {flag[0]} is taught in stage 05_fsdp, not here" in out.stderr
+
+
+@pytest.mark.slow
+def test_resume_at_other_world_sizes_continues_the_same_run(tiny_data, tmp_path):
+    """Saved at 4 ranks, resumed at 2, then at 1: the weights of a run that stayed at 2. Dropout is off
+    (tests/inject NO_DROPOUT): each rank draws its own masks, which alone would tell the world sizes apart."""
+    env = clean_env(PYTHONPATH=f"{INJECT}:{REPO}", NO_DROPOUT=1)
+    for size, epochs in ((4, 1), (2, 2), (1, 3)):
+        args = stage_args(tiny_data, tmp_path / "resized", "--epochs", epochs, "--save-model")
+        out = torchrun(size, S05, *args, *(["--resume"] if epochs > 1 else []), env=env)
+        assert out.returncode == 0, out.stderr
+        assert epochs == 1 or f"resumed after epoch {epochs - 1}" in out.stdout
+    out = torchrun(2, S05, *stage_args(tiny_data, tmp_path / "stayed", "--epochs", 3, "--save-model"), env=env)
+    assert out.returncode == 0, out.stderr
+    assert_close_weights(weights(tmp_path / "resized"), weights(tmp_path / "stayed"))
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_and_resumes_under_torchrun(tiny_data, tmp_path):
+    assert torchrun(2, S05, *stage_args(tiny_data, tmp_path / "whole", "--epochs", 3, "--save-model")).returncode == 0
+    killed = tmp_path / "killed"
+    cmd = torchrun_cmd(2, S05, *stage_args(tiny_data, killed, "--epochs", 3, "--save-model"), restarts=1)
+    marker = f"TEST_RUN={uuid.uuid4()}"
+    env = clean_env(TEST_RUN=marker.split("=")[1], TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)  # as the job scripts
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    wait_for(lambda: (killed / "checkpoint").exists())
+    rank1 = [
+        pid for pid in processes_with(marker) if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    ]
+    os.kill(rank1[0], signal.SIGKILL)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0 and "torchrun restart 1" in output, output
+    torch.testing.assert_close(weights(killed), weights(tmp_path / "whole"), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_kill_during_sharded_save_keeps_the_previous_checkpoint(tiny_data, tmp_path):
+    """Rank 0 dies half-way through its 37th tensor write: the second epoch's shards (25 writes an epoch on
+    rank 0 at world size 2, torch 2.14). The link still names epoch 1, which resumes to the end."""
+    env = clean_env(PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_SAVE=37)
+    out = torchrun(2, S05, *stage_args(tiny_data, tmp_path, "--epochs", 3), env=env)
+    assert out.returncode != 0 and os.readlink(tmp_path / "checkpoint") == "epoch-1"
+    assert (tmp_path / "epoch-2").exists()  # the half-written folder, which the link never named
+    resumed = torchrun(2, S05, *stage_args(tiny_data, tmp_path, "--epochs", 3, "--resume"))
+    assert resumed.returncode == 0 and "resumed after epoch 1" in resumed.stdout, resumed.stderr
+    assert os.readlink(tmp_path / "checkpoint") == "epoch-3" and sorted(p.name for p in tmp_path.glob("epoch-*")) == [
+        "epoch-3"
+    ]
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_refusals(tiny_data, tmp_path):
+    """A changed defining option is refused as in every stage; another stage names stage 05."""
+    assert torchrun(2, S05, *stage_args(tiny_data, tmp_path / "o", "--epochs", 1)).returncode == 0
+    out = torchrun(2, S05, *stage_args(tiny_data, tmp_path / "o", "--epochs", 2, "--resume", "--seed", 2))
+    assert out.returncode != 0 and "was written with --seed 1 (now 2)" in out.stderr, out.stderr
+    out = run(
+        [sys.executable, str(S03), *stage_args(tiny_data, tmp_path / "p", "--resume", tmp_path / "o" / "checkpoint")]
+    )
+    assert out.returncode != 0 and "is a sharded checkpoint of stage 05: resume it there" in out.stderr, out.stderr
