@@ -110,14 +110,15 @@ def main():
     metrics.memory(model, args, world_size)
     if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    policy = amp.policy(model, device, args)  # --amp: bf16 compute, fp32 shards (FSDP's, not autocast)
     for block in models.blocks(model):
         if args.checkpoint_activations:  # keep the block's input only; rerun its forward in backward()
             recompute(block)
         if dist.is_initialized():  # each block's weights are gathered just before it runs, then freed
-            fully_shard(block, mp_policy=amp.policy(device, args))
+            fully_shard(block, mp_policy=policy)
     if dist.is_initialized():  # a plain `python train.py` has no process group and shards nothing
         # the rest (first and last layers) at the root; gradients are reduce-scattered during backward()
-        fully_shard(model, mp_policy=amp.policy(device, args))
+        fully_shard(model, mp_policy=policy)
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)

@@ -91,7 +91,9 @@ def test_a_nan_mid_run_stops_at_the_next_progress_line_and_keeps_the_checkpoint(
     # weights turn NaN after the 2nd step of epoch 2; the next progress line (batch 2) stops the run
     out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 3, "--log-interval", 2),
                  PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_NAN=STEPS + 2)  # fmt: skip
-    one_error(out, "not finite by epoch 2, batch 2", "nan", "--lr", str(tmp_path / "checkpoint.pt"))
+    one_error(
+        out, "not finite by epoch 2, batch 2", "nan", "--lr", f"the checkpoint in {tmp_path} keeps the last good epoch"
+    )
     kept(tmp_path, 1)
 
 

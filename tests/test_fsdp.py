@@ -4,6 +4,7 @@ size, and its exported model is stage 01's."""
 import csv
 import os
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -12,7 +13,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import REPO, TEST_SIZE, clean_env, free_port, processes_with, run, stage_args, torchrun, torchrun_cmd
+from helpers import (
+    REPO,
+    TEST_SIZE,
+    clean_env,
+    free_port,
+    processes_with,
+    run,
+    srun_like,
+    stage_args,
+    torchrun,
+    torchrun_cmd,
+)
 from test_equivalence import ARGS, BATCH, CPU, model_without_dropout, stage
 from test_reliability import INJECT, wait_for
 from test_stages import check_run
@@ -180,3 +192,46 @@ def test_sharded_checkpoint_refusals(tiny_data, tmp_path):
         [sys.executable, str(S03), *stage_args(tiny_data, tmp_path / "p", "--resume", tmp_path / "o" / "checkpoint")]
     )
     assert out.returncode != 0 and "is a sharded checkpoint of stage 05: resume it there" in out.stderr, out.stderr
+
+
+@pytest.mark.slow
+def test_amp_with_batchnorm_and_every_large_model_flag(tiny_sets, tmp_path):
+    """A WideResNet under --amp: its BatchNorm layers compute in fp32 (their statistics are fp32) inside
+    bf16 blocks; with recomputed activations and micro-batches; the export is the plain model's, in fp32."""
+    flags = ("--model", "wideresnet", "--dataset", "cifar10", "--depth", 10, "--width", 1, "--batch-size", 8)
+    args = stage_args(
+        tiny_sets, tmp_path, "--epochs", 2, *flags, "--amp", "--checkpoint-activations", "--grad-accum", 2
+    )
+    out = torchrun(2, S05, *args, "--save-model")
+    assert out.returncode == 0 and "done: 2 epochs" in out.stdout, out.stderr
+    model = models.build("wideresnet", 3, 10, 32, depth=10, width=1)
+    model.load_state_dict(weights(tmp_path), strict=True)
+    assert all(w.dtype == torch.float32 for w in weights(tmp_path).values() if w.is_floating_point())
+
+
+@pytest.mark.slow
+def test_output_folder_not_shared_is_named(tiny_data, tmp_path):
+    """Two working folders stand for two nodes that share no disk: after the first epoch's save, rank 1's
+    node cannot see the checkpoint, and the run says so instead of failing at the next resume."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    args = ("--data-dir", tiny_data, "--output-dir", "out", "--num-workers", 0, "--epochs", 2)
+    codes, outputs = srun_like(2, S05, *args, cwds=nodes)
+    assert codes[0] != 0, outputs
+    errors = [line for line in outputs[0].splitlines() if line.startswith("error:")]
+    assert errors == [f"error: out is not shared: {socket.gethostname()} cannot see rank 0's checkpoint: in stage 05 "
+                      "every rank writes and reads shards there: choose an --output-dir that every node sees"], outputs[0]  # fmt: skip
+    assert "Traceback" not in outputs[0]
+
+
+def test_amp_refusals(monkeypatch):
+    """--amp in stage 05 is FSDP's policy: without a process group there is no FSDP to use it, and fp16
+    without a sharded loss scaler would underflow; both are refused, never ignored."""
+    args = type(ARGS)(amp=True)
+    with pytest.raises(SystemExit, match="launch with torchrun or srun"):
+        amp.policy(models.Net(), CPU, args)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(amp, "dtype", lambda device: torch.float16)  # a GPU without bf16 (V100)
+    with pytest.raises(SystemExit, match="computes in bf16, which this GPU lacks"):
+        amp.policy(models.Net(), CPU, args)
