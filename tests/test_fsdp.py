@@ -72,7 +72,7 @@ def test_stage05_exports_stage01s_model(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_stage05_trains_as_stage03(tiny_data, tmp_path):
     """One epoch at world size 2, the same flags: stage 03's losses, accuracy and weights (the same sums,
-    reduce-scattered instead of all-reduced)."""
+    reduce-scattered instead of all-reduced). Then a second epoch from either checkpoint: the same."""
     for name, script in (("05", S05), ("03", S03)):
         out = torchrun(2, script, *stage_args(tiny_data, tmp_path / name, "--epochs", 1, "--save-model"))
         assert out.returncode == 0, out.stderr
@@ -80,6 +80,12 @@ def test_stage05_trains_as_stage03(tiny_data, tmp_path):
     for key in ("train_loss", "test_loss", "test_accuracy"):
         assert float(ours[key]) == pytest.approx(float(theirs[key]), rel=1e-4), key
     assert_close_weights(weights(tmp_path / "05"), weights(tmp_path / "03"))
+    # stage 03's checkpoint.pt starts a stage 05 run, which continues as stage 05's own checkpoint does
+    for name, resume in (("05", tmp_path / "05" / "checkpoint"), ("from03", tmp_path / "03" / "checkpoint.pt")):
+        args = stage_args(tiny_data, tmp_path / name, "--epochs", 2, "--save-model", "--resume", resume)
+        out = torchrun(2, S05, *args)
+        assert out.returncode == 0 and "resumed after epoch 1" in out.stdout, out.stderr
+    assert_close_weights(weights(tmp_path / "from03"), weights(tmp_path / "05"))
 
 
 def ranks(rank, world_size, port, data_dir, result):
