@@ -158,7 +158,8 @@ def save_sharded(args, epoch, model, optimizer, scheduler, scaler, log):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     weights, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards, named as in the model
-    bad = torch.tensor([float(not finite([weights, optimizer_state]))])  # each rank sees only its shards
+    device = next(model.parameters()).device  # NCCL reduces GPU tensors only
+    bad = torch.tensor([float(not finite([weights, optimizer_state]))], device=device)  # each rank sees its shards
     if dist.is_initialized():
         dist.all_reduce(bad)
     if bad.item():
@@ -170,8 +171,10 @@ def save_sharded(args, epoch, model, optimizer, scheduler, scaler, log):
         dist.barrier()
     try:
         dcp.save({"model": weights, "optimizer": optimizer_state}, checkpoint_id=folder)
-    except OSError as err:
-        raise SystemExit(f"error: could not write {folder}: {err.strerror}: the previous checkpoint is kept") from None
+    except (OSError, dcp.CheckpointException) as err:  # every rank gets the failures of all
+        free = shutil.disk_usage(args.output_dir).free / 2**20
+        stop(f"error: could not write {folder}: {failed(err)} ({free:.0f} MiB free there): the previous checkpoint "
+             "is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
     if is_rank0():
         with atomic(folder / "state.pt") as f:
             torch.save(run_state(args, epoch, scheduler, scaler, log), f)
@@ -265,7 +268,10 @@ def load_sharded(state, model, optimizer):
     if state["folder"]:
         weights, optimizer_state = get_state_dict(model, optimizer)  # the shapes to fill, this rank's shards
         pieces = {"model": weights, "optimizer": optimizer_state}
-        dcp.load(pieces, checkpoint_id=state["folder"])
+        try:
+            dcp.load(pieces, checkpoint_id=state["folder"])
+        except dcp.CheckpointException as err:  # a shard missing (a folder not shared), or of another model
+            stop(f"error: cannot load the checkpoint {state['folder']}: {failed(err)}: resume from a complete one")
         set_state_dict(model, optimizer, model_state_dict=pieces["model"], optim_state_dict=pieces["optimizer"])
         return
     names = [name for name, _ in model.named_parameters()]  # optimizer.state_dict() numbers them in this order
@@ -276,6 +282,14 @@ def load_sharded(state, model, optimizer):
     }
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optimizer_state,
                    options=StateDictOptions(full_state_dict=True))  # fmt: skip
+
+
+def failed(err):
+    """The first failure of a torch.distributed.checkpoint save or load, in a few words: which rank, what."""
+    rank, (cause, _) = next(iter(err.failures.items())) if hasattr(err, "failures") else ("?", (err, None))
+    if isinstance(cause, OSError) and cause.strerror:
+        return f"rank {rank}: {cause.strerror}" + (f" ({cause.filename})" if cause.filename else "")
+    return f"rank {rank}: {str(cause).splitlines()[0][:200]}"
 
 
 def save_model(model, output_dir):

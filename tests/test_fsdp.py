@@ -241,3 +241,21 @@ def test_amp_refusals(monkeypatch):
     monkeypatch.setattr(amp, "dtype", lambda device: torch.float16)  # a GPU without bf16 (V100)
     with pytest.raises(SystemExit, match="computes in bf16, which this GPU lacks"):
         amp.policy(models.Net(), CPU, args)
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_sharded_save_and_a_missing_shard(tiny_data, tmp_path):
+    """No space left half-way through rank 0's shards of epoch 2: one line, the epoch 1 checkpoint kept.
+    Then a shard of it deleted (a node whose disk is gone): the resume says which file, in one line."""
+    env = clean_env(PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_ENOSPC=37)
+    out = torchrun(2, S05, *stage_args(tiny_data, tmp_path, "--epochs", 3), env=env)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and len(errors) == 1 and "Traceback (most recent call last): (RANK" not in out.stderr
+    assert errors[0].startswith(f"error: could not write {tmp_path / 'epoch-2'}: rank 0: No space left on device")
+    assert os.readlink(tmp_path / "checkpoint") == "epoch-1"
+    (tmp_path / "epoch-1" / "__1_0.distcp").unlink()
+    out = torchrun(2, S05, *stage_args(tiny_data, tmp_path, "--epochs", 3, "--resume"))
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and len(errors) == 1, out.stderr
+    assert f"error: cannot load the checkpoint {tmp_path / 'epoch-1'}: rank " in errors[0]
+    assert "__1_0.distcp" in errors[0]
