@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 DATA := data/MNIST/raw/train-images-idx3-ubyte
 STAGES := 01_single_gpu 02_dataparallel 03_ddp_single_node 04_ddp_multi_node 05_fsdp
 
-.PHONY: install help test test-all test-slurm data run diff profile lint clean bench plot scaling
+.PHONY: install help test test-all test-slurm data run diff profile lint clean bench plot scaling doctor
 
 install: .venv/installed  ## the default: a .venv with requirements.txt (torch, tests, lint, plots)
 .venv/installed: requirements.txt pyproject.toml
@@ -39,6 +39,9 @@ test-slurm: $(VENV) $(DATA)  ## the job scripts under a real local Slurm (root)
 
 run: $(VENV) $(DATA)  ## stage 01, one epoch on real MNIST, on this machine's GPU or CPU
 	$(PYTHON) 01_single_gpu/train.py --epochs 1
+
+doctor: $(VENV) $(DATA)  ## check this machine as a cluster, two gloo ranks (a cluster: sbatch tools/doctor.slurm); ARGS=...
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 tools/doctor.py --no-cuda $(ARGS)
 
 # diff -u of two train.py below their opening docstrings (the rule of code() in tests/test_budgets.py), which
 # describe each stage rather than change it; the names and line numbers are those of the files.

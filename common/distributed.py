@@ -11,6 +11,7 @@ collective names the ranks that stopped answering (from the heartbeats every ran
 
 import contextlib
 import datetime
+import ipaddress
 import os
 import re
 import socket
@@ -90,6 +91,7 @@ def setup(args):
     if args.sync_bn and device.type != "cuda":
         raise SystemExit("error: --sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only): drop it on CPUs")
     if launched:
+        interfaces("nccl" if device.type == "cuda" else "gloo")
         store = rendezvous(rank, world_size, args.dist_timeout)
         with deadline(args.dist_timeout + 5, "the process group did not form although every rank arrived: the "
                       "ranks cannot reach each other's addresses; set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to "
@@ -128,6 +130,26 @@ def fail(message):
     os._exit(1)
 
 
+def interfaces(backend):
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME must name interfaces this host has: gloo would stop with a
+    C++ stack trace, NCCL at its first collective. NCCL takes prefixes ("ib" for ib0), "=" exact names and
+    "^" names to avoid; gloo exact names, each of which must exist."""
+    name = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    wanted, here = os.environ.get(name, ""), sorted(n for _, n in socket.if_nameindex())
+    if not wanted or wanted.startswith("^"):
+        return
+    names = wanted.lstrip("=").split(",")
+    if backend == "nccl":  # one matching interface is enough
+        missing = [] if any(h == n or (wanted[0] != "=" and h.startswith(n)) for h in here for n in names) else names
+    else:
+        missing = [n for n in names if n not in here]
+    if missing:
+        raise SystemExit(
+            f"error: {name}={wanted} but {socket.gethostname()} has no interface {', '.join(missing)} (it has "
+            f"{', '.join(here)}): set it to the interface of the network the nodes share, or unset it"
+        )
+
+
 def rendezvous(rank, world_size, timeout):
     """Meet the other ranks in a key-value store on rank 0's MASTER_ADDR:MASTER_PORT (torchrun's own
     store under torchrun), each step bounded by `timeout` and, if it fails, named."""
@@ -139,11 +161,19 @@ def rendezvous(rank, world_size, timeout):
     where, host = f"{addr}:{port}", socket.gethostname()
     os.environ["RANK"] = str(rank)  # for the messages of every thread, srun tasks included
     try:
-        socket.getaddrinfo(addr, port)
+        ip = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][4][0]
     except socket.gaierror as err:
         raise SystemExit(
             f"error: MASTER_ADDR {addr} does not resolve on {host} ({err.strerror}): set it to rank 0's host name or address"
         ) from None
+    # an srun task off the first node, rank 0's, that finds a loopback address would wait for itself
+    # (under torchrun, torchrun sets MASTER_ADDR)
+    off_first = os.environ.get("SLURM_NODEID", "0") != "0" and "TORCHELASTIC_RUN_ID" not in os.environ
+    if off_first and ipaddress.ip_address(ip).is_loopback:
+        raise SystemExit(
+            f"error: rank {rank} on {host}: MASTER_ADDR {addr} is {ip}, a loopback address, but rank 0 runs on "
+            "another node: unset MASTER_ADDR (srun tasks find the first node) or set it to rank 0's host name"
+        )
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves the store
     serve = rank == 0 and not agent
     end = time.monotonic() + timeout

@@ -5,6 +5,8 @@
   FAULT_RANK=r FAULT_SLEEP=s  rank r sleeps s seconds in every optimizer step (a slow node);
   FAULT_RANK=r FAULT_ENOSPC=n rank r's n-th torch.save fails half-way with "No space left on device";
   FAULT_RANK=r FAULT_SAVE=n   rank r dies (SIGKILL) half-way through writing its n-th torch.save;
+  FAULT_RANK=r FAULT_SLOW=f   rank r's matrix products (torch.mm) take f times as long (a slow GPU or node);
+  FAULT_RANK=r FAULT_TORCH=v  rank r's torch reports version v (another environment on one node);
   RECORD_SAMPLES=path         every DistributedSampler appends (rank, epoch, indices) to path;
   NO_DROPOUT=1                every dropout layer passes its input through: each rank draws its own
                               masks, so runs at different world sizes differ by them alone.
@@ -58,6 +60,18 @@ if "FAULT_RANK" in env and rank == env["FAULT_RANK"]:
         os.kill(os.getpid(), signal.SIGKILL)
 
     torch.optim.Adadelta.step, torch.save = faulty_step, faulty_save
+
+    if "FAULT_SLOW" in env:
+        mm = torch.mm
+
+        def slow_mm(*args, **kwargs):
+            start = time.perf_counter()
+            result = mm(*args, **kwargs)
+            time.sleep((float(env["FAULT_SLOW"]) - 1) * (time.perf_counter() - start))
+            return result
+
+        torch.mm = slow_mm
+    torch.__version__ = env.get("FAULT_TORCH", torch.__version__)
 
 if "RECORD_SAMPLES" in env:
     import json

@@ -5,12 +5,18 @@
 #
 #   sudo tests/slurm/cluster.sh start     # install if missing, configure, start (no-op if already up)
 #   sudo tests/slurm/cluster.sh stop      # stop exactly what start started, give back /etc/slurm's files
-#   tests/slurm/cluster.sh status         # exit 0 iff the cluster is up
+#   tests/slurm/cluster.sh status         # exit 0 iff the cluster is up; prints the mode first
 #   sudo tests/slurm/cluster.sh install   # only install the Debian packages if missing
 #
-# The "nodes" node1 and node2 are two slurmd processes on 127.0.0.1 with their own ports. Each has
-# $SLURM_TEST_CPUS CPUs (default 8, more than the machine may have) and two fake GPUs: gres backed by
-# dummy character devices, so jobs see CUDA_VISIBLE_DEVICES=0,1 while torch.cuda is unavailable.
+# The "nodes" node1 and node2 are two slurmd processes. Where network namespaces can be made (the
+# default, SLURM_TEST_MODE=auto; =netns insists), each runs in its own network, UTS and mount namespace,
+# as a real node: its own hostname, its own address $SLURM_TEST_SUBNET.1<i> (default 10.213.48) on a
+# bridge that holds .1 for the controller (no route beyond it, no NAT: a job cannot reach the machine's
+# 127.0.0.1), and its own node-local folder, $SLURM_TEST_DIR/scratch, backed by
+# $SLURM_TEST_DIR/nodes/<node> (as node-local disk on a cluster; everything else is shared).
+# SLURM_TEST_MODE=loopback: both on 127.0.0.1 with their own ports, sharing the machine's hostname.
+# Each node has $SLURM_TEST_CPUS CPUs (default 8, more than the machine may have) and two fake GPUs:
+# gres backed by dummy character devices, so jobs see CUDA_VISIBLE_DEVICES=0,1 while torch.cuda is unavailable.
 # The config goes to /etc/slurm, so plain `sbatch` works: start moves a slurm.conf, gres.conf or cgroup.conf
 # that is not ours aside, to <file>.before-slurm-test, and stop moves it back (or deletes ours where there
 # was none). Logs, PID files and Slurm state go to $SLURM_TEST_DIR (default /tmp/slurm-test); the state is
@@ -21,11 +27,14 @@ DIR=${SLURM_TEST_DIR:-/tmp/slurm-test}
 CPUS=${SLURM_TEST_CPUS:-8}
 MEM_MB=${SLURM_TEST_MEM_MB:-$(awk '/^MemTotal:/ {printf "%d", $2 / 1024 * 0.9}' /proc/meminfo)}
 NODES=(node1 node2)
+MODE=${SLURM_TEST_MODE:-auto}
+SUBNET=${SLURM_TEST_SUBNET:-10.213.48}
+BRIDGE=slurmtest0
 CTLD_PORT=6817  # the slurmd of node i listens on CTLD_PORT + i
 ETC=/etc/slurm
 CONFS=(slurm.conf gres.conf cgroup.conf)  # what start writes to $ETC
 SAVED=before-slurm-test  # $ETC/<conf>.$SAVED: the file that was there before start
-TAG="# slurm-test"  # marks the files and the /etc/hosts line that we write
+TAG="# slurm-test"  # marks the files and the /etc/hosts lines that we write
 # Every process of the cluster carries this in its environment: the daemons get it from us,
 # slurmstepd from slurmd, job tasks from the TaskProlog. `stop` uses it to find leftovers by PID.
 MARK="TEST_SLURM_CLUSTER=$DIR"
@@ -106,6 +115,42 @@ hosts_remove() {
   fi
 }
 
+recorded() { awk -v kind="$1" '$1 == kind {print $2}' "$DIR/run/net"; }  # what net_up made: ns, link
+
+# The network namespaces, veths and bridge that net_up made, as recorded in $DIR/run/net.
+net_down() {
+  local ns link
+  [ -f "$DIR/run/net" ] || return 0
+  for ns in $(recorded ns); do
+    # shellcheck disable=SC2046  # one PID per word
+    terminate $(ip netns pids "$ns" 2>/dev/null)  # anything left running inside
+  done
+  # veths first: deleting a namespace removes its end only asynchronously
+  for link in $(recorded link | tac); do ip link del "$link" 2>/dev/null || true; done
+  for ns in $(recorded ns); do ip netns del "$ns" 2>/dev/null || true; done
+  rm -f "$DIR/run/net"
+}
+
+# A bridge holding $SUBNET.1, and per node a namespace slurmtest-<node> whose eth0 is $SUBNET.1<i> on it.
+net_up() {
+  local i ns
+  command -v ip >/dev/null && command -v nsenter >/dev/null && command -v unshare >/dev/null || return 1
+  if ip -4 -o addr show | grep -q " inet $SUBNET\."; then log "$SUBNET.0/24 is in use on this machine"; return 1; fi
+  ip link add "$BRIDGE" type bridge || return 1
+  echo "link $BRIDGE" >>"$DIR/run/net"
+  ip addr add "$SUBNET.1/24" dev "$BRIDGE" && ip link set "$BRIDGE" up || return 1
+  for i in "${!NODES[@]}"; do
+    ns=slurmtest-${NODES[i]}
+    ip netns add "$ns" || return 1
+    echo "ns $ns" >>"$DIR/run/net"
+    ip link add "slurmtest$((i + 1))" type veth peer name eth0 netns "$ns" || return 1
+    echo "link slurmtest$((i + 1))" >>"$DIR/run/net"
+    ip link set "slurmtest$((i + 1))" master "$BRIDGE" up &&
+      ip -n "$ns" addr add "$SUBNET.$((i + 11))/24" dev eth0 &&
+      ip -n "$ns" link set eth0 up && ip -n "$ns" link set lo up || return 1
+  done
+}
+
 up() {  # our daemons are alive and every node can run jobs
   local node states
   live_pid "$DIR/run/slurmctld.pid" slurmctld >/dev/null || return 1
@@ -136,6 +181,7 @@ halt() {  # [keep-munged]: our processes and /etc/hosts line
     rm -f "$DIR/run/munged.pid"
   fi
   rm -f "$DIR"/run/slurm*.pid
+  net_down
   hosts_remove
 }
 
@@ -170,13 +216,14 @@ stop() {  # the command: everything start started, and /etc/slurm as it was
   conf_restore
 }
 
-slurm_conf() {
-  local host i
+slurm_conf() {  # mode: netns or loopback
+  local host i addr=127.0.0.1
   host=$(hostname -s)
+  if [ "$1" = netns ]; then addr=$SUBNET.1; fi
   cat <<EOF
-$TAG: written by tests/slurm/cluster.sh on every start
+$TAG: written by tests/slurm/cluster.sh on every start ($1 mode)
 ClusterName=slurmtest
-SlurmctldHost=$host(127.0.0.1)
+SlurmctldHost=$host($addr)
 SlurmctldPort=$CTLD_PORT
 SlurmUser=root
 SlurmdUser=root
@@ -222,8 +269,8 @@ SlurmctldDebug=info
 SlurmdDebug=info
 EOF
   for i in "${!NODES[@]}"; do
-    echo "NodeName=${NODES[i]} NodeAddr=127.0.0.1 NodeHostname=$host Port=$((CTLD_PORT + i + 1))" \
-      "CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:2 State=UNKNOWN"
+    if [ "$1" = netns ]; then addr="$SUBNET.$((i + 11)) NodeHostname=${NODES[i]}"; else addr="127.0.0.1 NodeHostname=$host"; fi
+    echo "NodeName=${NODES[i]} NodeAddr=$addr Port=$((CTLD_PORT + i + 1)) CPUs=$CPUS RealMemory=$MEM_MB Gres=gpu:2 State=UNKNOWN"
   done
   echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
 }
@@ -261,15 +308,27 @@ daemon() {  # command...: start a Slurm daemon, marked, without our lock fd or o
 }
 
 start() {
-  local conf gres f node port cycles
+  local conf gres f node port cycles mode=$MODE i
   install
-  conf=$(slurm_conf)
+  case $MODE in auto | netns | loopback) ;; *) die "SLURM_TEST_MODE=$MODE: use auto, netns or loopback" ;; esac
+  if [ "$MODE" = auto ]; then mode=$(cat "$DIR/run/mode" 2>/dev/null || echo netns); fi  # what runs, if it runs
+  conf=$(slurm_conf "$mode")
   gres=$(gres_conf)
   if up && [ "$conf" = "$(cat $ETC/slurm.conf)" ] && [ "$gres" = "$(cat $ETC/gres.conf)" ]; then
     return 0
   fi
   halt keep-munged  # anything partial, stale or differently configured of ours
   mkdir -p "$DIR"/{run,log,dev}
+  mode=loopback
+  if [ "$MODE" != loopback ]; then
+    if net_up; then mode=netns; else
+      net_down
+      if [ "$MODE" = netns ]; then die "could not make the network namespaces (SLURM_TEST_MODE=netns)"; fi
+      log "no network namespaces here: both nodes on 127.0.0.1 (loopback mode)"
+    fi
+  fi
+  echo "$mode" >"$DIR/run/mode"
+  conf=$(slurm_conf "$mode")
   rm -rf "$DIR/state" "$DIR/spool"  # old state can keep a node drained
   mkdir -p "$DIR/state"
   for node in "${NODES[@]}"; do mkdir -p "$DIR/spool/$node"; done
@@ -283,7 +342,12 @@ start() {
   conf_write gres.conf "$gres"
   # Only matters on cgroup v2 hosts, where there may be no systemd to ask.
   conf_write cgroup.conf "$(printf '%s\n' "$TAG" CgroupPlugin=autodetect IgnoreSystemd=yes)"
-  echo "127.0.0.1 ${NODES[*]} $TAG" >>/etc/hosts  # so that MASTER_ADDR=node1 resolves
+  # so that MASTER_ADDR=node1 resolves, to the node's own address where it has one
+  if [ "$mode" = netns ]; then
+    for i in "${!NODES[@]}"; do echo "$SUBNET.$((i + 11)) ${NODES[i]} $TAG" >>/etc/hosts; done
+  else
+    echo "127.0.0.1 ${NODES[*]} $TAG" >>/etc/hosts
+  fi
 
   start_munged
   for port in $(seq "$CTLD_PORT" $((CTLD_PORT + ${#NODES[@]}))); do
@@ -294,7 +358,13 @@ start() {
     if scontrol ping >/dev/null 2>&1; then break; fi
     sleep 0.1
   done
-  for node in "${NODES[@]}"; do daemon slurmd -N "$node"; done
+  for node in "${NODES[@]}"; do
+    if [ "$mode" = loopback ]; then daemon slurmd -N "$node"; continue; fi
+    mkdir -p "$DIR/scratch" "$DIR/nodes/$node"
+    # nsenter, not `ip netns exec`: that remounts /sys, hiding /sys/fs/cgroup from slurmd
+    daemon nsenter --net="/run/netns/slurmtest-$node" unshare --uts --mount \
+      sh -c "hostname $node && mount --bind $DIR/nodes/$node $DIR/scratch && exec slurmd -N $node"
+  done
   for _ in $(seq 300); do
     if up; then break; fi
     sleep 0.1
@@ -311,7 +381,7 @@ start() {
 
 case ${1:-} in
   status)
-    if up; then sinfo -N -o '%N %t %c %m %G'; else echo "not running"; exit 1; fi
+    if up; then echo "mode $(cat "$DIR/run/mode")"; sinfo -N -o '%N %t %c %m %G'; else echo "not running"; exit 1; fi
     exit 0 ;;
   start | stop | install) ;;
   *) echo "usage: $0 start|stop|status|install" >&2; exit 2 ;;

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 CLUSTER_SH = Path(__file__).with_name("cluster.sh")
+DIR = Path(os.environ.get("SLURM_TEST_DIR", "/tmp/slurm-test"))  # cluster.sh's
+SCRATCH = DIR / "scratch"  # in netns mode, each node's own folder here is DIR/nodes/<node>
 
 # Everything else (COMPLETED, FAILED, CANCELLED, TIMEOUT, NODE_FAIL, OUT_OF_MEMORY, ...) is final.
 NOT_FINISHED = set(
@@ -52,6 +54,11 @@ def available() -> tuple[bool, str]:
 def start() -> None:
     """Start the cluster (a no-op if it is already up); raises RuntimeError with the log tail."""
     _check(_cluster("start"), "cluster.sh start")
+
+
+def mode() -> str:
+    """netns (a network, a hostname and a node-local SCRATCH per node) or loopback (both on 127.0.0.1)."""
+    return (DIR / "run" / "mode").read_text().strip()
 
 
 def stop() -> None:

@@ -10,6 +10,7 @@ import csv
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -73,6 +74,51 @@ def test_two_node_job_script(slurm_cluster, tiny_data, tmp_path, script):
     _, info, output = sbatch(slurm_cluster, f"04_ddp_multi_node/{script}", tiny_data, tmp_path / "out")
     check_completed(info, output, tmp_path / "out", world_size=4)
     check_two_nodes(info, output)
+
+
+def test_the_rendezvous_address_is_the_first_nodes_own(slurm_cluster, tmp_path):
+    """Where each node has its own network: the MASTER_ADDR that srun tasks find (common.distributed) is
+    the first node's name, and resolves, on both nodes, to the first node's own address, not to loopback."""
+    if slurm_cluster.mode() != "netns":
+        pytest.skip("the cluster runs in loopback mode: every node is 127.0.0.1")
+    (tmp_path / "resolve.py").write_text(RESOLVE)
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=1 --output=%x-%j.out\n"
+        f"srun bash -c 'echo $(hostname) $({sys.executable} resolve.py) $(hostname -I)'\n"
+    )
+    info = slurm_cluster.wait(slurm_cluster.submit(script, env={"PYTHONPATH": str(REPO)}))
+    output = Path(info["StdOut"]).read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output
+    rows = {line.split()[0]: line.split()[1:] for line in output.splitlines() if line.startswith("node")}
+    (addr1, ip1, *own1), (addr2, ip2, *_) = rows["node1"], rows["node2"]
+    assert addr1 == addr2 == "node1" and ip1 == ip2 and ip1 in own1 and not ip1.startswith("127."), output
+
+
+RESOLVE = """import os, socket
+from common.distributed import launcher_env
+launcher_env()  # sets MASTER_ADDR, as for every srun task
+print(os.environ["MASTER_ADDR"], socket.gethostbyname(os.environ["MASTER_ADDR"]))
+"""
+
+
+def test_torchrun_rank_0_is_on_the_node_that_sorts_first_and_alone_needs_the_output_folder(slurm_cluster, tiny_data):
+    """job_torchrun.slurm with --output-dir on node-local disk (the cluster's SCRATCH, each node's own).
+    torch's c10d rendezvous numbers the agents by host name (then process id), so rank 0 runs on the
+    node whose name sorts first: node1, as it happens also the first node and MASTER_ADDR. Rank 0 alone
+    claims, writes and reads the output folder: the run completes, and node2 never makes one."""
+    if slurm_cluster.mode() != "netns":
+        pytest.skip("the cluster runs in loopback mode: no node-local folders")
+    nodes = slurm_cluster.DIR / "nodes"
+    try:
+        _, info, output = sbatch(slurm_cluster, "04_ddp_multi_node/job_torchrun.slurm", tiny_data,
+                                 slurm_cluster.SCRATCH / "out")  # fmt: skip
+        check_completed(info, output, nodes / "node1/out", world_size=4)
+        assert "  rank 0 | local rank 0 | host node1 " in output, output
+        assert not (nodes / "node2/out").exists()
+    finally:
+        for node in ("node1", "node2"):
+            shutil.rmtree(nodes / node / "out", ignore_errors=True)
 
 
 def test_failing_rank_ends_the_job(slurm_cluster, tiny_data, tmp_path):

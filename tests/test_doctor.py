@@ -1,0 +1,98 @@
+"""tools/doctor.py on this machine: `make doctor` passes, and faults on one rank are FAIL lines naming
+that rank, in seconds. Real processes with gloo; the Slurm cases are in tests/slurm/test_doctor.py."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import REPO, clean_env, free_port, srun_like
+from test_failures import one_error
+
+from common import distributed
+
+DOCTOR = REPO / "tools" / "doctor.py"
+CHECKS = ["ranks", "ranks per node", "GPU per rank", "NUMA", "CPUs per rank", "python version", "torch version",
+          "CUDA version", "NCCL version", "project version", "MASTER_ADDR", "interface", "transport", "all-reduce",
+          "busbw within nodes", "stragglers", "data", "output folder", "Slurm CPUs, GPUs"]  # fmt: skip
+MORE = ["busbw across nodes", "requeue"]  # on several nodes; in a Slurm job
+
+
+def table(output):
+    """{check: (status, the rest of the line)} of the verdict table."""
+    rows = [line.split(None, 1) for line in output.splitlines() if line[:4] in ("PASS", "WARN", "FAIL")]
+    found = {}
+    for status, rest in rows:
+        check = next(c for c in sorted(CHECKS + MORE, key=len, reverse=True) if rest.startswith(c))
+        found[check] = (status, rest[len(check) :].strip())
+    return found
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_doctor_passes_on_this_machine(tmp_path):
+    out = subprocess.run(["make", "--no-print-directory", "doctor", f"ARGS=--output-dir {tmp_path}"], cwd=REPO,
+                         env=clean_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = table(out.stdout)
+    assert list(rows) == CHECKS and not [r for r in rows.values() if r[0] == "FAIL"], out.stdout
+    assert "2 arrived" in rows["ranks"][1] and "exact in float32, bfloat16, float16, int64" in rows["all-reduce"][1]
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    assert [c["check"] for c in report["checks"]] == CHECKS and [r["rank"] for r in report["ranks"]] == [0, 1]
+    assert "Traceback" not in out.stderr and not list(tmp_path.glob(".doctor-*"))  # the ranks' files are gone
+
+
+def test_faults_on_one_rank_are_fail_lines_naming_it(tiny_data, tmp_path):
+    """Two srun-style ranks, each in its own working folder as on nodes that share no filesystem, with the
+    relative --data-dir data and --output-dir out. Both are given the same GPU (CUDA_VISIBLE_DEVICES=0, the
+    identity the doctor reads where torch sees no GPU); rank 1 sees a data set without one file, finds a
+    file where its output folder should be, and, through tests/inject, reports another torch and computes
+    ten times slower. Each fault is its own FAIL line naming rank 1 (both ranks for the shared GPU); the
+    checks around them still pass."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    shutil.copytree(tiny_data, nodes[0] / "data")
+    shutil.copytree(tiny_data, nodes[1] / "data")
+    (nodes[1] / "data/MNIST/raw/t10k-labels-idx1-ubyte").unlink()
+    (nodes[1] / "out").touch()
+    start = time.monotonic()
+    codes, (rank0, rank1) = srun_like(
+        2, DOCTOR, "--data-dir", "data", "--output-dir", "out", "--dist-timeout", 10, cwds=nodes, timeout=60,
+        CUDA_VISIBLE_DEVICES="0", PYTHONPATH=f"{REPO / 'tests/inject'}:{REPO}", FAULT_RANK=1, FAULT_SLOW=10,
+        FAULT_TORCH="2.0.0",
+    )  # fmt: skip
+    assert codes == [1, 1] and time.monotonic() - start < 10 + 20, rank0 + rank1
+    assert "Traceback" not in rank0 + rank1 and "error:" not in rank0 + rank1 and not rank1.strip()
+    rows = table(rank0)
+    failed = {check: rest for check, (status, rest) in rows.items() if status == "FAIL"}
+    assert "rank 0 (" in failed["GPU per rank"] and "rank 1 (" in failed["GPU per rank"], rank0
+    assert "rank 1 (" in failed["torch version"] and ": 2.0.0, the others" in failed["torch version"]
+    assert "t10k-labels-idx1-ubyte missing on rank 1 (" in failed["data"] and "rank 0" not in failed["data"]
+    assert failed["output folder"].startswith("rank 1 (") and "cannot write out" in failed["output folder"]
+    assert failed["stragglers"].startswith("rank 1 (")
+    assert set(failed) == {"ranks per node", "GPU per rank", "torch version", "data", "output folder", "stragglers"}
+    assert json.loads((nodes[0] / "out/doctor.json").read_text())["checks"][0]["status"] == "PASS"
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_starts_is_the_rendezvous_error(tmp_path):
+    env = clean_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, str(DOCTOR), "--output-dir", str(tmp_path), "--dist-timeout", "3"],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=60)  # fmt: skip
+    out.seconds = time.monotonic() - start
+    one_error(out, "ranks 1 of 2 did not arrive", "within --dist-timeout 3 s", "srun")
+    assert out.seconds < 3 + 12
+
+
+@pytest.mark.parametrize("backend, value, ok", [("gloo", "lo", True), ("gloo", "lo,nope0", False), ("nccl", "l", True),
+                                                ("nccl", "=l", False), ("nccl", "^lo", True), ("nccl", "nope", False)])  # fmt: skip
+def test_a_socket_interface_the_host_lacks_is_named(monkeypatch, backend, value, ok):
+    """setup() checks the interface variable of its backend against this host's interfaces: NCCL's
+    prefixes, "=" exact names and "^" exclusions; gloo's exact names, each of which must exist."""
+    monkeypatch.setenv(f"{backend.upper()}_SOCKET_IFNAME", value)
+    if ok:
+        distributed.interfaces(backend)
+    else:
+        with pytest.raises(SystemExit, match=r"^error: .*_SOCKET_IFNAME=.* has no interface .*\(it has .*lo"):
+            distributed.interfaces(backend)

@@ -1,0 +1,353 @@
+"""The cluster doctor: before your first multi-node job, launched exactly as a training stage is (python,
+torchrun, srun) and with that job's resources, it checks what the job will need and prints one verdict
+per line, PASS, WARN or FAIL, each with its fix.
+
+    make doctor                                       # this machine: two gloo ranks under torchrun
+    torchrun --standalone --nproc-per-node=N tools/doctor.py
+    cd tools && sbatch doctor.slurm                   # your cluster: give it your job's #SBATCH lines
+
+Every rank gathers its facts (GPU, CPUs, versions, network, files, Slurm) and runs the collectives
+(exact all-reduces, a bandwidth sweep, a fixed computation to find a slow rank); rank 0 prints the
+table and writes it, with every rank's facts, to <output-dir>/doctor.json. Exit status 1 if a line FAILs.
+A rank that never arrives, or stops answering, ends the doctor within --dist-timeout with the one-line
+error a training run would print.
+"""
+
+import hashlib
+import ipaddress
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
+from common import cli, data, distributed  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]  # every dtype the stages all-reduce or train in
+FLOOR_GBPS = {"within nodes": 5, "across nodes": 1}  # busbw below PCIe 3 x16 / 10 GbE: the fast links are not used
+SLOW, VERY_SLOW = 1.5, 3  # a rank's compute time over the median: WARN, FAIL
+FIX = {
+    "gpu": "ask Slurm for one task per GPU (--ntasks-per-node = --gpus-per-node) and let setup() pick local_rank's GPU",
+    "software": "use one environment on every node: the same module, venv or container, and the same checkout",
+    "network": "set MASTER_ADDR to rank 0's host name (srun tasks find it themselves), resolving alike on every node",
+    "data": "copy MNIST/raw/ to every node's --data-dir (`make data` on a login node), or put it on a shared filesystem",
+    "output": "choose an --output-dir every node can write",
+    "slow": "look at that host: another job on its GPU or CPUs, thermal throttling, a lower clock (nvidia-smi -q -d CLOCK)",
+}
+
+
+def parse_args():
+    p = cli.Parser(description="check a cluster for multi-node training, launched as a training stage is")
+    # fmt: off
+    p.add_argument("--data-dir", type=Path, default=cli.REPO / "data", help="as the stages': MNIST/raw/ is checked on every rank (default: the repository's data/)")
+    p.add_argument("--output-dir", type=Path, default=cli.default_output_dir(cli.REPO / "doctor" / "doctor.py"),
+                   help="doctor.json, and a file per rank to see which nodes share it (default: runs/doctor/<job id, torchrun id or local-time-pid>)")
+    p.add_argument("--num-workers", type=cli.number(int, "[0, inf)"), help="the DataLoader workers per rank your training uses (default: those of --loader classic)")
+    p.add_argument("--dist-timeout", type=cli.number(int, "[1, 86400]"), default=60, help="seconds any wait for the other ranks may last (default: 60)")
+    p.add_argument("--no-cuda", action="store_true", help="check the CPU and gloo path even where GPUs are visible")
+    # fmt: on
+    p.set_defaults(batch_size=0, sync_bn=False)  # what setup() checks of a training run: the doctor trains nothing
+    return p.parse_args()
+
+
+def run(*cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def numa_nodes(cpus):
+    """The NUMA nodes holding `cpus`, from /sys (none where it does not say)."""
+    found = set()
+    for node in Path("/sys/devices/system/node").glob("node[0-9]*"):
+        for part in (node / "cpulist").read_text().strip().split(","):
+            lo, _, hi = part.partition("-")
+            if part and cpus & set(range(int(lo), int(hi or lo) + 1)):
+                found.add(int(node.name[4:]))
+    return sorted(found)
+
+
+def interface_to(ip):
+    """The interface and address this host sends from toward `ip`: where the collectives leave."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((ip, 9))  # UDP: picks the route, sends nothing
+        mine = s.getsockname()[0]
+    for line in run("ip", "-o", "-4", "addr").splitlines():  # "2: eth0    inet 10.0.0.1/24 ..."
+        if line.split()[3].split("/")[0] == mine:
+            return f"{line.split()[1]} {mine}"
+    return mine
+
+
+def file_facts(args, rank, world_size):
+    """The checksums of the MNIST files this rank sees; whether it can write --output-dir, which ranks'
+    files it sees there (on a shared folder, all of them), and the free space."""
+    folder = args.data_dir / data.SETS["mnist"].folder
+    files = {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() if (folder / name).is_file() else "missing"
+             for name in data.FILES}  # fmt: skip
+    try:
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+        (args.output_dir / f".doctor-{rank}").write_text(socket.gethostname())
+        problem, disk = None, os.statvfs(args.output_dir)
+    except OSError as err:
+        problem = f"cannot write {err.filename} ({err.strerror})"
+    if dist.is_initialized():
+        dist.barrier()  # every rank has written its file
+    sees = [r for r in range(world_size) if (args.output_dir / f".doctor-{r}").exists()]
+    return {
+        "data": files,
+        "output": problem,
+        "sees": sees,
+        "free_gb": 0 if problem else disk.f_bavail * disk.f_frsize / 1e9,
+    }
+
+
+def facts(args, local_rank, device):
+    """What this rank finds out about itself, with no other rank involved."""
+    gpus, gpu, gpu_numa = 0, None, None
+    if device.type == "cuda":
+        props, gpus = torch.cuda.get_device_properties(device), torch.cuda.device_count()
+        gpu, bus = str(props.uuid), f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        numa = Path(f"/sys/bus/pci/devices/{bus}/numa_node")
+        gpu_numa = int(numa.read_text()) if numa.exists() else -1  # -1: the machine does not say
+    elif os.environ.get("CUDA_VISIBLE_DEVICES"):  # no GPU torch can use: the one Slurm gave this rank stands in
+        ids = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
+        gpus, pick = len(ids), 0 if len(ids) == 1 else local_rank  # as setup() picks
+        gpu = f"CUDA_VISIBLE_DEVICES {ids[pick]}" if pick < len(ids) else None
+    cpus, addr = os.sched_getaffinity(0), os.environ.get("MASTER_ADDR", "127.0.0.1")
+    ip = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][4][0]
+    ifname = "NCCL_SOCKET_IFNAME" if device.type == "cuda" else "GLOO_SOCKET_IFNAME"
+    slurm = ("SLURM_STEP_ID", "SLURM_CPUS_PER_TASK", "SRUN_CPUS_PER_TASK", "SLURM_GPUS_ON_NODE")
+    return {
+        "host": os.environ.get("SLURMD_NODENAME", socket.gethostname()), "gpus": gpus, "gpu": gpu, "gpu_numa": gpu_numa,
+        "cpus": len(cpus), "cpu_numa": numa_nodes(cpus), "cpus_per_rank": cli.cpus_per_rank(),
+        "workers": data.default_num_workers() if args.num_workers is None else args.num_workers,
+        "versions": {
+            "python": platform.python_version(), "torch": torch.__version__, "CUDA": str(torch.version.cuda),
+            "NCCL": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none",
+            "project": run("git", "-C", str(cli.REPO), "describe", "--always", "--dirty") or "unknown",
+        },
+        "master": f"{addr} = {ip}", "loopback": ipaddress.ip_address(ip).is_loopback,
+        "interface": f"{interface_to(ip)} ({ifname}={os.environ.get(ifname, 'unset')})",
+        "slurm": {k: os.environ.get(k) for k in slurm},
+    }  # fmt: skip
+
+
+def exact_all_reduce(device, rank, world_size):
+    """All-reduce a pattern whose every element sums to exactly 1 (rank r contributes the elements i with
+    i % world_size == r), in every dtype and at sizes that split unevenly: what came back wrong, if anything."""
+    wrong = []
+    for dtype in DTYPES:
+        for n in (1, 4097, 2**20 + 1):
+            x = (torch.arange(n, device=device) % world_size == rank).to(dtype)
+            dist.all_reduce(x)
+            if bad := int((x != 1).sum()):
+                wrong.append(f"{str(dtype)[6:]} x {n}: {bad} elements wrong on rank {rank}")
+    return wrong
+
+
+def bandwidth(device, group, sizes):
+    """(bytes, algbw, busbw in GB/s) of all-reduces in `group`: busbw = algbw x 2(n-1)/n, what a ring
+    moves over each link, comparable across sizes and world sizes (nccl-tests' definition)."""
+    n, results = dist.get_world_size(group), []
+    for size in sizes:
+        x = torch.ones(size // 4, device=device)
+        dist.all_reduce(x, group=group)  # warm-up: connections, buffers
+        iters = 5
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        algbw = size * iters / (time.perf_counter() - start) / 1e9
+        results.append((size, round(algbw, 3), round(algbw * 2 * (n - 1) / n, 3)))
+    return results
+
+
+def compute_time(device):
+    """Seconds for a fixed computation, the best of five: a rank much slower than the others holds every step back.
+    On CPUs on one thread, so that ranks sharing a node's cores (more threads than cores) compare alike."""
+    torch.set_num_threads(1)
+    n = 4096 if device.type == "cuda" else 384  # tens of milliseconds either way
+    a = torch.rand(n, n, device=device)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(10):
+            torch.mm(a, a)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def transport(device, log):
+    """How the collectives travel: NCCL's own account of each connection (P2P, SHM, NET/IB, NET/Socket)."""
+    if device.type != "cuda":
+        return "gloo over TCP sockets"
+    text = log.read_text() if log and log.exists() else ""
+    vias = sorted(set(re.findall(r" via (NET/\w+|\w+)", text)))
+    return ", ".join(vias) or "unknown (NCCL_DEBUG was set by you, or NCCL logged no connection)"
+
+
+def requeue():
+    """What Slurm will do at preemption or the time limit: Requeue= of the job, and the --signal of its script
+    (Slurm shows the signal nowhere else; one given on sbatch's command line is not seen)."""
+    job = os.environ["SLURM_JOB_ID"]
+    requeued = re.search(r"Requeue=(\d)", run("scontrol", "show", "job", job))
+    signal = re.search(r"^#SBATCH.*--signal[= ](\S+)", run("scontrol", "write", "batch_script", job, "-"), re.M)
+    return requeued and requeued[1], signal and signal[1]
+
+
+def gather(obj):
+    everyone = [obj] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+def who(ranks):
+    return ", ".join(f"rank {f['rank']} ({f['host']})" for f in ranks)
+
+
+def judge(args, everyone, device):
+    """The verdicts, from every rank's facts: (check, PASS/WARN/FAIL, what was found, the fix). A check
+    that finds problems lists them, naming the ranks and hosts; one that finds none says what it saw."""
+    rows, hosts, gpu = [], {}, device.type == "cuda"
+    for f in everyone:
+        hosts.setdefault(f["host"], []).append(f)
+
+    def row(check, problems, ok, fix, worse="FAIL"):
+        rows.append((check, worse if problems else "PASS", "; ".join(problems) or ok, fix if problems else ""))
+
+    # fmt: off
+    row("ranks", [], f"{len(everyone)} arrived within --dist-timeout {args.dist_timeout} s: "
+        + ", ".join(f"{h} (ranks {', '.join(str(f['rank']) for f in fs)})" for h, fs in hosts.items()), "")
+    uneven = [f"{h}: {len(fs)} ranks, {fs[0]['gpus']} GPUs" for h, fs in hosts.items() if fs[0]["gpus"] and len(fs) != fs[0]["gpus"]]
+    row("ranks per node", uneven, "one per GPU" if everyone[0]["gpus"] else "no GPU", FIX["gpu"],
+        worse="FAIL" if any(len(fs) > fs[0]["gpus"] > 0 for fs in hosts.values()) else "WARN")  # more ranks: GPUs shared; fewer: idle
+    users = {}
+    for f in everyone:
+        users.setdefault((f["host"], f["gpu"]), []).append(f) if f["gpu"] else None
+    row("GPU per rank", [f"{who(fs)} all use {g}" for (_, g), fs in users.items() if len(fs) > 1],
+        f"{len(users)} GPUs, one per rank" if users else "no GPU", FIX["gpu"])
+    row("NUMA", [f"{who([f])}: CPUs on NUMA node {f['cpu_numa']}, its GPU on {f['gpu_numa']}" for f in everyone
+                 if f["gpu_numa"] is not None and f["gpu_numa"] >= 0 and f["gpu_numa"] not in f["cpu_numa"]],
+        "each rank's CPUs beside its GPU" if gpu else "no GPU", "bind ranks near their GPUs: srun --cpu-bind=cores --gpu-bind=closest", "WARN")
+    row("CPUs per rank", [f"{who([f])}: {f['cpus_per_rank']} CPUs for {f['workers']} DataLoader workers + 1" for f in everyone
+                          if f["cpus_per_rank"] < f["workers"] + 1],
+        f"{min(f['cpus_per_rank'] for f in everyone)} at least, for {everyone[0]['workers']} DataLoader workers + 1",
+        "--cpus-per-task = workers + 1, exported to srun (SRUN_CPUS_PER_TASK), or fewer --num-workers", "WARN")
+    for name in everyone[0]["versions"]:
+        values = {}
+        for f in everyone:
+            values.setdefault(f["versions"][name], []).append(f)
+        usual = max(values, key=lambda v: len(values[v]))
+        row(f"{name} version", [f"{who(fs)}: {v}, the others {usual}" for v, fs in values.items() if v != usual],
+            f"{usual} on every rank", FIX["software"])
+    nodes, masters = len(hosts), {}
+    for f in everyone:
+        masters.setdefault(f["master"], []).append(f)
+    row("MASTER_ADDR", ([f"{who([f])}: a loopback address on {nodes} nodes" for f in everyone if f["loopback"]] if nodes > 1 else [])
+        + ([f"{who(fs)}: {m}" for m, fs in masters.items()] if len(masters) > 1 else []), f"{everyone[0]['master']} on every rank", FIX["network"])
+    row("interface", [f"{h}: {fs[0]['interface']}, loopback" for h, fs in hosts.items() if nodes > 1 and fs[0]["interface"].startswith("lo ")],
+        "; ".join(f"{h}: {fs[0]['interface']}" for h, fs in hosts.items()), "set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the network the nodes share")
+    ways = sorted({f["transport"] for f in everyone})
+    row("transport", [f"NCCL uses TCP sockets between nodes ({', '.join(ways)})"] if gpu and nodes > 1 and any("NET/Socket" in w for w in ways) else [],
+        " / ".join(ways), "check the InfiniBand/RoCE drivers and NCCL's net plugin (NCCL_DEBUG=INFO says why)", "WARN")
+    row("all-reduce", [w for f in everyone for w in f["all_reduce"]], f"exact in {', '.join(str(d)[6:] for d in DTYPES)}, 1 to 2^20+1 elements"
+        if len(everyone) > 1 else "one rank: nothing to reduce", "a broken GPU, driver or network: run nccl-tests on these hosts")
+    for scope, sweep in everyone[0]["bandwidth"].items():
+        size, algbw, busbw = sweep[-1]
+        seen = f"busbw {busbw:.3g} GB/s (algbw {algbw:.3g}) at {size / 2**20:g} MiB, " + ", ".join(f"{b:.3g} at {s / 2**20:g} MiB" for s, _, b in sweep[:-1])
+        row(f"busbw {scope}", [f"{seen}: below {FLOOR_GBPS[scope]} GB/s"] if gpu and busbw < FLOOR_GBPS[scope] else [],
+            seen + ("" if gpu else " (gloo on CPUs: no floor)"), "see the transport line; check NCCL_SOCKET_IFNAME and the links (nvidia-smi topo -m)", "WARN")
+    median, slowest = statistics.median_low(f["compute_s"] for f in everyone), max(everyone, key=lambda f: f["compute_s"])
+    ratio, seen = slowest["compute_s"] / median, f"{who([slowest])}: {slowest['compute_s'] * 1e3:.0f} ms for a fixed computation"
+    row("stragglers", [f"{seen}, {slowest['compute_s'] / median:.1f}x the median {median * 1e3:.0f} ms"] if ratio > SLOW else [],
+        f"the slowest, {seen}, {ratio:.1f}x the median", FIX["slow"], "FAIL" if ratio > VERY_SLOW else "WARN")
+    odd = [f"{n} {'missing' if f['data'][n] == 'missing' else 'differs from rank 0'} on {who([f])}" for f in everyone
+           for n in data.FILES if f["data"][n] != everyone[0]["data"][n] or f["data"][n] == "missing"]
+    unpublished = [] if everyone[0]["data"] == data.FILES else ["the same files on every rank, but not MNIST's published ones (sha256)"]
+    row("data", odd or unpublished, f"MNIST's files on every rank under {args.data_dir}", FIX["data"], "FAIL" if odd else "WARN")
+    row("output folder", [f"{who([f])}: {f['output']}" for f in everyone if f["output"]],
+        f"writable on every rank, {min(f['free_gb'] for f in everyone):.0f} GB free; " + ("shared by every node" if all(
+            len(f["sees"]) == len(everyone) for f in everyone) else "not shared: each node has its own"), FIX["output"])
+    slurm = [f for f in everyone if f["slurm"]["SLURM_STEP_ID"]]
+    row("Slurm CPUs, GPUs", [f"{who([f])}: {f['cpus']} CPUs of --cpus-per-task={f['slurm']['SLURM_CPUS_PER_TASK']}" for f in slurm
+                             if int(f["slurm"]["SLURM_CPUS_PER_TASK"] or 0) > f["cpus"]]
+        + [f"{who([f])}: sees {f['gpus']} GPUs of SLURM_GPUS_ON_NODE={f['slurm']['SLURM_GPUS_ON_NODE']}" for f in slurm
+           if int(f["slurm"]["SLURM_GPUS_ON_NODE"] or f["gpus"]) != f["gpus"]]
+        + (["SRUN_CPUS_PER_TASK is unset: srun of Slurm 22.05-23.02 gives each task 1 CPU"]
+           if any(f["slurm"]["SLURM_CPUS_PER_TASK"] and not f["slurm"]["SRUN_CPUS_PER_TASK"] for f in slurm) else []),
+        "as asked, on every rank" if slurm else "not an srun step", "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK before srun; ask for no more than the nodes have", "WARN")
+    if everyone[0]["requeue"]:
+        requeued, signal = everyone[0]["requeue"]
+        row("requeue", [f"scontrol does not show job {os.environ['SLURM_JOB_ID']}"] * (requeued is None)
+            + [f"Requeue={requeued}: a preempted job does not come back"] * (requeued == "0")
+            + ["no --signal in the job script: the time limit ends the job without a requeue"] * (not signal),
+            f"Requeue=1, --signal={signal}", "#SBATCH --requeue and --signal=B:USR1@90, with the USR1 trap of 04_ddp_multi_node/job.slurm", "WARN")
+    # fmt: on
+    return rows
+
+
+def main():
+    args = parse_args()
+    nccl_log = None
+    if torch.cuda.is_available() and not args.no_cuda and "NCCL_DEBUG" not in os.environ:
+        # NCCL names the transport of each connection: into a file per process, read after the collectives
+        nccl_log = args.output_dir / f"nccl-{socket.gethostname().split('.')[0]}-{os.getpid()}.log"
+        os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_FILE=str(args.output_dir / "nccl-%h-%p.log"))
+        args.output_dir.mkdir(parents=True, exist_ok=True)
+    rank, local_rank, world_size, device = distributed.setup(args)
+    mine = {"rank": rank, **facts(args, local_rank, device), **file_facts(args, rank, world_size)}
+    hosts = gather(mine["host"])
+    mine.update(all_reduce=[], bandwidth={}, compute_s=compute_time(device), requeue=None)
+    if world_size > 1:
+        mine["all_reduce"] = exact_all_reduce(device, rank, world_size)
+        sizes = [2**20, 2**24, 2**28] if device.type == "cuda" else [2**16, 2**19, 2**22]  # up to 256 MiB; 4 MiB
+        nodes = sorted(set(hosts), key=hosts.index)
+        groups = {h: dist.new_group([r for r, x in enumerate(hosts) if x == h]) for h in nodes}  # every rank makes each
+        if len(nodes) > 1:
+            mine["bandwidth"]["across nodes"] = bandwidth(device, None, sizes)
+        if hosts.count(mine["host"]) > 1:  # each node's ranks among themselves, every node at once
+            mine["bandwidth"]["within nodes"] = bandwidth(device, groups[mine["host"]], sizes)
+    mine["transport"] = transport(device, nccl_log)
+    if rank == 0 and mine["slurm"]["SLURM_STEP_ID"]:
+        mine["requeue"] = requeue()
+    everyone = gather(mine)
+    if not mine["output"]:
+        (args.output_dir / f".doctor-{rank}").unlink()
+    rows = judge(args, everyone, device)
+    if rank == 0:
+        nodes = len(set(hosts))
+        print(
+            f"doctor: {world_size} ranks on {nodes} node{'s' * (nodes > 1)}, {device.type}, job {os.environ.get('SLURM_JOB_ID', 'none')}"
+        )
+        for check, status, detail, fix in rows:
+            print(f"{status:<4}  {check:<18} {detail}" + (f"  ->  fix: {fix}" if fix else ""), flush=True)
+        report = {"checks": [dict(check=c, status=s, detail=d, fix=f) for c, s, d, f in rows], "ranks": everyone}
+        try:
+            (args.output_dir / "doctor.json").write_text(json.dumps(report, indent=1))
+        except OSError as err:
+            print(
+                f"error: cannot write {args.output_dir}/doctor.json ({err.strerror}): the table above is the report",
+                file=sys.stderr,
+            )
+    distributed.cleanup()
+    sys.exit(1 if any(status == "FAIL" for _, status, _, _ in rows) else 0)
+
+
+if __name__ == "__main__":
+    main()
