@@ -39,7 +39,7 @@ def test_requeued_onto_fewer_nodes_resumes_at_the_new_world_size(slurm_cluster, 
             assert time.monotonic() < deadline, "no checkpoint"
             time.sleep(0.2)
         scontrol("requeuehold", job_id)
-        scontrol("update", f"JobId={job_id}", "NumNodes=1", "NumTasks=2")
+        scontrol("update", f"JobId={job_id}", "NumNodes=1", "NumTasks=2", "NumCPUs=8")  # 2 tasks x 4 CPUs
         scontrol("release", job_id)
         info = slurm_cluster.wait(job_id, timeout=300)
         output = log.read_text()
