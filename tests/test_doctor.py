@@ -1,5 +1,5 @@
 """tools/doctor.py on this machine: `make doctor` passes, and faults on one rank are FAIL lines naming
-that rank, in seconds. Real processes with gloo; the Slurm cases are in tests/slurm/test_doctor.py."""
+that rank, in seconds. Real processes with gloo; the Slurm cases are in tests/slurm/test_doctor_job.py."""
 
 import json
 import shutil
