@@ -19,7 +19,7 @@ def block(path, first="# GPU use every 5 s", last="fi"):
 def test_gpu_log_block_is_the_same_in_every_job_script():
     blocks = {path.relative_to(REPO).as_posix(): block(path) for path in SCRIPTS}
     first = blocks["01_single_gpu/job.slurm"]
-    assert len(blocks) == 5 and all(b == first for b in blocks.values()), blocks
+    assert len(blocks) == 6 and all(b == first for b in blocks.values()), blocks
     # the sweep names its GPU log as its log, after the array: %x-%A_%a
     sweep = [line.replace("${SLURM_ARRAY_JOB_ID}_$SLURM_ARRAY_TASK_ID", "$SLURM_JOB_ID") for line in block(SWEEP)]
     assert sweep == first
@@ -28,7 +28,7 @@ def test_gpu_log_block_is_the_same_in_every_job_script():
 def test_strict_mode_and_the_python_environment_are_the_same_everywhere():
     """Strict mode before the environment lines, so that a failure there stops the job where it happens."""
     blocks = [block(path, first="set -euo pipefail", last="fi") for path in [*SCRIPTS, SWEEP]]
-    assert len(blocks) == 6 and all(b == blocks[0] for b in blocks) and "source" in blocks[0][5]
+    assert len(blocks) == 7 and all(b == blocks[0] for b in blocks) and "source" in blocks[0][5]
 
 
 def test_without_python_and_torch_a_copied_job_script_names_the_line_to_edit(tmp_path):
