@@ -119,6 +119,7 @@ def ranks(rank, world_size, port, data_dir, result):
         trained[way] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     if rank == 0:
         torch.save({way: {k.removeprefix("module."): v for k, v in w.items()} for way, w in trained.items()}, result)
+    dist.barrier()  # both ranks leave together, as the stages' cleanup() has them do
     dist.destroy_process_group()
 
 
