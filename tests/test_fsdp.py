@@ -3,11 +3,8 @@ size, and its exported model is stage 01's."""
 
 import csv
 import os
-import signal
 import socket
-import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
@@ -18,15 +15,13 @@ from helpers import (
     TEST_SIZE,
     clean_env,
     free_port,
-    processes_with,
     run,
     srun_like,
     stage_args,
     torchrun,
-    torchrun_cmd,
 )
 from test_equivalence import ARGS, BATCH, CPU, model_without_dropout, stage
-from test_reliability import INJECT, wait_for
+from test_reliability import INJECT, kill_rank_1_after_a_checkpoint
 from test_stages import check_run
 from torch.distributed._composable import checkpoint as recompute
 from torch.distributed.fsdp import fully_shard
@@ -160,17 +155,9 @@ def test_resume_at_other_world_sizes_continues_the_same_run(tiny_data, tmp_path)
 def test_killed_rank_restarts_and_resumes_under_torchrun(tiny_data, tmp_path):
     assert torchrun(2, S05, *stage_args(tiny_data, tmp_path / "whole", "--epochs", 3, "--save-model")).returncode == 0
     killed = tmp_path / "killed"
-    cmd = torchrun_cmd(2, S05, *stage_args(tiny_data, killed, "--epochs", 3, "--save-model"), restarts=1)
-    marker = f"TEST_RUN={uuid.uuid4()}"
-    env = clean_env(TEST_RUN=marker.split("=")[1], TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)  # as the job scripts
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
-    wait_for(lambda: (killed / "checkpoint").exists())
-    rank1 = [
-        pid for pid in processes_with(marker) if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    ]
-    os.kill(rank1[0], signal.SIGKILL)
-    output = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0 and "torchrun restart 1" in output, output
+    kill_rank_1_after_a_checkpoint(
+        S05, stage_args(tiny_data, killed, "--epochs", 3, "--save-model"), killed / "checkpoint"
+    )
     torch.testing.assert_close(weights(killed), weights(tmp_path / "whole"), rtol=0, atol=0)
 
 

@@ -83,21 +83,27 @@ def test_one_failing_rank_ends_the_run(launch, tiny_data, tmp_path):
 
 
 # 2: a killed job loses its progress
-def test_killed_rank_restarts_and_resumes_under_torchrun(tiny_data, tmp_path):
-    args = stage_args(tiny_data, tmp_path / "whole", "--epochs", 3)
-    assert torchrun(2, S03, *args).returncode == 0
-    killed = tmp_path / "killed"
-    cmd = torchrun_cmd(2, S03, *stage_args(tiny_data, killed, "--epochs", 3), restarts=1)
+def kill_rank_1_after_a_checkpoint(script, args, checkpoint):
+    """torchrun with one restart; once `checkpoint` exists, SIGKILL rank 1: the run must restart and finish."""
     marker = f"TEST_RUN={uuid.uuid4()}"
     env = clean_env(TEST_RUN=marker.split("=")[1], TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)  # as the job scripts
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, text=True)
-    wait_for(lambda: (killed / "checkpoint.pt").exists())
+    proc = subprocess.Popen(
+        torchrun_cmd(2, script, *args, restarts=1), env=env, cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    wait_for(checkpoint.exists)
     rank1 = [
         pid for pid in processes_with(marker) if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
     ]
     os.kill(rank1[0], signal.SIGKILL)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0 and "torchrun restart 1" in output, output
+
+
+def test_killed_rank_restarts_and_resumes_under_torchrun(tiny_data, tmp_path):
+    args = stage_args(tiny_data, tmp_path / "whole", "--epochs", 3)
+    assert torchrun(2, S03, *args).returncode == 0
+    killed = tmp_path / "killed"
+    kill_rank_1_after_a_checkpoint(S03, stage_args(tiny_data, killed, "--epochs", 3), killed / "checkpoint.pt")
     assert_same_state(checkpoint(killed)["model"], checkpoint(tmp_path / "whole")["model"])
 
 
