@@ -71,9 +71,9 @@ def evaluate(model, device, loader):
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         output = model(x)
-        totals[0] += F.nll_loss(output, y, reduction="sum")
-        totals[1] += (output.argmax(dim=1) == y).sum()
-        totals[2] += len(y)
+        totals[0] += F.nll_loss(output, y, reduction="sum")  # padding samples (label -100) are ignored,
+        totals[1] += (output.argmax(dim=1) == y).sum()  # never correct,
+        totals[2] += (y >= 0).sum()  # and not counted
     return totals
 
 

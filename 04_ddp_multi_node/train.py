@@ -72,9 +72,9 @@ def evaluate(model, device, loader):
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         output = model(x)
-        totals[0] += F.nll_loss(output, y, reduction="sum")
-        totals[1] += (output.argmax(dim=1) == y).sum()
-        totals[2] += len(y)
+        totals[0] += F.nll_loss(output, y, reduction="sum")  # padding samples (label -100) are ignored,
+        totals[1] += (output.argmax(dim=1) == y).sum()  # never correct,
+        totals[2] += (y >= 0).sum()  # and not counted
     return totals
 
 
@@ -93,9 +93,9 @@ def main():
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     batch_size = args.batch_size // world_size  # --batch-size is the global batch
     train_loader = data.loader(train_set, train_sampler, batch_size, args, device)
-    # evaluation: an unpadded shard per rank (DistributedSampler would repeat samples to even out)
-    val_loader = data.loader(val_set, range(rank, len(val_set), world_size), args.test_batch_size, args, device)
-    test_loader = data.loader(test_set, range(rank, len(test_set), world_size), args.test_batch_size, args, device)
+    # evaluation: a shard per rank, padded to as many batches on every rank; the padding counts nowhere
+    val_loader = data.loader(val_set, data.shard(len(val_set), rank, world_size), args.test_batch_size, args, device)
+    test_loader = data.loader(test_set, data.shard(len(test_set), rank, world_size), args.test_batch_size, args, device)
 
     shape = train_set.in_channels, train_set.classes, train_set.image_size
     model = models.build(args.model, *shape, args.depth, args.width).to(device)

@@ -72,12 +72,29 @@ class Images(Dataset):
         return len(self.labels)
 
     def __getitem__(self, indices):
-        indices = torch.as_tensor(indices)
-        return normalize(self.images[indices], self.mean, self.std), self.labels[indices]
+        indices = torch.as_tensor(indices, dtype=torch.long)
+        return normalize(self.images[indices.clamp(min=0)], self.mean, self.std), label(self.labels, indices)
 
     def subset(self, indices):
         """The images at `indices`, in tensors of their own."""
         return Images(self.name, self.images[indices], self.labels[indices], self.mean, self.std, self.classes)
+
+
+PAD = -100  # the label of a padding sample (index -1): F.nll_loss ignores it, and it is never a correct answer
+
+
+def label(labels, indices):
+    """The labels at `indices`, PAD where an index is -1 (a padding sample of shard())."""
+    return torch.where(indices < 0, PAD, labels[indices.clamp(min=0)])
+
+
+def shard(count, rank, world_size):
+    """This rank's share of `count` evaluation samples: every world_size-th index from `rank`, padded with -1
+    to the same length on every rank. Every rank then runs the same number of forward passes (under FSDP
+    each one is a collective: a rank with one batch more would wait for a partner forever), and the padding
+    counts nowhere (label PAD), so each sample counts exactly once."""
+    indices = list(range(rank, count, world_size))
+    return indices + [-1] * (math.ceil(count / world_size) - len(indices))
 
 
 def normalize(images, mean, std):
@@ -242,8 +259,8 @@ class PerSample(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index):
-        image = self.images[index].permute(1, 2, 0).squeeze(2).numpy()  # H x W x C, or H x W for grey, as PIL reads
-        return self.transform(Image.fromarray(image)), int(self.labels[index])
+        image = self.images[max(index, 0)].permute(1, 2, 0).squeeze(2).numpy()  # H x W x C, or grey H x W, as PIL reads
+        return self.transform(Image.fromarray(image)), int(label(self.labels, torch.tensor(index)))
 
 
 class OnDevice:
@@ -262,7 +279,7 @@ class OnDevice:
         order = torch.tensor(list(self.sampler), dtype=torch.long, device=self.images.device)  # one copy per epoch
         for start in range(0, len(order), self.batch_size):
             batch = order[start : start + self.batch_size]
-            yield self.images[batch], self.labels[batch]
+            yield self.images[batch.clamp(min=0)], label(self.labels, batch)
 
 
 def default_num_workers(env=os.environ):

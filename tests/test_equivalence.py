@@ -2,8 +2,10 @@
 
 import importlib.util
 import sys
+import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -60,23 +62,49 @@ def test_two_ranks_with_half_batches_equal_one_process(tiny_data, tmp_path):
         torch.testing.assert_close(ddp[name], value, rtol=0, atol=1e-6)  # ...and both runs moved it alike
 
 
-def test_evaluation_counts_every_test_image_once(tiny_data, tmp_path):
-    """World size 3 over 10 test images: the all-reduced count is 10, the result the single-process one."""
-    out = torchrun(
-        3,
-        REPO / "03_ddp_single_node/train.py",
-        *stage_args(tiny_data, tmp_path, "--epochs", 1, "--batch-size", 63, "--save-model"),
-    )
-    assert out.returncode == 0, out.stderr
-    line = next(line for line in out.stdout.splitlines() if line.startswith("epoch "))
+def assert_counted_once(output, model_file, data_dir, val_fraction=0.0):
+    """The run's epoch line holds what one process computes over every test image (and every image of the
+    validation split) exactly once."""
+    line = next(line for line in output.splitlines() if line.startswith("epoch "))
     model = Net()
-    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
-    test_set = data.dataset(tiny_data, "mnist", train=False)
+    model.load_state_dict(torch.load(model_file, weights_only=True))
+    test_set = data.dataset(data_dir, "mnist", train=False)
     loader = data.loader(test_set, range(TEST_SIZE), 1000, ARGS, CPU)
     loss, correct, count = stage("01_single_gpu").evaluate(model, CPU, loader).tolist()
     assert count == TEST_SIZE
     assert f"accuracy {int(correct)}/{TEST_SIZE} ({100 * correct / count:.2f}%)" in line, line
     assert f"test loss {loss / count:.4f}" in line, line
+    if val_fraction:
+        _, val_set = data.split(data.dataset(data_dir, "mnist", train=True), val_fraction, seed=1)
+        loader = data.loader(val_set, range(len(val_set)), 1000, ARGS, CPU)
+        loss, correct, count = stage("01_single_gpu").evaluate(model, CPU, loader).tolist()
+        assert f"val loss {loss / count:.4f} ({100 * correct / count:.2f}%)" in line, line
+
+
+def test_evaluation_counts_every_test_image_once(tiny_data, tmp_path):
+    """World size 3 over 10 test images in batches of 3 (4, 3, 3 images: 2, 1, 1 batches before padding): the
+    all-reduced count is 10, the result the single-process one."""
+    args = stage_args(tiny_data, tmp_path, "--epochs", 1, "--batch-size", 63, "--test-batch-size", 3, "--save-model")
+    out = torchrun(3, REPO / "03_ddp_single_node/train.py", *args)
+    assert out.returncode == 0, out.stderr
+    assert_counted_once(out.stdout, tmp_path / "model.pt", tiny_data)
+
+
+@pytest.mark.parametrize(
+    "world_size", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(7, marks=pytest.mark.slow)]
+)
+def test_fsdp_evaluates_uneven_shards_without_waiting(tiny_data, tmp_path, world_size):
+    """Stage 05 on splits the world size does not divide, in batches that would leave one rank a batch more:
+    under FSDP every forward is a collective, so unequal batch counts would wait out --dist-timeout. 10 test
+    images and a 13-image validation split, in batches of 2 at 2 ranks (7 and 6 images) and of 1 at 3 and 7."""
+    batch = {2: 2, 3: 1, 7: 1}[world_size]
+    extra = ["--epochs", 1, "--batch-size", 14 * world_size, "--test-batch-size", batch, "--dist-timeout", 30]
+    args = stage_args(tiny_data, tmp_path, *extra, "--val-fraction", 0.05, "--save-model")
+    start = time.monotonic()
+    out = torchrun(world_size, REPO / "05_fsdp/train.py", *args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert time.monotonic() - start < 25 + 5 * world_size  # no rank waited for a partner
+    assert_counted_once(out.stdout, tmp_path / "model.pt", tiny_data, val_fraction=0.05)
 
 
 def test_same_seed_same_result(tiny_data, tmp_path):
