@@ -29,12 +29,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from common import cli
+from common import cli, integrity
 from common.distributed import launcher_env, print0, stop
 
 DIVERGED = "the run diverged; the checkpoint in {0} keeps the last good epoch: try a lower --lr (or --amp off)"
 # stage 05 run by plain `python train.py` saves and loads its sharded checkpoints in one process, as meant
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
 _lock = []  # the open lock file: the folder stays claimed for as long as this process lives
 
 
@@ -51,12 +52,13 @@ def unwrap(model):
 def claim(output_dir, env=os.environ):
     """Take --output-dir for this run before anything else, or exit naming the run that holds it. A lock
     (flock) on output_dir/.lock, released by the kernel when its process ends, however it ends: a lock
-    left by a dead run is free. A held lock recorded by this same Slurm job is its own run from before a
-    requeue (on a network filesystem a dead node's lock lingers), and is taken over. Rank 0 alone claims:
-    only its node needs the folder."""
+    left by a dead run is free. A live holder is never displaced, with one exception: this same Slurm job
+    before its requeue (a higher SLURM_RESTART_COUNT now), whose processes Slurm has ended although on a
+    network filesystem a dead node's lock lingers. Rank 0 alone claims: only its node needs the folder."""
     if launcher_env(env)[0] != 0:
         return
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.get("SLURM_JOB_ID"), "since": time.ctime()}
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.get("SLURM_JOB_ID"),
+          "restart": restarts(env)[0], "since": time.ctime()}  # fmt: skip
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(output_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -71,7 +73,8 @@ def claim(output_dir, env=os.environ):
             held = json.loads(os.pread(fd, 4096, 0))
         except ValueError:  # caught between the holder's truncate and write
             held = {}
-        if not (me["job"] and held.get("job") == me["job"]):
+        requeued = me["job"] and held.get("job") == me["job"] and held.get("restart", 0) < me["restart"]
+        if not requeued:
             job = f", Slurm job {held['job']}" if held.get("job") else ""
             raise SystemExit(
                 f"error: --output-dir {output_dir} is in use by another run (host {held.get('host')}, pid "
@@ -103,9 +106,10 @@ def finite(state):
 
 
 @contextlib.contextmanager
-def atomic(path, mode="wb"):
+def atomic(path, mode="wb", keep=None):
     """Write `path` through a temporary file switched in once complete: a kill, a full disk or any write
-    error leaves the previous file whole, and no partial file behind."""
+    error leaves the previous file whole, and no partial file behind. With `keep`, the file replaced stays
+    there under that name (a hard link, switched in atomically too)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -113,6 +117,11 @@ def atomic(path, mode="wb"):
             yield f
             f.flush()
             os.fsync(f.fileno())
+        if keep is not None and path.exists():
+            link = keep.with_name(keep.name + ".tmp")
+            link.unlink(missing_ok=True)
+            os.link(path, link)
+            os.replace(link, keep)
         os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
     except OSError as err:
         tmp.unlink(missing_ok=True)
@@ -129,7 +138,7 @@ def save(args, epoch, model, optimizer, scheduler, scaler, log):
         stop(f"error: epoch {epoch} left non-finite weights: {DIVERGED.format(args.output_dir)}")
     if is_rank0():
         state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
-        with atomic(args.output_dir / "checkpoint.pt") as f:
+        with atomic(args.output_dir / "checkpoint.pt", keep=args.output_dir / PREVIOUS) as f:  # the last two epochs
             torch.save(run_state(args, epoch, scheduler, scaler, log) | state, f)
     if dist.is_initialized():
         dist.barrier()  # every rank leaves the epoch with its checkpoint complete on disk
@@ -182,9 +191,8 @@ def save_sharded(args, epoch, model, optimizer, scheduler, scaler, log):
         link.unlink(missing_ok=True)
         link.symlink_to(folder.name)
         os.replace(link, args.output_dir / "checkpoint")  # atomic: the old checkpoint or the new one
-        for old in args.output_dir.glob("epoch-*"):
-            if old != folder:
-                shutil.rmtree(old)
+        for old in epochs(args.output_dir)[2:]:  # the last two complete checkpoints stay
+            shutil.rmtree(old)
     if dist.is_initialized():  # a resume at another world size reads every rank's shards: every node must see them
         dist.barrier()  # rank 0 has switched the link
         blind = [None] * dist.get_world_size()
@@ -195,27 +203,56 @@ def save_sharded(args, epoch, model, optimizer, scheduler, scaler, log):
                  "that every node sees")  # fmt: skip
 
 
+def epochs(output_dir):
+    """The sharded checkpoint folders epoch-N in output_dir, newest first."""
+    return sorted(
+        output_dir.glob("epoch-*"), key=lambda f: int(f.name[6:]) if f.name[6:].isdigit() else -1, reverse=True
+    )
+
+
+def load(path):
+    """A checkpoint's run state: checkpoint.pt, or a sharded folder's state.pt with its shards checked and
+    "folder" added. An error message (a string) if it is damaged."""
+    folder = path.resolve() if path.is_dir() else None
+    try:
+        state = torch.load(folder / "state.pt" if folder else path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated file, or a pickle that would run code
+        return f"{path} is damaged or not a checkpoint this code wrote ({type(err).__name__})"
+    if not (isinstance(state, dict) and {"epoch", "flags"} <= state.keys() and ("model" in state or folder)):
+        return f"{path} is not a training checkpoint (a --save-model file holds weights only): give <output-dir>/checkpoint.pt"
+    if folder and (problem := integrity.damage(folder)):
+        return f"{path} is damaged: {problem}"
+    return state | {"folder": folder}
+
+
+def fallback(output_dir, damaged):
+    """The complete checkpoint before the damaged latest one in output_dir, as a hint: '' if there is none."""
+    candidates = [output_dir / PREVIOUS] if damaged.is_file() else [f for f in epochs(output_dir) if f != damaged]
+    for path in candidates:
+        if path.exists() and isinstance(state := load(path), dict):
+            return f": the checkpoint of epoch {state['epoch']} is complete: resume from it with --resume {path}"
+    return ""
+
+
 def read(args, name="checkpoint.pt"):
     """Rank 0: the checkpoint to resume from (a stage 05 folder: its state.pt, with "folder" added), None
     to start afresh, or an error message."""
     own = args.output_dir / name
     if args.resume is None and not any(restarts()):
-        if own.exists():
-            return f"error: {own} exists: add --resume to continue that run, or choose another --output-dir"
+        for found in (args.output_dir / "checkpoint.pt", args.output_dir / "checkpoint"):
+            if found.exists():  # whole or sharded, of any stage: a fresh run would overwrite its metrics.csv
+                return (f"error: {found} holds the checkpoint of an earlier run: add --resume to continue "
+                        "it (in the stage that wrote it), or choose another --output-dir")  # fmt: skip
         return None
     path = own if args.resume in (None, True) else args.resume
     if not path.exists():
         return None if args.resume is None else f"error: no checkpoint at {path} to resume from"
-    folder = path.resolve() if path.is_dir() else None
-    try:
-        state = torch.load(folder / "state.pt" if folder else path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a truncated file, or a pickle that would run code
-        return f"error: {path} is not a checkpoint this code wrote ({type(err).__name__}): delete it or use another"
-    if not (isinstance(state, dict) and {"epoch", "flags"} <= state.keys() and ("model" in state or folder)):
-        return f"error: {path} is not a training checkpoint (a --save-model file holds weights only): give <output-dir>/checkpoint.pt"
-    if folder and name != "checkpoint":
+    state = load(path)
+    if isinstance(state, str):
+        hint = fallback(args.output_dir, path.resolve()) if path == own else ""
+        return f"error: {state}{hint or ': delete it or use another'}"
+    if state["folder"] and name != "checkpoint":
         return f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its weights with its --save-model"
-    state["folder"] = folder
     # a checkpoint from before an option existed does not record it: what it records must match
     now = cli.defining(args)
     differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in state["flags"].items() if now.get(k) != v]
@@ -231,7 +268,7 @@ def resume(args, model, optimizer, scheduler, scaler, log, name="checkpoint.pt")
         dist.broadcast_object_list(box)  # every rank gets rank 0's verdict and state
     state = box[0]
     if isinstance(state, str):
-        raise SystemExit(state)
+        stop(state)  # every rank has the verdict; rank 0 says it
     if state is None:
         return 1
     try:
@@ -241,7 +278,7 @@ def resume(args, model, optimizer, scheduler, scaler, log, name="checkpoint.pt")
             unwrap(model).load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
     except (RuntimeError, ValueError, KeyError) as err:
-        raise SystemExit(f"error: the checkpoint does not match this model: {err}") from None
+        stop(f"error: the checkpoint does not match this model: {str(err).splitlines()[0][:300]}")
     scheduler.load_state_dict(state["scheduler"])
     scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["cpu"])

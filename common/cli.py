@@ -15,11 +15,14 @@ TESTED = {"net": DATASETS[:2], "cnn": DATASETS, "wideresnet": DATASETS[2:]}  # t
 
 
 def default_output_dir(script, env=os.environ):
-    """runs/<stage>/<job id>: a requeued job finds its own folder again; outside Slurm and torchrun, the
-    time and the process id, so that two runs started in the same second do not share a folder."""
+    """runs/<stage>/<job id>.<step id>: a requeued job finds its own folder again (its steps count from 0
+    again), and two runs in one job (an salloc shell, several srun steps) get their own; outside Slurm and
+    torchrun, the time and the process id, so that two runs started in the same second do not share one."""
     run = env.get("SLURM_JOB_ID")
     if run and "SLURM_ARRAY_TASK_ID" in env:
         run += "_" + env["SLURM_ARRAY_TASK_ID"]
+    if run and "SLURM_STEP_ID" in env:  # the batch shell has no step; a second run there finds the first's lock
+        run += "." + env["SLURM_STEP_ID"]
     elif not run and env.get("TORCHELASTIC_RUN_ID", "none") != "none":
         run = "torchrun-" + env["TORCHELASTIC_RUN_ID"]  # the same for every rank, and after a restart
     run = run or time.strftime("local-%Y%m%d-%H%M%S-") + str(os.getpid())
@@ -128,7 +131,7 @@ def parser(script):
                    help="input pipeline: whole batches from decoded tensors (default), pytorch/examples' per-sample one, or the data set held on the GPU")
     p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast where supported, else fp16 with loss scaling")
     p.add_argument("--output-dir", type=Path, default=default_output_dir(script),
-                   help="metrics, checkpoint and model (default: runs/<stage>/<job id, torchrun id or local-time-pid>)")
+                   help="metrics, checkpoint and model (default: runs/<stage>/<job id>.<step id>, torchrun-<id> or local-<time>-<pid>)")
     p.add_argument("--resume", nargs="?", const=True, type=Path, metavar="PATH",
                    help="continue from --output-dir's checkpoint, or from the checkpoint file PATH (automatic after a Slurm requeue)")
     # a collective that waits a day is a hang: a larger value is a typo (milliseconds?), and past

@@ -90,3 +90,13 @@ def processes_with(marker):
         except OSError:  # gone meanwhile, or not ours to read
             pass
     return found
+
+
+def one_error(out, *words):
+    """Failed with exactly one `error:` line, naming all of `words`, and no traceback."""
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and len(errors) == 1, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
+    for word in words:
+        assert word in errors[0], errors[0]
+    return errors[0]

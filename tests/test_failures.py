@@ -20,9 +20,9 @@ import time
 
 import pytest
 import torch
-from helpers import REPO, clean_env, free_port, processes_with, run, stage_args, torchrun_cmd
+from helpers import REPO, clean_env, free_port, one_error, processes_with, run, stage_args, torchrun_cmd
 
-from common import checkpoint
+from common import checkpoint, cli
 
 S01, S03 = REPO / "01_single_gpu" / "train.py", REPO / "03_ddp_single_node" / "train.py"
 INJECT = str(REPO / "tests" / "inject")
@@ -34,16 +34,6 @@ def python(script, *args, timeout=120, **env):
     out = run([sys.executable, str(script), *map(str, args)], env=clean_env(**env), timeout=timeout)
     out.seconds = time.monotonic() - start
     return out
-
-
-def one_error(out, *words):
-    """Failed with exactly one `error:` line, naming all of `words`, and no traceback."""
-    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert out.returncode != 0 and len(errors) == 1, out.stdout[-2000:] + out.stderr[-3000:]
-    assert "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
-    for word in words:
-        assert word in errors[0], errors[0]
-    return errors[0]
 
 
 def kept(folder, epochs):
@@ -154,14 +144,27 @@ def test_a_lock_left_by_a_dead_run_is_taken_over(tiny_data, tmp_path):
     assert json.loads((tmp_path / ".lock").read_text())["host"] == socket.gethostname()
 
 
-def test_a_requeued_job_takes_over_its_own_lock_only(tmp_path, monkeypatch):
+def test_a_requeued_job_takes_over_its_own_lock_only(tmp_path):
+    """A lock held under the same Slurm job id is taken over only after a requeue (a higher restart count):
+    two runs in one job (an salloc shell, two steps into one --output-dir) never displace each other."""
     holder = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)  # as a node that died holding it
     fcntl.flock(holder, fcntl.LOCK_EX)
-    os.write(holder, json.dumps({"host": "node7", "pid": 99, "job": "77"}).encode())
-    with pytest.raises(SystemExit, match="in use by another run .host node7, pid 99, Slurm job 77"):
-        checkpoint.claim(tmp_path, env={"SLURM_JOB_ID": "78"})
-    checkpoint.claim(tmp_path, env={"SLURM_JOB_ID": "77"})  # the same job, requeued
-    assert json.loads((tmp_path / ".lock").read_text())["job"] == "77"
+    os.write(holder, json.dumps({"host": "node7", "pid": 99, "job": "77", "restart": 0}).encode())
+    for env in ({"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "1"}, {"SLURM_JOB_ID": "77"}):
+        with pytest.raises(SystemExit, match="in use by another run .host node7, pid 99, Slurm job 77"):
+            checkpoint.claim(tmp_path, env=env)
+    checkpoint.claim(tmp_path, env={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})  # the same job, requeued
+    assert json.loads((tmp_path / ".lock").read_text())["restart"] == 1
+
+
+def test_two_runs_in_one_job_get_their_own_folders_and_a_requeue_finds_its_own(tmp_path):
+    """Two srun steps of one job write to two folders; the same step of the requeued job to the first's."""
+    script = tmp_path / "01_single_gpu" / "train.py"
+    step0, step1, requeued = (
+        cli.default_output_dir(script, {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": step, "SLURM_RESTART_COUNT": n})
+        for step, n in (("0", "0"), ("1", "0"), ("0", "1"))
+    )
+    assert step0 != step1 and step0 == requeued == tmp_path / "runs/01_single_gpu/77.0"
 
 
 def test_two_runs_in_the_same_second_get_their_own_folders(tmp_path):
