@@ -8,8 +8,7 @@ import sys
 import time
 
 import pytest
-from helpers import REPO, clean_env, free_port, srun_like
-from test_failures import one_error
+from helpers import REPO, clean_env, free_port, one_error, srun_like
 
 from common import distributed
 
