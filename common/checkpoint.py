@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from common import cli, integrity
 from common.distributed import launcher_env, print0, stop
+from common.environment import integer
 
 DIVERGED = "the run diverged; the checkpoint in {0} keeps the last good epoch: try a lower --lr (or --amp off)"
 # stage 05 run by plain `python train.py` saves and loads its sharded checkpoints in one process, as meant
@@ -90,7 +91,7 @@ def claim(output_dir, env=os.environ):
 
 
 def restarts(env=os.environ):
-    return int(env.get("SLURM_RESTART_COUNT", 0)), int(env.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return integer("SLURM_RESTART_COUNT", 0, env=env), integer("TORCHELASTIC_RESTART_COUNT", 0, env=env)
 
 
 def finite(state):

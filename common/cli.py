@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.environment import integer
+
 REPO = Path(__file__).resolve().parent.parent
 DATASETS = ["mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic"]
 REFERENCE_BATCH = 64  # the global batch --lr is given for (--lr-scaling)
@@ -46,7 +48,7 @@ def say(message):
 
 def cpus_per_rank(env=os.environ):
     """The CPUs this process may run on, shared by the ranks torchrun started beside it."""
-    return max(len(os.sched_getaffinity(0)) // int(env.get("LOCAL_WORLD_SIZE", 1)), 1)
+    return max(len(os.sched_getaffinity(0)) // integer("LOCAL_WORLD_SIZE", 1, env=env, low=1), 1)
 
 
 def number(kind, interval):

@@ -30,6 +30,8 @@ from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 from torchvision import datasets, transforms
 
+from common.environment import integer
+
 FILES = {  # MNIST's sha256 of the uncompressed IDX files
     "train-images-idx3-ubyte": "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
     "train-labels-idx1-ubyte": "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
@@ -285,8 +287,8 @@ class OnDevice:
 def default_num_workers(env=os.environ):
     """DataLoader workers per process: the CPUs Slurm gave this task (or this process may use), shared
     among the ranks the task runs (torchrun), minus one for the process itself."""
-    cpus = int(env.get("SLURM_CPUS_PER_TASK") or len(os.sched_getaffinity(0)))
-    return max(cpus // int(env.get("LOCAL_WORLD_SIZE", 1)) - 1, 0)
+    cpus = integer("SLURM_CPUS_PER_TASK", len(os.sched_getaffinity(0)), env=env, low=1)
+    return max(cpus // integer("LOCAL_WORLD_SIZE", 1, env=env, low=1) - 1, 0)
 
 
 def num_workers(args):

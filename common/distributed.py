@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from common import cli, data
+from common.environment import integer
 
 HEARTBEAT = 1.0  # seconds between a rank's signs of life in the store
 _run = {}  # this process's store, address and timeout, for the diagnosis of a failed collective
@@ -31,6 +32,8 @@ _run = {}  # this process's store, address and timeout, for the diagnosis of a f
 def expand_hostlist(hostlist):
     """Expand a Slurm hostlist as `scontrol show hostnames` does ("node[01-03,07],r[1-2]n[1-2]") in Python:
     `scontrol` is not always there. Every bracket group counts, the first one varying slowest."""
+    if hostlist.count("[") != hostlist.count("]"):
+        raise SystemExit(f"error: cannot read the Slurm hostlist {hostlist!r} (unmatched brackets)")
     hosts = []
     for name in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):  # commas inside brackets do not split
         group = re.search(r"\[([^\]]*)\]", name)
@@ -41,6 +44,8 @@ def expand_hostlist(hostlist):
             lo, _, hi = part.partition("-")
             if not (lo.isdigit() and (hi or lo).isdigit()):
                 raise SystemExit(f"error: cannot read the Slurm hostlist {hostlist!r} (at [{group[1]}])")
+            if int(hi or lo) < int(lo):
+                raise SystemExit(f"error: cannot read the Slurm hostlist {hostlist!r} (at [{group[1]}])")
             for i in range(int(lo), int(hi or lo) + 1):  # keep zero padding: node01, not node1
                 hosts += expand_hostlist(f"{name[: group.start()]}{i:0{len(lo)}d}{name[group.end() :]}")
     return hosts
@@ -48,18 +53,21 @@ def expand_hostlist(hostlist):
 
 def master_port(job_id):
     """A port derived from the job id, so two jobs sharing a node do not collide (also in job scripts)."""
-    return 20000 + int(job_id) % 40000
+    return 20000 + job_id % 40000
 
 
 def launcher_env(env=os.environ):
     """Read rank, local rank and world size from the launcher's variables, or fail with the fix."""
     if "RANK" in env:  # torchrun; wins over Slurm's variables under `srun torchrun`
-        return int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"]), True
+        return integer("RANK", env=env), integer("LOCAL_RANK", env=env), integer("WORLD_SIZE", env=env, low=1), True
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:  # an srun task (the batch shell has no step)
+        if not env.get("SLURM_JOB_NODELIST"):
+            raise SystemExit("error: SLURM_JOB_NODELIST is not set in this srun task: launch it with srun in a job")
         env.setdefault("MASTER_ADDR", expand_hostlist(env["SLURM_JOB_NODELIST"])[0])
-        env.setdefault("MASTER_PORT", str(master_port(env["SLURM_JOB_ID"])))
-        return int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_NTASKS"]), True
-    if int(env.get("SLURM_NTASKS", 1)) > 1:
+        env.setdefault("MASTER_PORT", str(master_port(integer("SLURM_JOB_ID", env=env))))
+        ntasks = integer("SLURM_NTASKS", env=env, low=1)
+        return integer("SLURM_PROCID", env=env), integer("SLURM_LOCALID", env=env), ntasks, True
+    if integer("SLURM_NTASKS", 1, env=env) > 1:
         raise SystemExit(
             f"error: this job has SLURM_NTASKS={env['SLURM_NTASKS']} but this process is not one of its "
             "tasks (it runs in the batch script or an salloc shell): launch train.py with `srun python "
@@ -73,10 +81,11 @@ def setup(args):
     rank, local_rank, world_size, launched = launcher_env()
     if not (0 <= rank < world_size and 0 <= local_rank <= rank):
         raise SystemExit(f"error: inconsistent launch: rank {rank}, local rank {local_rank}, world size {world_size}")
+    # every rank alike, so rank 0 alone says it (a resume keeps --batch-size: it defines the run)
     if args.batch_size % world_size:
-        raise SystemExit(
-            f"error: --batch-size {args.batch_size} is the global batch: it must divide by the world size {world_size}"
-        )
+        sizes = ", ".join(str(n) for n in range(1, args.batch_size + 1) if args.batch_size % n == 0)
+        raise SystemExit(f"error: --batch-size {args.batch_size} is the global batch: it must divide by the world size "
+                         f"{world_size}: run on {sizes} ranks" if rank == 0 else 1)  # fmt: skip
     if torch.cuda.is_available() and not args.no_cuda:
         visible = torch.cuda.device_count()
         if visible > 1 and local_rank >= visible:
@@ -158,7 +167,7 @@ def rendezvous(rank, world_size, timeout):
         raise SystemExit(
             "error: RANK is set but MASTER_ADDR or MASTER_PORT is not: export both (rank 0's host and a free port)"
         )
-    where, host = f"{addr}:{port}", socket.gethostname()
+    port, where, host = integer("MASTER_PORT", low=1, high=65535), f"{addr}:{port}", socket.gethostname()
     os.environ["RANK"] = str(rank)  # for the messages of every thread, srun tasks included
     try:
         ip = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][4][0]
@@ -178,7 +187,7 @@ def rendezvous(rank, world_size, timeout):
     serve = rank == 0 and not agent
     end = time.monotonic() + timeout
     if not serve:  # wait for the server in Python: torch's client retries silently past its timeout
-        while not reachable(addr, int(port)):
+        while not reachable(addr, port):
             if time.monotonic() > end:
                 raise SystemExit(
                     f"error: rank {rank} on {host}: nothing answers at {where} after --dist-timeout {timeout} s: "
@@ -188,7 +197,7 @@ def rendezvous(rank, world_size, timeout):
     try:
         with deadline(timeout + 5, f"{where} accepts connections but is no rendezvous store: MASTER_PORT is taken "
                       "by another program; choose another port"):  # fmt: skip
-            store = dist.TCPStore(addr, int(port), world_size, is_master=serve, wait_for_workers=False,
+            store = dist.TCPStore(addr, port, world_size, is_master=serve, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
     except dist.DistNetworkError as err:
         if "EADDRINUSE" in str(err):

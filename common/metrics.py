@@ -3,7 +3,6 @@ divergence check: a non-finite loss stops every rank together, before it can rea
 
 import csv
 import math
-import os
 import time
 
 import torch
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from common import optim
 from common.checkpoint import DIVERGED, atomic
 from common.distributed import print0, stop
+from common.environment import integer
 
 FIELDS = [
     "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",
@@ -38,6 +38,10 @@ def memory(model, args, world_size):
     """Stage 05, at start: the bytes each rank holds of the weights, their gradients and the optimizer
     state, replicated (DDP: all of them on every rank) and sharded (FSDP: 1/world size of each). Activations
     and the one block FSDP gathers at a time come on top: the peak of each epoch is measured on GPUs."""
+    per_rank = args.batch_size // world_size
+    if args.grad_accum > per_rank:
+        print0(f"warning: --grad-accum {args.grad_accum} is more than the {per_rank} images each rank computes per "
+               f"step: each rank runs {per_rank} micro-batches of one image")  # fmt: skip
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     total = weights * (2 + optim.state_tensors(args))
     peak = "in the log and metrics.csv each epoch" if torch.cuda.is_initialized() else "not measured on the CPU"
@@ -58,8 +62,8 @@ class Log:
         self.path = output_dir / "metrics.csv"
         self.world_size = world_size
         # the nodes of this srun step (srun, or srun torchrun), else torchrun's nodes (ranks / ranks per node)
-        self.nodes = int(
-            os.environ.get("SLURM_STEP_NUM_NODES") or world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        self.nodes = integer(
+            "SLURM_STEP_NUM_NODES", world_size // integer("LOCAL_WORLD_SIZE", world_size, low=1), low=1
         )
         self.rows = []
 

@@ -1,5 +1,6 @@
 """The rank helper over plain, torchrun and srun environments, and the mistakes it must catch early."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -65,6 +66,48 @@ def test_batch_step_is_not_a_rank():
     env = {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "6"}
     with pytest.raises(SystemExit, match="srun"):
         launcher_env(env)
+
+
+SRUN = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "6", "SLURM_NTASKS": "2"}
+
+
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "LOCAL_RANK is not set"),
+        ({"RANK": "one", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "RANK='one' is not an integer"),
+        ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not an integer >= 1"),
+        (SRUN | {"SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS": "2(x2)"}, "SLURM_NTASKS='2(x2)'"),
+        (SRUN | {"SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "abc"}, "SLURM_JOB_ID='abc'"),
+        (SRUN, "SLURM_JOB_NODELIST is not set"),
+        (SRUN | {"SLURM_JOB_NODELIST": "n[3-1]"}, "cannot read the Slurm hostlist 'n[3-1]'"),
+        (SRUN | {"SLURM_JOB_NODELIST": "n[1-2"}, "cannot read the Slurm hostlist 'n[1-2'"),
+        ({"SLURM_NTASKS": "-1"}, "SLURM_NTASKS='-1'"),
+    ],
+)
+def test_a_missing_or_malformed_launcher_variable_is_named(env, named):
+    with pytest.raises(SystemExit, match=re.escape(named)):
+        launcher_env(dict(env))
+
+
+@pytest.mark.parametrize("port", ["http", "0", "70000"])
+def test_a_master_port_out_of_range_is_named(monkeypatch, port):
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_PORT", port)
+    with pytest.raises(SystemExit, match=re.escape(f"MASTER_PORT='{port}' is not an integer in [1, 65535]")):
+        distributed.setup(args())
+
+
+def test_a_world_size_that_does_not_divide_the_batch_names_those_that_do(monkeypatch):
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit, match=re.escape("run on 1, 2, 4, 8, 16, 32, 64 ranks")):
+        distributed.setup(args())
+    monkeypatch.setenv("RANK", "1")  # the same verdict on every rank: rank 0 alone says it
+    with pytest.raises(SystemExit) as exit:
+        distributed.setup(args())
+    assert exit.value.code == 1
 
 
 def test_ports_differ_between_jobs_and_stay_in_range():
