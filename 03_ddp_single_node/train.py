@@ -31,7 +31,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stage folders
 try:
-    from common import amp, checkpoint, cli, data, distributed, metrics, models, optim
+    from common import amp, checkpoint, cli, data, distributed, errors, metrics, models, optim
 except ModuleNotFoundError as err:
     if err.name != "common":
         raise
@@ -133,4 +133,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    errors.run(main)  # Ctrl-C or a lost DataLoader worker: one line, not a traceback

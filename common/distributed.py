@@ -274,6 +274,7 @@ def failed(kind, error, tb):
     stalled = []
 
     def ask():  # in a thread: a store on a stopped rank 0 accepts connections and never answers
+        time.sleep(3 * HEARTBEAT)  # a rank killed just now (SIGKILL, out of memory) has beaten a moment ago
         now = time.time()
         try:
             for r in range(_run["world_size"]):
@@ -285,13 +286,14 @@ def failed(kind, error, tb):
 
     asking = threading.Thread(target=ask, daemon=True)
     asking.start()
-    asking.join(5)
+    asking.join(5 + 3 * HEARTBEAT)
     if asking.is_alive():
         cause = f"rank 0, which holds the store at {_run['where']}, stopped answering"
     elif stalled:
-        cause = f"rank {', rank '.join(stalled)} stopped answering: stopped, hung or swapping"
+        cause = (f"rank {', rank '.join(stalled)} ended or stopped answering: killed (out of memory, a signal; "
+                 "its own error, if it had one, is above), stopped, hung or swapping")  # fmt: skip
     else:
-        cause = "another rank ended first (its message is above)"
+        cause = "every rank still answers: see the collective's error"
     fail(f"error: rank {rank}: a collective failed within --dist-timeout {timeout} s: {cause} "
          f"[{kind.__name__}: {str(error).splitlines()[0][:160]}]")  # fmt: skip
 

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -290,6 +291,52 @@ def test_a_stalled_rank_is_named_within_the_timeout(tiny_data, tmp_path):
         procs[1].kill()
     one_error(rank0, "rank 1 (", "stopped answering", "--dist-timeout 5")
     assert time.monotonic() - stopped < 5 + 10
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_by_the_others(tiny_data, tmp_path):
+    """SIGKILL (the out-of-memory killer) leaves no message of its own: the survivors name the rank that ended."""
+    procs = ranks([stage_args(tiny_data, tmp_path, "--epochs", 50, "--dist-timeout", 30)] * 2)
+    while not (tmp_path / "checkpoint.pt").exists():  # training for an epoch: past the rendezvous
+        assert procs[0].poll() is None, procs[0].communicate()
+        time.sleep(0.05)
+    procs[1].kill()
+    killed = time.monotonic()
+    rank0 = finish(procs[:1], timeout=60)[0]
+    assert "message is above" not in one_error(rank0, "rank 1 (", "ended or stopped answering", "killed")
+    assert time.monotonic() - killed < 15
+    kept(tmp_path, int(torch.load(tmp_path / "checkpoint.pt", weights_only=True)["epoch"]))
+
+
+def started(proc, folder):
+    """Wait until the run in `proc` has saved its first checkpoint."""
+    while not (folder / "checkpoint.pt").exists():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+
+
+def test_ctrl_c_is_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path):
+    cmd = [sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--epochs", 50)]
+    proc = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    started(proc, tmp_path)
+    proc.send_signal(signal.SIGINT)
+    out = subprocess.CompletedProcess(cmd, proc.wait(timeout=30), *proc.communicate())
+    assert out.returncode == 130
+    one_error(out, "interrupted (Ctrl-C)", "--resume")
+    kept(tmp_path, len(list(csv.DictReader(open(tmp_path / "metrics.csv")))))
+
+
+def test_a_dataloader_worker_killed_is_named_with_the_fix(tiny_data, tmp_path):
+    """The out-of-memory killer takes a worker: the run names it, the likely cause and --num-workers / --mem."""
+    args = stage_args(tiny_data, tmp_path, "--epochs", 50, "--loader", "classic", "--num-workers", 1)  # the last wins
+    cmd = [sys.executable, str(S01), *args]
+    proc = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    started(proc, tmp_path)
+    worker = int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[0])
+    os.kill(worker, signal.SIGKILL)
+    out = subprocess.CompletedProcess(cmd, proc.wait(timeout=30), *proc.communicate())
+    one_error(out, f"DataLoader worker of this rank (pid {worker})", "out-of-memory", "--num-workers", "--mem")
+    kept(tmp_path, len(list(csv.DictReader(open(tmp_path / "metrics.csv")))))
 
 
 @pytest.mark.slow
