@@ -21,6 +21,7 @@ import math
 import os
 import pickle
 import shutil
+import zlib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -345,9 +346,16 @@ def prepare(data_dir, name="mnist"):
         download(name, data_dir, train=False)
     for file, sha256 in FILES.items():
         if not (folder / file).is_file():
-            with gzip.open(folder / f"{file}.gz") as src, open(folder / f"{file}.part", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            (folder / f"{file}.part").replace(folder / file)
+            part = folder / f"{file}.part"
+            try:
+                with gzip.open(folder / f"{file}.gz") as src, open(part, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            except (OSError, EOFError, zlib.error) as err:  # a download cut short, or not gzip at all
+                part.unlink(missing_ok=True)
+                raise SystemExit(
+                    f"error: {folder / file}.gz is damaged ({err}): delete it and run `make data` again"
+                ) from None
+            part.replace(folder / file)
         if hashlib.sha256((folder / file).read_bytes()).hexdigest() != sha256:
             raise SystemExit(
                 f"error: {folder / file} is corrupt (sha256 mismatch): delete it and run `make data` again"

@@ -49,6 +49,18 @@ def test_prepare_checks_and_unpacks_the_vendored_files(tmp_path):
         data.prepare(tmp_path)
 
 
+def test_a_truncated_download_is_named_and_leaves_no_part_file(tmp_path):
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for gz in (REPO / "data" / "MNIST" / "raw").glob("*.gz"):
+        shutil.copy(gz, raw)
+    cut = raw / "train-images-idx3-ubyte.gz"
+    cut.write_bytes(cut.read_bytes()[:100_000])  # a download cut short
+    with pytest.raises(SystemExit, match=f"{cut} is damaged .*: delete it and run `make data` again"):
+        data.prepare(tmp_path)
+    assert not list(raw.glob("*.part"))
+
+
 @pytest.mark.parametrize("loader", ["batched", "classic", "device"])
 def test_an_empty_validation_set_yields_nothing(loader, tiny_data):
     """Without --val-fraction the validation set is empty, and every pipeline must take that in stride."""

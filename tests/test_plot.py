@@ -109,3 +109,25 @@ def test_plot_without_matplotlib_says_so(tmp_path):
 def test_plot_names_a_folder_without_metrics(tmp_path):
     result = run([sys.executable, str(PLOT), str(tmp_path)])
     assert result.returncode == 1 and f"no metrics in {tmp_path}" in result.stderr
+
+
+HEADER = "epoch,world_size,epoch_seconds,images_per_s,test_accuracy\n"
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ("epoch,lr\n1,1.0\n", "no epoch_seconds, images_per_s, test_accuracy, world_size column"),
+        (HEADER + "1,2,x,4,5\n", "line 2: could not convert string to float: 'x'"),
+        (HEADER + "1,2,3,4,5\n2,2,3\n", "line 3: 3 cells under a header of 5"),
+        (HEADER + "1,2,3,4,5,6\n", "line 2: 6 cells under a header of 5"),
+        (b"\xff\xfe\x00", "line 1: 'utf-8' codec can't decode"),
+    ],
+)
+def test_a_damaged_metrics_file_is_one_line_for_both_tools(tmp_path, text, named):
+    """The tools read what a crashed disk or an editor left: one line naming the file and the line, no traceback."""
+    (tmp_path / "metrics.csv").write_bytes(text if isinstance(text, bytes) else text.encode())
+    for tool in ("plot.py", "scaling.py") if named.startswith("no ") else ("plot.py",):  # the same load()
+        out = run([sys.executable, str(REPO / "tools" / tool), str(tmp_path)])
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith(f"error: {tmp_path / 'metrics.csv'}") and named in out.stderr, out.stderr

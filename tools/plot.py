@@ -33,8 +33,24 @@ def load(path):
     csv_path = path / "metrics.csv" if path.is_dir() else path
     if not csv_path.is_file():
         sys.exit(f"error: no metrics in {path}: give run folders or their metrics.csv")
-    with open(csv_path, newline="") as f:
-        rows = [{k: float(v) if v else None for k, v in row.items()} for row in csv.DictReader(f)]
+    rows, reader = [], None
+    try:
+        with open(csv_path, newline="") as f:
+            reader = csv.DictReader(f)
+            missing = {"epoch", "world_size", "epoch_seconds", "images_per_s", "test_accuracy"} - set(
+                reader.fieldnames or []
+            )
+            if missing:
+                sys.exit(f"error: {csv_path} is not a metrics.csv of these stages (no {', '.join(sorted(missing))} "
+                         "column): give the folders the stages wrote")  # fmt: skip
+            for row in reader:
+                cells = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None) or [])
+                if cells != len(reader.fieldnames):  # a row cut short, or two run together
+                    raise ValueError(f"{cells} cells under a header of {len(reader.fieldnames)}")
+                rows.append({k: float(v) if v else None for k, v in row.items()})
+    except ValueError as err:  # a cell that is no number, bytes that are no text, a row cut short
+        sys.exit(f"error: {csv_path}, line {max(reader.line_num if reader else 0, 1)}: {err}: the file is damaged; the run's "
+                 "checkpoint keeps the rows of its epochs (resume it to rewrite the file), or leave the run out")  # fmt: skip
     if not rows:
         sys.exit(f"error: {csv_path} has no finished epoch yet")
     return csv_path.parent, rows
