@@ -128,3 +128,28 @@ def test_real_runs_of_one_and_two_processes(tiny_data, tmp_path, capsys):
         assert float(rows[1]["speed-up"]) == pytest.approx(speedup, abs=0.01)
         assert float(rows[1]["efficiency"]) == pytest.approx(speedup / 2, abs=0.01)
     assert {r["time to 100.5%"] for r in rows} == {"not reached"}
+
+
+def test_stage05_runs_resumed_at_another_world_size_and_mixed_settings(tmp_path, capsys):
+    """A stage 05 run reads its global batch from its sharded checkpoint, splits into a row per world size
+    it ran at (requeued from 4 ranks onto 2), and a table mixing stages and models says so above it."""
+    ddp = write_run(tmp_path / "03_ddp_single_node" / "a", 1, [100] * 4, [90, 95, 97, 98])
+    torch.save({"flags": {"batch_size": 64, "model": "net"}}, ddp / "checkpoint.pt")
+    fsdp = write_run(tmp_path / "05_fsdp" / "b", 4, [380, 400, 190, 200], [90, 95, 97, 98])
+    rows = list(csv.DictReader(open(fsdp / "metrics.csv")))
+    for row in rows[2:]:
+        row["world_size"] = 2
+    with open(fsdp / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, rows[0].keys())
+        writer.writeheader()
+        writer.writerows(rows)
+    (fsdp / "epoch-4").mkdir()
+    torch.save({"flags": {"batch_size": 128, "model": "cnn"}}, fsdp / "epoch-4" / "state.pt")
+    (fsdp / "checkpoint").symlink_to("epoch-4")
+    text = report(capsys, ddp, fsdp)
+    assert [(r["world size"], r["global batch"], r["images/s"], r["run"]) for r in table(text)] == [
+        ("1", "64", "100", "03_ddp_single_node/a"), ("2", "128", "200", "05_fsdp/b (world size 2)"),
+        ("4", "128", "400", "05_fsdp/b (world size 4)"),
+    ]  # fmt: skip
+    assert "Note: these runs differ in stage: 03_ddp_single_node (03_ddp_single_node/a), 05_fsdp (05_fsdp/b" in text
+    assert "--model: net (03_ddp_single_node/a), cnn (05_fsdp/b (world size 2)), cnn (05_fsdp/b (world size 4))" in text

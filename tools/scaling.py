@@ -2,8 +2,12 @@
 
     python tools/scaling.py RUN... [--target-accuracy 99] [--out scaling.md] [--plot scaling.png] [--bandwidth GBps]
 
-RUNs as for tools/plot.py. The global batch is read from a `global_batch` column of metrics.csv, else from
-checkpoint.pt; the nodes from metrics.csv (runs from before it was recorded: 1 for one process, else "?"). --bandwidth adds rows on paper.
+RUNs as for tools/plot.py. The global batch and the model are read from the run's checkpoint (checkpoint.pt,
+or stage 05's checkpoint/state.pt); the nodes from metrics.csv (runs from before it was recorded: 1 for one
+process, else "?"). A run resumed at another world size (stage 05 after a requeue onto fewer nodes) gives one
+row per world size. Runs of different stages, or whose checkpoints record different options (beside the
+batch and the learning rate, which scaling studies change), are named in a note above the table.
+--bandwidth adds rows on paper.
 """
 
 import argparse
@@ -28,15 +32,42 @@ HEADER = (
 )
 
 
+def recorded(folder):
+    """The options that define a run, as its checkpoint (whole, or stage 05's sharded one) records them, else {}."""
+    for saved in (folder / "checkpoint.pt", folder / "checkpoint" / "state.pt"):
+        if saved.is_file():
+            return torch.load(saved, map_location="cpu", weights_only=True)["flags"]
+    return {}
+
+
+def by_world_size(folder, rows):
+    """A run's rows in parts of one world size each: a run resumed at another world size is two runs here."""
+    parts = [list(group) for _, group in itertools.groupby(rows, key=lambda r: r["world_size"])]
+    return [(folder, part, len(parts) > 1) for part in parts]
+
+
+def differences(names, runs):
+    """What the runs differ in besides their size: the stage (the folder's parent) and the recorded options."""
+    known = [(name, r) for name, r in zip(names, runs, strict=True) if r["flags"]]
+    keys = sorted(set().union(*(r["flags"] for _, r in known)) - {"batch_size", "lr", "lr_scaling"})
+    columns = {"stage": [(name, r["stage"]) for name, r in zip(names, runs, strict=True)]}
+    columns |= {f"--{k.replace('_', '-')}": [(name, r["flags"].get(k)) for name, r in known] for k in keys}
+    notes = [
+        f"{what}: " + ", ".join(f"{value} ({name})" for name, value in pairs)
+        for what, pairs in columns.items()
+        if len({str(value) for _, value in pairs}) > 1
+    ]
+    return [f"Note: these runs differ in {'; '.join(notes)}.\n"] if notes else []
+
+
 def measure(folder, rows, target):
     """One run: world size, nodes, global batch, images/s, seconds to `target` % (None: not reached), flags."""
-    saved = folder / "checkpoint.pt"
-    flags = torch.load(saved, map_location="cpu", weights_only=True)["flags"] if saved.is_file() else {}
+    flags = recorded(folder)
     seconds = itertools.accumulate(r["epoch_seconds"] for r in rows)
     accuracy = [r["test_accuracy"] if r.get("val_accuracy") is None else r["val_accuracy"] for r in rows]
     world, first = int(rows[0]["world_size"]), rows[0]
     return dict(
-        world=world, nodes=first.get("nodes") or (1 if world == 1 else None), flags=flags,
+        world=world, nodes=first.get("nodes") or (1 if world == 1 else None), flags=flags, stage=folder.resolve().parent.name,
         batch=first.get("global_batch") or flags.get("batch_size"),
         rate=statistics.median(r["images_per_s"] for r in rows[1:] or rows),  # a one-epoch run: that epoch
         to_target=next((s for s, a in zip(seconds, accuracy, strict=True) if a >= target), None),
@@ -62,7 +93,7 @@ def row(base, run, rate, to_target, name):
 
 def report(names, runs, args):
     """The Markdown text, and the (world size, images/s) points on paper."""
-    base, paper, lines = runs[0], [], [NOTE.format(args.target_accuracy)]
+    base, paper, lines = runs[0], [], [NOTE.format(args.target_accuracy), *differences(names, runs)]
     if args.bandwidth is not None:
         params = parameters(base["flags"], args.params)
         lines.append(PAPER.format(params, 4 * params / 1e6, args.bandwidth))
@@ -106,9 +137,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.plot and Figure is None:
         sys.exit("error: --plot needs matplotlib: pip install matplotlib")
-    loaded = sorted(map(load, args.runs), key=lambda run: run[1][0]["world_size"])  # as numbers: 2 before 16
-    runs = [measure(folder, rows, args.target_accuracy) for folder, rows in loaded]
-    text, paper = report(labels([folder for folder, _ in loaded]), runs, args)
+    parts = [part for path in args.runs for part in by_world_size(*load(path))]
+    loaded = sorted(parts, key=lambda run: run[1][0]["world_size"])  # as numbers: 2 before 16
+    runs = [measure(folder, rows, args.target_accuracy) for folder, rows, _ in loaded]
+    names = [name + (f" (world size {rows[0]['world_size']:g})" if split else "")
+             for name, (_, rows, split) in zip(labels([folder for folder, _, _ in loaded]), loaded, strict=True)]  # fmt: skip
+    text, paper = report(names, runs, args)
     print(text, end="")
     if args.out:
         args.out.write_text(text)
