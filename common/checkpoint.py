@@ -72,14 +72,15 @@ def claim(output_dir, env=os.environ):
     except BlockingIOError:
         try:
             held = json.loads(os.pread(fd, 4096, 0))
-        except ValueError:  # caught between the holder's truncate and write
+        except ValueError:  # caught between the holder's truncate and write, or not ours
             held = {}
+        held = held if isinstance(held, dict) else {}
         requeued = me["job"] and held.get("job") == me["job"] and held.get("restart", 0) < me["restart"]
         if not requeued:
             job = f", Slurm job {held['job']}" if held.get("job") else ""
             raise SystemExit(
-                f"error: --output-dir {output_dir} is in use by another run (host {held.get('host')}, pid "
-                f"{held.get('pid')}{job}, since {held.get('since')}): choose another --output-dir, or end that run"
+                f"error: --output-dir {output_dir} is in use by another run (host {held.get('host', '?')}, pid "
+                f"{held.get('pid', '?')}{job}, since {held.get('since', '?')}): choose another --output-dir, or end that run"
             ) from None
     except OSError as err:  # a filesystem without locks (some Lustre and NFS mounts): the folder is unguarded
         if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
@@ -121,7 +122,10 @@ def atomic(path, mode="wb", keep=None):
         if keep is not None and path.exists():
             link = keep.with_name(keep.name + ".tmp")
             link.unlink(missing_ok=True)
-            os.link(path, link)
+            try:
+                os.link(path, link)
+            except OSError:  # a filesystem without hard links (some FUSE mounts): a copy
+                shutil.copyfile(path, link)
             os.replace(link, keep)
         os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
     except OSError as err:
@@ -247,7 +251,11 @@ def read(args, name="checkpoint.pt"):
         return None
     path = own if args.resume in (None, True) else args.resume
     if not path.exists():
-        return None if args.resume is None else f"error: no checkpoint at {path} to resume from"
+        other = args.output_dir / ("checkpoint.pt" if name == "checkpoint" else "checkpoint")
+        hint = (
+            f" (it holds {other.name}, of {'stages 01-04' if other.suffix else 'stage 05'})" if other.exists() else ""
+        )
+        return None if args.resume is None else f"error: no {path.name} in {path.parent} to resume from{hint}"
     state = load(path)
     if isinstance(state, str):
         hint = fallback(args.output_dir, path.resolve()) if path == own else ""
