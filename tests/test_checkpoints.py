@@ -3,6 +3,7 @@ before it to resume from, and no fresh run over a folder that holds any stage's 
 
 import sys
 
+import pytest
 import torch
 from helpers import REPO, clean_env, one_error, run, stage_args
 
@@ -28,6 +29,7 @@ def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(tiny_dat
     assert "resumed after epoch 1" in out.stdout and torch.load(latest, weights_only=True)["epoch"] == 3
 
 
+@pytest.mark.slow  # the whole-checkpoint case above runs in make test
 def test_a_damaged_shard_or_missing_metadata_is_named_by_file(tiny_data, tmp_path):
     """Stage 05 keeps its last two sharded checkpoints (one process: the shards of one rank)."""
     assert python(S05, tiny_data, tmp_path, "--epochs", 2).returncode == 0
@@ -56,3 +58,16 @@ def test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint(tiny_data, tmp_
             python(script, tiny_data, folder, "--epochs", 1), f"{folder / found} holds the checkpoint", "--resume"
         )
         assert (folder / "metrics.csv").read_text() == metrics
+    kind = "it holds checkpoint, of stage 05"  # --resume in the other kind's folder says which it holds
+    one_error(python(S01, tiny_data, sharded, "--epochs", 2, "--resume"), f"no checkpoint.pt in {sharded}", kind)
+
+
+def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeypatch):
+    """Some FUSE filesystems refuse hard links: the previous checkpoint is then a copy, switched in alike."""
+    latest, previous = tmp_path / "checkpoint.pt", tmp_path / checkpoint.PREVIOUS
+    for epoch in (1, 2):
+        with checkpoint.atomic(latest, keep=previous) as f:
+            torch.save({"epoch": epoch}, f)
+        monkeypatch.setattr(checkpoint.os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no links")))
+    assert torch.load(previous)["epoch"] == 1 and torch.load(latest)["epoch"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-previous.pt", "checkpoint.pt"]

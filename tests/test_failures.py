@@ -156,6 +156,9 @@ def test_a_requeued_job_takes_over_its_own_lock_only(tmp_path):
             checkpoint.claim(tmp_path, env=env)
     checkpoint.claim(tmp_path, env={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})  # the same job, requeued
     assert json.loads((tmp_path / ".lock").read_text())["restart"] == 1
+    os.pwrite(holder, b"[1, 2]" + b" " * 100, 0)  # a lock file some other program wrote
+    with pytest.raises(SystemExit, match=r"in use by another run \(host \?, pid \?, since \?\)"):
+        checkpoint.claim(tmp_path, env={})
 
 
 def test_two_runs_in_one_job_get_their_own_folders_and_a_requeue_finds_its_own(tmp_path):
