@@ -222,7 +222,7 @@ def load(path):
     try:
         state = torch.load(folder / "state.pt" if folder else path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated file, or a pickle that would run code
-        return f"{path} is damaged or not a checkpoint this code wrote ({type(err).__name__})"
+        return f"{path} is not a checkpoint this code wrote, or is damaged ({type(err).__name__})"
     if not (isinstance(state, dict) and {"epoch", "flags"} <= state.keys() and ("model" in state or folder)):
         return f"{path} is not a training checkpoint (a --save-model file holds weights only): give <output-dir>/checkpoint.pt"
     if folder and (problem := integrity.damage(folder)):
