@@ -27,7 +27,7 @@ from torch.utils.data import RandomSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stage folders
 try:
-    from common import amp, checkpoint, cli, data, distributed, errors, metrics, models, optim
+    from common import amp, checkpoint, cli, data, distributed, errors, metrics, models, optim, preflight, rundir
 except ModuleNotFoundError as err:
     if err.name != "common":
         raise
@@ -79,7 +79,7 @@ def evaluate(model, device, loader):
 
 def main():
     args = cli.parse_args()
-    checkpoint.claim(args.output_dir)  # first: one run per folder, and a folder it can write
+    rundir.claim(args.output_dir)  # first: one run per folder, and a folder it can write
     rank, local_rank, world_size, device = distributed.setup(args)
     distributed.banner(args, rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
@@ -87,7 +87,7 @@ def main():
     train_set = data.dataset(args.data_dir, args.dataset, train=True, limit=args.limit)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
     test_set = data.dataset(args.data_dir, args.dataset, train=False, limit=args.limit)
-    distributed.agree(args, train_set, test_set)  # all ranks: the same options and the same data
+    preflight.agree(args, train_set, test_set)  # all ranks: the same options and the same data
     train_sampler = RandomSampler(train_set)
     train_loader = data.loader(train_set, train_sampler, args.batch_size, args, device)
     val_loader = data.loader(val_set, range(len(val_set)), args.test_batch_size, args, device)

@@ -32,7 +32,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stage folders
 try:
-    from common import amp, checkpoint, cli, data, distributed, errors, metrics, models, optim
+    from common import amp, checkpoint, cli, data, distributed, errors, metrics, models, optim, preflight, rundir
 except ModuleNotFoundError as err:
     if err.name != "common":
         raise
@@ -88,7 +88,7 @@ def evaluate(model, device, loader):
 
 def main():
     args = cli.parse_args(teaches=("grad_accum", "checkpoint_activations"))
-    checkpoint.claim(args.output_dir)  # first: one run per folder, and a folder it can write
+    rundir.claim(args.output_dir)  # first: one run per folder, and a folder it can write
     rank, local_rank, world_size, device = distributed.setup(args)
     distributed.banner(args, rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
@@ -96,7 +96,7 @@ def main():
     train_set = data.dataset(args.data_dir, args.dataset, train=True, limit=args.limit)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
     test_set = data.dataset(args.data_dir, args.dataset, train=False, limit=args.limit)
-    distributed.agree(args, train_set, test_set)  # all ranks: the same options and the same data
+    preflight.agree(args, train_set, test_set)  # all ranks: the same options and the same data
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     batch_size = args.batch_size // world_size  # --batch-size is the global batch

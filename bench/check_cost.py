@@ -1,5 +1,5 @@
 """What the divergence check costs: the progress line with its check (common.metrics.progress) against
-the plain line it replaced, and the once-an-epoch finiteness scan of a checkpoint (common.checkpoint.finite),
+the plain line it replaced, and the once-an-epoch finiteness scan of a checkpoint (common.rundir.finite),
 both beside the time of a training step of stage 01's Net at batch 64, on this machine's GPU or CPU.
 
     python bench/check_cost.py
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import checkpoint, metrics, models
+from common import metrics, models, rundir
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 model = models.build("net", 1, 10, 28, 16, 4).to(device)
@@ -56,7 +56,7 @@ with contextlib.redirect_stdout(io.StringIO()):  # the lines themselves are not 
         for name, fn in (("step", step), ("plain", plain), ("checked", checked)):
             runs[name].append(seconds(fn, 100))
 per = {name: sorted(times)[2] for name, times in runs.items()}  # the median of five
-scan = seconds(lambda: checkpoint.finite([model.state_dict(), optimizer.state_dict()]), 20)
+scan = seconds(lambda: rundir.finite([model.state_dict(), optimizer.state_dict()]), 20)
 print(f"{device.type}: a step {per['step'] * 1e3:.3f} ms; a step with the plain progress line "
       f"{per['plain'] * 1e3:.3f} ms, with the checked one {per['checked'] * 1e3:.3f} ms: "
       f"{(per['checked'] - per['plain']) * 1e6:+.1f} us per --log-interval (100 steps by default); "

@@ -1,47 +1,41 @@
 """Checkpoints: every finished epoch survives a kill, a time limit or a requeue.
 
 Global rank 0 writes --output-dir/checkpoint.pt at the end of every epoch, atomically: a crash
-mid-write leaves the previous checkpoint intact. Rank 0 also reads it back and broadcasts it, so the
-output folder need not be on a filesystem that every node sees. Files are loaded with
-`weights_only=True`: a checkpoint holds tensors and plain values, never code to run.
+mid-write leaves the previous checkpoint intact, and the one before stays as checkpoint-previous.pt.
+Rank 0 also reads it back and hands it to every rank, so the output folder need not be on a filesystem
+that every node sees. Files are loaded with `weights_only=True`: a checkpoint holds tensors and plain
+values, never code to run.
 
 Stage 05's model is sharded: every rank writes its own shard with torch.distributed.checkpoint into a
 new folder <output-dir>/epoch-N, and rank 0 then points the link <output-dir>/checkpoint at it, which
-is atomic too. Such a checkpoint loads at any world size: each rank reads the pieces its new shard needs,
-so every node must see the folder.
+is atomic too (the last two folders stay). Such a checkpoint loads at any world size: each rank reads
+the pieces its new shard needs, so every node must see the folder.
 
 A run resumes by itself when Slurm requeued or restarted its job (SLURM_RESTART_COUNT > 0, same job
 id, same output folder) or torchrun restarted its workers; otherwise only with --resume [PATH], and
-only with the options that define the run unchanged (common.cli.DEFINING). A run first claims its
-output folder (claim()): two runs writing into one folder would overwrite each other's results.
+only with the options that define the run unchanged (common.cli.DEFINING). The guard rails of the
+output folder (its lock, atomic and finite writes, damaged files) are in common/rundir.py.
 """
 
-import contextlib
-import errno
-import fcntl
-import json
 import os
 import shutil
-import socket
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from common import cli, integrity
-from common.distributed import launcher_env, print0, stop
-from common.environment import integer
+from common import cli, divergence, rundir
+from common.distributed import print0, stop
+from common.environment import integer, is_rank0
 
-DIVERGED = "the run diverged; the checkpoint in {0} keeps the last good epoch: try a lower --lr (or --amp off)"
+WHOLE, SHARDED = "checkpoint.pt", "checkpoint"  # stages 01-04's file; stage 05's link to its newest epoch-N
+PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
 # stage 05 run by plain `python train.py` saves and loads its sharded checkpoints in one process, as meant
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
-PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
-_lock = []  # the open lock file: the folder stays claimed for as long as this process lives
 
 
-def is_rank0():
-    return not dist.is_initialized() or dist.get_rank() == 0
+class Unusable(Exception):
+    """A checkpoint that cannot be resumed from, and why."""
 
 
 def unwrap(model):
@@ -50,100 +44,17 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
-def claim(output_dir, env=os.environ):
-    """Take --output-dir for this run before anything else, or exit naming the run that holds it. A lock
-    (flock) on output_dir/.lock, released by the kernel when its process ends, however it ends: a lock
-    left by a dead run is free. A live holder is never displaced, with one exception: this same Slurm job
-    before its requeue (a higher SLURM_RESTART_COUNT now), whose processes Slurm has ended although on a
-    network filesystem a dead node's lock lingers. Rank 0 alone claims: only its node needs the folder."""
-    if launcher_env(env)[0] != 0:
-        return
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.get("SLURM_JOB_ID"),
-          "restart": restarts(env)[0], "since": time.ctime()}  # fmt: skip
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(output_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as err:
-        raise SystemExit(
-            f"error: cannot write to --output-dir {output_dir}: {err.strerror}: choose a folder you can write"
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            held = json.loads(os.pread(fd, 4096, 0))
-        except ValueError:  # caught between the holder's truncate and write, or not ours
-            held = {}
-        held = held if isinstance(held, dict) else {}
-        requeued = me["job"] and held.get("job") == me["job"] and held.get("restart", 0) < me["restart"]
-        if not requeued:
-            job = f", Slurm job {held['job']}" if held.get("job") else ""
-            raise SystemExit(
-                f"error: --output-dir {output_dir} is in use by another run (host {held.get('host', '?')}, pid "
-                f"{held.get('pid', '?')}{job}, since {held.get('since', '?')}): choose another --output-dir, or end that run"
-            ) from None
-    except OSError as err:  # a filesystem without locks (some Lustre and NFS mounts): the folder is unguarded
-        if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-            raise
-        print(f"warning: {output_dir} cannot be locked ({err.strerror}): make sure no other run uses it", flush=True)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(me).encode(), 0)
-    _lock.append(fd)
-
-
 def restarts(env=os.environ):
+    """(Slurm's restart count of this job, torchrun's of its workers)."""
     return integer("SLURM_RESTART_COUNT", 0, env=env), integer("TORCHELASTIC_RESTART_COUNT", 0, env=env)
 
 
-def finite(state):
-    """Are all the floating-point tensors in `state` (nested dicts and lists) finite? Once an epoch. Of a
-    sharded tensor, the shard this rank holds."""
-    if hasattr(state, "to_local"):  # a DTensor (not imported: it costs every stage 0.4 s)
-        state = state.to_local()
-    if isinstance(state, torch.Tensor):
-        return not state.is_floating_point() or bool(torch.isfinite(state).all())
-    if isinstance(state, (dict, list, tuple)):
-        return all(finite(v) for v in (state.values() if isinstance(state, dict) else state))
-    return True
-
-
-@contextlib.contextmanager
-def atomic(path, mode="wb", keep=None):
-    """Write `path` through a temporary file switched in once complete: a kill, a full disk or any write
-    error leaves the previous file whole, and no partial file behind. With `keep`, the file replaced stays
-    there under that name (a hard link, switched in atomically too)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, mode, **({} if "b" in mode else {"newline": ""})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        if keep is not None and path.exists():
-            link = keep.with_name(keep.name + ".tmp")
-            link.unlink(missing_ok=True)
-            try:
-                os.link(path, link)
-            except OSError:  # a filesystem without hard links (some FUSE mounts): a copy
-                shutil.copyfile(path, link)
-            os.replace(link, keep)
-        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        free = shutil.disk_usage(path.parent).free / 2**20
-        raise SystemExit(
-            f"error: could not write {path}: {err.strerror} ({free:.0f} MiB free there): the previous "
-            f"{path.name} is kept; free some space or choose another --output-dir, then resume"
-        ) from None
-
-
 def save(args, epoch, model, optimizer, scheduler, scaler, log):
-    # every rank holds the same weights: each decides alike, with no collective, never to save a diverged run
-    if not finite([unwrap(model).state_dict(), optimizer.state_dict()]):
-        stop(f"error: epoch {epoch} left non-finite weights: {DIVERGED.format(args.output_dir)}")
+    """Stages 01-04: rank 0 writes the weights, the optimizer state and the run state to checkpoint.pt."""
+    state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+    divergence.check_weights(state, f"epoch {epoch} left weights that are", args.output_dir)
     if is_rank0():
-        state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
-        with atomic(args.output_dir / "checkpoint.pt", keep=args.output_dir / PREVIOUS) as f:  # the last two epochs
+        with rundir.atomic(args.output_dir / WHOLE, keep=args.output_dir / PREVIOUS) as f:  # the last two stay
             torch.save(run_state(args, epoch, scheduler, scaler, log) | state, f)
     if dist.is_initialized():
         dist.barrier()  # every rank leaves the epoch with its checkpoint complete on disk
@@ -172,12 +83,10 @@ def save_sharded(args, epoch, model, optimizer, scheduler, scaler, log):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     weights, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards, named as in the model
-    device = next(model.parameters()).device  # NCCL reduces GPU tensors only
-    bad = torch.tensor([float(not finite([weights, optimizer_state]))], device=device)  # each rank sees its shards
-    if dist.is_initialized():
-        dist.all_reduce(bad)
-    if bad.item():
-        stop(f"error: epoch {epoch} left non-finite weights: {DIVERGED.format(args.output_dir)}")
+    device = next(model.parameters()).device  # each rank sees its own shards: the verdict is all-reduced there
+    divergence.check_weights(
+        [weights, optimizer_state], f"epoch {epoch} left weights that are", args.output_dir, device
+    )
     folder = args.output_dir / f"epoch-{epoch}"
     if is_rank0():
         shutil.rmtree(folder, ignore_errors=True)  # what a save killed half-way left behind
@@ -187,105 +96,63 @@ def save_sharded(args, epoch, model, optimizer, scheduler, scaler, log):
         dcp.save({"model": weights, "optimizer": optimizer_state}, checkpoint_id=folder)
     except (OSError, dcp.CheckpointException) as err:  # every rank gets the failures of all
         free = shutil.disk_usage(args.output_dir).free / 2**20
-        stop(f"error: could not write {folder}: {failed(err)} ({free:.0f} MiB free there): the previous checkpoint "
-             "is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
+        stop(f"error: could not write {folder}: {rundir.describe(err)} ({free:.0f} MiB free there): the previous "
+             "checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
     if is_rank0():
-        with atomic(folder / "state.pt") as f:
+        with rundir.atomic(folder / "state.pt") as f:
             torch.save(run_state(args, epoch, scheduler, scaler, log), f)
         link = args.output_dir / "checkpoint.tmp"
         link.unlink(missing_ok=True)
         link.symlink_to(folder.name)
-        os.replace(link, args.output_dir / "checkpoint")  # atomic: the old checkpoint or the new one
+        os.replace(link, args.output_dir / SHARDED)  # atomic: the old checkpoint or the new one
         for old in epochs(args.output_dir)[2:]:  # the last two complete checkpoints stay
             shutil.rmtree(old)
-    if dist.is_initialized():  # a resume at another world size reads every rank's shards: every node must see them
+    if dist.is_initialized():
         dist.barrier()  # rank 0 has switched the link
-        blind = [None] * dist.get_world_size()
-        dist.all_gather_object(blind, None if (folder / "state.pt").exists() else socket.gethostname())
-        if any(blind):
-            stop(f"error: {args.output_dir} is not shared: {', '.join(sorted(set(filter(None, blind))))} cannot see "
-                 "rank 0's checkpoint: in stage 05 every rank writes and reads shards there: choose an --output-dir "
-                 "that every node sees")  # fmt: skip
+        rundir.check_shared(args.output_dir, folder)  # a resume at another world size reads every rank's shards
 
 
 def epochs(output_dir):
     """The sharded checkpoint folders epoch-N in output_dir, newest first."""
-    return sorted(
-        output_dir.glob("epoch-*"), key=lambda f: int(f.name[6:]) if f.name[6:].isdigit() else -1, reverse=True
-    )
+    number = lambda folder: int(folder.name[6:]) if folder.name[6:].isdigit() else -1  # noqa: E731
+    return sorted(output_dir.glob("epoch-*"), key=number, reverse=True)
 
 
-def load(path):
-    """A checkpoint's run state: checkpoint.pt, or a sharded folder's state.pt with its shards checked and
-    "folder" added. An error message (a string) if it is damaged."""
-    folder = path.resolve() if path.is_dir() else None
-    try:
-        state = torch.load(folder / "state.pt" if folder else path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a truncated file, or a pickle that would run code
-        return f"{path} is not a checkpoint this code wrote, or is damaged ({type(err).__name__})"
-    if not (isinstance(state, dict) and {"epoch", "flags"} <= state.keys() and ("model" in state or folder)):
-        return f"{path} is not a training checkpoint (a --save-model file holds weights only): give <output-dir>/checkpoint.pt"
-    if folder and (problem := integrity.damage(folder)):
-        return f"{path} is damaged: {problem}"
-    return state | {"folder": folder}
+def resume(args, model, optimizer, scheduler, scaler, log):
+    """Continue from this run's checkpoint.pt (or --resume PATH), if there is one to continue: returns the
+    first epoch to run."""
+    return restore(args, WHOLE, load_whole, model, optimizer, scheduler, scaler, log)
 
 
-def fallback(output_dir, damaged):
-    """The complete checkpoint before the damaged latest one in output_dir, as a hint: '' if there is none."""
-    candidates = [output_dir / PREVIOUS] if damaged.is_file() else [f for f in epochs(output_dir) if f != damaged]
-    for path in candidates:
-        if path.exists() and isinstance(state := load(path), dict):
-            return f": the checkpoint of epoch {state['epoch']} is complete: resume from it with --resume {path}"
-    return ""
+def resume_sharded(args, model, optimizer, scheduler, scaler, log):
+    """Stage 05's resume: from its own sharded checkpoint <output-dir>/checkpoint, saved at any world
+    size, or with --resume from another checkpoint folder or from a checkpoint.pt of stages 01-04."""
+    return restore(args, SHARDED, load_sharded, model, optimizer, scheduler, scaler, log)
 
 
-def read(args, name="checkpoint.pt"):
-    """Rank 0: the checkpoint to resume from (a stage 05 folder: its state.pt, with "folder" added), None
-    to start afresh, or an error message."""
-    own = args.output_dir / name
-    if args.resume is None and not any(restarts()):
-        for found in (args.output_dir / "checkpoint.pt", args.output_dir / "checkpoint"):
-            if found.exists():  # whole or sharded, of any stage: a fresh run would overwrite its metrics.csv
-                return (f"error: {found} holds the checkpoint of an earlier run: add --resume to continue "
-                        "it (in the stage that wrote it), or choose another --output-dir")  # fmt: skip
-        return None
-    path = own if args.resume in (None, True) else args.resume
-    if not path.exists():
-        other = args.output_dir / ("checkpoint.pt" if name == "checkpoint" else "checkpoint")
-        hint = (
-            f" (it holds {other.name}, of {'stages 01-04' if other.suffix else 'stage 05'})" if other.exists() else ""
-        )
-        return None if args.resume is None else f"error: no {path.name} in {path.parent} to resume from{hint}"
-    state = load(path)
-    if isinstance(state, str):
-        hint = fallback(args.output_dir, path.resolve()) if path == own else ""
-        return f"error: {state}{hint or ': delete it or use another'}"
-    if state["folder"] and name != "checkpoint":
-        return f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its weights with its --save-model"
-    # a checkpoint from before an option existed does not record it: what it records must match
-    now = cli.defining(args)
-    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in state["flags"].items() if now.get(k) != v]
-    if differ:
-        return f"error: {path} was written with {', '.join(differ)}: resume with the same options, or use another --output-dir"
-    return state
-
-
-def resume(args, model, optimizer, scheduler, scaler, log, name="checkpoint.pt"):
-    """Load the checkpoint this run should continue from, if any: returns the first epoch to run."""
-    box = [read(args, name) if is_rank0() else None]
+def restore(args, name, load_weights, model, optimizer, scheduler, scaler, log):
+    """Rank 0 finds the checkpoint and hands every rank its state (or its verdict); every rank then loads
+    the weights with `load_weights` and the rest of the run's state alike."""
+    restarted = any(restarts())
+    if dist.is_initialized():  # torch does not count a restart on a node whose own workers had not failed:
+        everyone = [None] * dist.get_world_size()  # one for any rank is one for all, so that every rank resumes
+        dist.all_gather_object(everyone, restarted)
+        restarted = any(everyone)
+    box = [None, None]
+    if is_rank0():
+        try:
+            box[0] = find(args, name, restarted)
+        except SystemExit as verdict:  # for every rank: they end together, rank 0 says why
+            box[1] = verdict.code
     if dist.is_initialized():
-        dist.broadcast_object_list(box)  # every rank gets rank 0's verdict and state
-    state = box[0]
-    if isinstance(state, str):
-        stop(state)  # every rank has the verdict; rank 0 says it
+        dist.broadcast_object_list(box)
+    state, verdict = box
+    if verdict:
+        stop(verdict)
     if state is None:
         return 1
     try:
-        if name == "checkpoint":
-            load_sharded(state, model, optimizer)
-        else:
-            unwrap(model).load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+        load_weights(state, model, optimizer)
     except (RuntimeError, ValueError, KeyError) as err:
         stop(f"error: the checkpoint does not match this model: {str(err).splitlines()[0][:300]}")
     scheduler.load_state_dict(state["scheduler"])
@@ -299,10 +166,71 @@ def resume(args, model, optimizer, scheduler, scaler, log, name="checkpoint.pt")
     return state["epoch"] + 1
 
 
-def resume_sharded(args, model, optimizer, scheduler, scaler, log):
-    """Stage 05's resume: from its own sharded checkpoint <output-dir>/checkpoint, saved at any world
-    size, or with --resume from another checkpoint folder or from a checkpoint.pt of stages 01-04."""
-    return resume(args, model, optimizer, scheduler, scaler, log, name="checkpoint")
+def find(args, name, restarted):
+    """Rank 0: the state of the checkpoint to resume from (a stage 05 folder: its state.pt, with "folder"
+    added), or None to start afresh; a SystemExit saying why where it cannot."""
+    if args.resume is None and not restarted:
+        for found in (args.output_dir / WHOLE, args.output_dir / SHARDED):
+            if found.exists():  # whole or sharded, of any stage: a fresh run would overwrite its metrics.csv
+                raise SystemExit(f"error: {found} holds the checkpoint of an earlier run: add --resume to continue "
+                                 "it (in the stage that wrote it), or choose another --output-dir")  # fmt: skip
+        return None
+    own = args.output_dir / name
+    path = own if args.resume in (None, True) else args.resume
+    if not path.exists():
+        if args.resume is None:  # restarted before its first checkpoint
+            return None
+        other = args.output_dir / (WHOLE if name == SHARDED else SHARDED)
+        held = f" (it holds {other.name}, of {'stages 01-04' if other == args.output_dir / WHOLE else 'stage 05'})"
+        raise SystemExit(f"error: no {path.name} in {path.parent} to resume from{held if other.exists() else ''}")
+    try:
+        state = load(path)
+    except Unusable as problem:
+        hint = fallback(args.output_dir, path.resolve()) if path == own else ""
+        raise SystemExit(f"error: {problem}{hint or ': delete it or use another'}") from None
+    if state["folder"] and name == WHOLE:
+        raise SystemExit(f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
+                         "weights with its --save-model")  # fmt: skip
+    # a checkpoint from before an option existed does not record it: what it records must match
+    now = cli.defining(args)
+    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in state["flags"].items() if now.get(k) != v]
+    if differ:
+        raise SystemExit(f"error: {path} was written with {', '.join(differ)}: resume with the same options, or "
+                         "use another --output-dir")  # fmt: skip
+    return state
+
+
+def load(path):
+    """A checkpoint's run state: checkpoint.pt, or a sharded folder's state.pt with its shards checked and
+    "folder" added; Unusable if it is damaged or no training checkpoint."""
+    folder = path.resolve() if path.is_dir() else None
+    try:
+        state = torch.load(folder / "state.pt" if folder else path, map_location="cpu", weights_only=True)
+    except Exception as err:  # a truncated file, or a pickle that would run code
+        raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged ({type(err).__name__})") from None
+    if not (isinstance(state, dict) and {"epoch", "flags"} <= state.keys() and ("model" in state or folder)):
+        raise Unusable(f"{path} is not a training checkpoint (a --save-model file holds weights only): give "
+                       "<output-dir>/checkpoint.pt")  # fmt: skip
+    if folder and (problem := rundir.damage(folder)):
+        raise Unusable(f"{path} is damaged: {problem}")
+    return state | {"folder": folder}
+
+
+def fallback(output_dir, damaged):
+    """The complete checkpoint before the damaged latest one in output_dir, as a hint: '' if there is none."""
+    candidates = [output_dir / PREVIOUS] if damaged.is_file() else [f for f in epochs(output_dir) if f != damaged]
+    for path in candidates:
+        try:
+            state = load(path)
+        except (Unusable, FileNotFoundError):
+            continue
+        return f": the checkpoint of epoch {state['epoch']} is complete: resume from it with --resume {path}"
+    return ""
+
+
+def load_whole(state, model, optimizer):
+    unwrap(model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
 
 
 def load_sharded(state, model, optimizer):
@@ -317,7 +245,9 @@ def load_sharded(state, model, optimizer):
         try:
             dcp.load(pieces, checkpoint_id=state["folder"])
         except dcp.CheckpointException as err:  # a shard missing (a folder not shared), or of another model
-            stop(f"error: cannot load the checkpoint {state['folder']}: {failed(err)}: resume from a complete one")
+            stop(
+                f"error: cannot load the checkpoint {state['folder']}: {rundir.describe(err)}: resume from a complete one"
+            )
         set_state_dict(model, optimizer, model_state_dict=pieces["model"], optim_state_dict=pieces["optimizer"])
         return
     names = [name for name, _ in model.named_parameters()]  # optimizer.state_dict() numbers them in this order
@@ -330,14 +260,6 @@ def load_sharded(state, model, optimizer):
                    options=StateDictOptions(full_state_dict=True))  # fmt: skip
 
 
-def failed(err):
-    """The first failure of a torch.distributed.checkpoint save or load, in a few words: which rank, what."""
-    rank, (cause, _) = next(iter(err.failures.items())) if hasattr(err, "failures") else ("?", (err, None))
-    if isinstance(cause, OSError) and cause.strerror:
-        return f"rank {rank}: {cause.strerror}" + (f" ({cause.filename})" if cause.filename else "")
-    return f"rank {rank}: {str(cause).splitlines()[0][:200]}"
-
-
 def save_model(model, output_dir):
     """The whole weights, as stage 01's model names them: from any stage, a file any stage loads."""
     weights = unwrap(model).state_dict()
@@ -345,8 +267,8 @@ def save_model(model, output_dir):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not finite(weights):  # every rank's own weights, or rank 0's whole ones (the others then have none)
-        stop(f"error: the trained weights are not finite: {DIVERGED.format(output_dir)}")
+    # every rank's own weights, or rank 0's whole ones (the others then have none)
+    divergence.check_weights(weights, "the trained weights are", output_dir)
     if is_rank0():
-        with atomic(output_dir / "model.pt") as f:
+        with rundir.atomic(output_dir / "model.pt") as f:
             torch.save(weights, f)

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from common.environment import integer
+from common.environment import cpus_per_rank, is_rank0
 
 REPO = Path(__file__).resolve().parent.parent
 DATASETS = ["mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic"]
@@ -31,24 +31,12 @@ def default_output_dir(script, env=os.environ):
     return script.parent.parent / "runs" / script.parent.name / run
 
 
-def lead(env=os.environ):
-    """False for the ranks other than 0 of torchrun or an srun step: every rank gets the same arguments,
-    so rank 0 alone reports what is wrong with them. A process no launcher started always reports."""
-    if "TORCHELASTIC_RUN_ID" in env:  # checked first: under `srun torchrun`, RANK is the global rank
-        return env.get("RANK", "0") == "0"
-    if "SLURM_STEP_ID" in env:  # an srun task; the batch shell has no step
-        return env.get("SLURM_PROCID", "0") == "0"
-    return True
-
-
 def say(message):
-    if lead():
+    """A usage error, from rank 0 only where a launcher gives every rank the same arguments (torchrun, srun):
+    one reports what is wrong. Ranks started by hand may each have their own, and each reports."""
+    by_hand = "TORCHELASTIC_RUN_ID" not in os.environ and "SLURM_STEP_ID" not in os.environ
+    if is_rank0() or by_hand:
         print(message, file=sys.stderr)
-
-
-def cpus_per_rank(env=os.environ):
-    """The CPUs this process may run on, shared by the ranks torchrun started beside it."""
-    return max(len(os.sched_getaffinity(0)) // integer("LOCAL_WORLD_SIZE", 1, env=env, low=1), 1)
 
 
 def number(kind, interval):
@@ -179,7 +167,7 @@ def parse_args(argv=None, warn=True, teaches=()):
         p.error(f"--model {args.model} is tested with --dataset {', '.join(TESTED[args.model])}, not {args.dataset}")
     # rank 0 alone reads the checkpoint, and on nodes that share no filesystem only its node has the file
     path = args.resume
-    if isinstance(path, Path) and lead() and not (path.is_file() or (path / "state.pt").is_file()):
+    if isinstance(path, Path) and is_rank0() and not (path.is_file() or (path / "state.pt").is_file()):
         # a FIFO would hang torch.load, a directory make it fail with a traceback
         what = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
         p.error(f"argument --resume: {path} {what}: give a checkpoint file (<output-dir>/checkpoint.pt) or, "

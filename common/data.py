@@ -31,7 +31,7 @@ from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 from torchvision import datasets, transforms
 
-from common.environment import integer
+from common.environment import cpus_per_rank
 
 FILES = {  # MNIST's sha256 of the uncompressed IDX files
     "train-images-idx3-ubyte": "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
@@ -286,10 +286,8 @@ class OnDevice:
 
 
 def default_num_workers(env=os.environ):
-    """DataLoader workers per process: the CPUs Slurm gave this task (or this process may use), shared
-    among the ranks the task runs (torchrun), minus one for the process itself."""
-    cpus = integer("SLURM_CPUS_PER_TASK", len(os.sched_getaffinity(0)), env=env, low=1)
-    return max(cpus // integer("LOCAL_WORLD_SIZE", 1, env=env, low=1) - 1, 0)
+    """DataLoader workers per process: the CPUs of this rank, but one for the process itself."""
+    return cpus_per_rank(env) - 1
 
 
 def num_workers(args):

@@ -1,7 +1,8 @@
-"""Guard rail: the numbers launchers pass in environment variables (torchrun: RANK, LOCAL_RANK, ...; srun:
-SLURM_PROCID, SLURM_NTASKS, ...), read in one place. One that is missing where the launch needs it, or
-set but not a number in range (a typo in a launch by hand, a wrapper exporting garbage), is one line
-naming the variable and its value, instead of a ValueError or KeyError deep in the run."""
+"""The launcher's variables, read in one place and without torch (the job scripts' argument check imports
+this): which rank this process is, how many CPUs it has, and every number checked. A variable that is
+missing where the launch needs it, or set but not a number in range (a typo in a launch by hand, a
+wrapper exporting garbage), is one line naming the variable and its value instead of a ValueError or
+KeyError deep in the run."""
 
 import os
 
@@ -25,3 +26,21 @@ def integer(name, default=REQUIRED, env=os.environ, low=0, high=None):
             "if you set it yourself, correct or unset it"
         )
     return int(value)
+
+
+def is_rank0(env=os.environ):
+    """Is this global rank 0, the one that prints, writes and reads? torchrun (and a launch by hand) says so
+    in RANK, srun in SLURM_PROCID; a process no launcher started is rank 0 of 1. Known before any process
+    group exists, so that a usage error is printed once per job, not once per rank."""
+    if "RANK" in env:  # torchrun; wins under `srun torchrun`, where SLURM_PROCID numbers the torchruns
+        return env["RANK"] == "0"
+    if "SLURM_STEP_ID" in env:  # an srun task (the batch shell has no step)
+        return env.get("SLURM_PROCID") == "0"
+    return True
+
+
+def cpus_per_rank(env=os.environ):
+    """The CPUs of this process: its Slurm task's (or those it may run on), shared by the ranks torchrun
+    started beside it."""
+    cpus = integer("SLURM_CPUS_PER_TASK", len(os.sched_getaffinity(0)), env=env, low=1)
+    return max(cpus // integer("LOCAL_WORLD_SIZE", 1, env=env, low=1), 1)

@@ -6,14 +6,14 @@ lost that a checkpoint holds: the last finished epoch stays in --output-dir."""
 import re
 import sys
 
-from common import cli
+from common.environment import is_rank0
 
 
 def run(main):
     try:
         main()
     except KeyboardInterrupt:
-        if cli.lead():  # Ctrl-C reaches every rank of the terminal's launch: one says it
+        if is_rank0():  # Ctrl-C reaches every rank of the terminal's launch: one says it
             print("error: interrupted (Ctrl-C): the checkpoint of the last finished epoch is kept in --output-dir: "
                   "continue with --resume", file=sys.stderr, flush=True)  # fmt: skip
         raise SystemExit(130) from None  # the shell's code for a run ended by SIGINT

@@ -1,17 +1,15 @@
-"""Per-epoch lines and the metrics CSV, in one format for every stage, from global rank 0 only; and the
-divergence check: a non-finite loss stops every rank together, before it can reach a checkpoint."""
+"""Per-epoch lines and the metrics CSV, in one format for every stage, from global rank 0 only; the
+progress line; the memory line of stage 05."""
 
 import csv
-import math
 import time
 
 import torch
-import torch.distributed as dist
 
-from common import optim
-from common.checkpoint import DIVERGED, atomic
-from common.distributed import print0, stop
-from common.environment import integer
+from common import divergence, optim
+from common.distributed import print0
+from common.environment import integer, is_rank0
+from common.rundir import atomic
 
 FIELDS = [
     "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",
@@ -20,17 +18,8 @@ FIELDS = [
 
 
 def progress(epoch, batch, batches, loss, totals, args):
-    """The progress line every --log-interval batches, and the divergence check. The summed loss
-    `totals[0]` turns non-finite with the first non-finite loss and stays so: read here, where the line
-    reads the loss anyway, the check costs one sync per interval and none per step; all-reduced, so that
-    every rank stops at the same batch."""
-    bad = torch.isfinite(totals[:1]).logical_not().to(loss.dtype)
-    if dist.is_initialized():
-        dist.all_reduce(bad)
-    loss, bad = torch.cat([loss.detach().reshape(1), bad]).tolist()
-    if bad:
-        stop(f"error: the training loss is not finite by epoch {epoch}, batch {batch} (rank 0's: {loss}): "
-             + DIVERGED.format(args.output_dir))  # fmt: skip
+    """The progress line every --log-interval batches; a diverged run stops here (common/divergence.py)."""
+    loss = divergence.check_loss(epoch, batch, loss, totals, args.output_dir)
     print0(f"  epoch {epoch} batch {batch}/{batches} loss {loss:.4f}")
 
 
@@ -74,7 +63,7 @@ class Log:
         self.write()
 
     def write(self):
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if is_rank0():
             with atomic(self.path, "w") as f:
                 writer = csv.DictWriter(f, FIELDS)
                 writer.writeheader()
@@ -84,10 +73,9 @@ class Log:
         """`totals`: sums over all ranks of train loss and samples, then loss, correct answers and
         samples of the validation set (zeros without one) and of the test set."""
         train_loss, seen, val_loss, val_correct, validated, test_loss, correct, tested = totals
-        for name, value in (("training", train_loss), ("validation", val_loss), ("test", test_loss)):
-            if not math.isfinite(value):  # the same all-reduced totals on every rank: all stop here
-                stop(f"error: epoch {epoch} ended with a non-finite {name} loss ({value}): "
-                     + DIVERGED.format(self.path.parent))  # fmt: skip
+        divergence.check_epoch(
+            epoch, {"training": train_loss, "validation": val_loss, "test": test_loss}, self.path.parent
+        )
         row = dict(
             epoch=epoch, lr=lr, train_loss=train_loss / seen, test_loss=test_loss / tested,
             val_loss=val_loss / validated if validated else "", val_accuracy=100 * val_correct / validated if validated else "",

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import REPO, clean_env, one_error, run, stage_args
 
-from common import checkpoint
+from common import checkpoint, rundir
 
 S01, S05 = REPO / "01_single_gpu" / "train.py", REPO / "05_fsdp" / "train.py"
 
@@ -71,8 +71,8 @@ def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeyp
     """Some FUSE filesystems refuse hard links: the previous checkpoint is then a copy, switched in alike."""
     latest, previous = tmp_path / "checkpoint.pt", tmp_path / checkpoint.PREVIOUS
     for epoch in (1, 2):
-        with checkpoint.atomic(latest, keep=previous) as f:
+        with rundir.atomic(latest, keep=previous) as f:
             torch.save({"epoch": epoch}, f)
-        monkeypatch.setattr(checkpoint.os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no links")))
+        monkeypatch.setattr(rundir.os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no links")))
     assert torch.load(previous)["epoch"] == 1 and torch.load(latest)["epoch"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-previous.pt", "checkpoint.pt"]

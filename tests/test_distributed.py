@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common import cli, data, distributed
-from common.distributed import expand_hostlist, launcher_env, master_port
+from common.distributed import Launch, expand_hostlist, launcher, master_port
 
 
 @pytest.mark.parametrize(
@@ -38,34 +38,33 @@ def test_sync_bn_on_cpus_is_refused():
 
 
 def test_plain_python_is_rank_0_of_1():
-    assert launcher_env({}) == (0, 0, 1, False)
-    assert launcher_env({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == (0, 0, 1, False)  # a 1-task batch job
+    assert launcher({}) == (0, 0, 1, None, None)
+    assert launcher({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) == (0, 0, 1, None, None)  # a 1-task batch job
 
 
 def test_torchrun_variables_win_over_slurm():
     env = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
-           "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}  # fmt: skip
-    assert launcher_env(env) == (5, 1, 8, True)
+           "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}  # fmt: skip
+    assert launcher(env) == (5, 1, 8, "n1", 29500)
 
 
 def test_srun_task_gets_rank_and_rendezvous():
     env = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0",
            "SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NTASKS_PER_NODE": "2(x2)"}  # fmt: skip
-    assert launcher_env(env) == (3, 1, 4, True)
-    assert env["MASTER_ADDR"] == "gpu07" and env["MASTER_PORT"] == str(master_port(123456))
+    assert launcher(env) == (3, 1, 4, "gpu07", master_port(123456))  # the first node, a port from the job id
+    assert "MASTER_ADDR" not in env  # values travel as return values, not through the environment
 
 
 def test_srun_keeps_a_given_rendezvous():
     env = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "9",
            "SLURM_JOB_NODELIST": "n[1-2]", "MASTER_ADDR": "n2-ib", "MASTER_PORT": "29500"}  # fmt: skip
-    launcher_env(env)
-    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("n2-ib", "29500")
+    assert launcher(env)[3:] == ("n2-ib", 29500)
 
 
 def test_batch_step_is_not_a_rank():
     env = {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "6"}
     with pytest.raises(SystemExit, match="srun"):
-        launcher_env(env)
+        launcher(env)
 
 
 SRUN = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "6", "SLURM_NTASKS": "2"}
@@ -87,7 +86,7 @@ SRUN = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0", "SLURM_
 )
 def test_a_missing_or_malformed_launcher_variable_is_named(env, named):
     with pytest.raises(SystemExit, match=re.escape(named)):
-        launcher_env(dict(env))
+        launcher(dict(env))
 
 
 @pytest.mark.parametrize("port", ["http", "0", "70000"])
@@ -100,7 +99,7 @@ def test_a_master_port_out_of_range_is_named(monkeypatch, port):
 
 
 def test_a_world_size_that_does_not_divide_the_batch_names_those_that_do(monkeypatch):
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3"}.items():
+    for k, v in ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3"} | NOWHERE).items():
         monkeypatch.setenv(k, v)
     with pytest.raises(SystemExit, match=re.escape("run on 1, 2, 4, 8, 16, 32, 64 ranks")):
         distributed.setup(args())
@@ -116,6 +115,12 @@ def test_ports_differ_between_jobs_and_stay_in_range():
     assert master_port(123) == master_port(123)
 
 
+NOWHERE = {
+    "MASTER_ADDR": "nowhere.invalid",
+    "MASTER_PORT": "1",
+}  # had setup() tried to meet there, it would fail otherwise
+
+
 def args(**kw):
     return SimpleNamespace(batch_size=64, no_cuda=False, dist_timeout=30, sync_bn=False, **kw)
 
@@ -129,16 +134,16 @@ def args(**kw):
     ],
 )
 def test_setup_refuses_before_any_rendezvous(monkeypatch, env, message):
-    for k, v in env.items():
+    for k, v in (env | NOWHERE).items():
         monkeypatch.setenv(k, v)
     with pytest.raises(SystemExit, match=message):
-        distributed.setup(args())  # no MASTER_ADDR: had it tried to rendezvous, it would fail differently
+        distributed.setup(args())
 
 
 def test_local_rank_beyond_visible_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    for k, v in {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4"}.items():
+    for k, v in ({"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4"} | NOWHERE).items():
         monkeypatch.setenv(k, v)
     with pytest.raises(SystemExit, match="local rank 2 but only 2 GPUs"):
         distributed.setup(args())
@@ -148,7 +153,7 @@ def test_one_visible_gpu_per_task_is_device_0(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(distributed, "launcher_env", lambda: (3, 1, 4, False))
+    monkeypatch.setattr(distributed, "launcher", lambda: Launch(3, 1, 4))
     assert distributed.setup(args())[3] == torch.device("cuda", 0)
 
 

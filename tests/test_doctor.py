@@ -10,7 +10,7 @@ import time
 import pytest
 from helpers import REPO, clean_env, free_port, one_error, srun_like
 
-from common import distributed
+from common import preflight
 
 DOCTOR = REPO / "tools" / "doctor.py"
 CHECKS = ["ranks", "ranks per node", "GPU per rank", "NUMA", "CPUs per rank", "python version", "torch version",
@@ -91,7 +91,7 @@ def test_a_socket_interface_the_host_lacks_is_named(monkeypatch, backend, value,
     prefixes, "=" exact names and "^" exclusions; gloo's exact names, each of which must exist."""
     monkeypatch.setenv(f"{backend.upper()}_SOCKET_IFNAME", value)
     if ok:
-        distributed.interfaces(backend)
+        preflight.check_interfaces(backend)
     else:
         with pytest.raises(SystemExit, match=r"^error: .*_SOCKET_IFNAME=.* has no interface .*\(it has .*lo"):
-            distributed.interfaces(backend)
+            preflight.check_interfaces(backend)

@@ -17,7 +17,9 @@ from common import amp, data
 from common.models import Net
 
 BATCH, STEPS = 32, 6
-ARGS = SimpleNamespace(log_interval=10**6, dry_run=False, amp=False, loader="batched", num_workers=0)
+ARGS = SimpleNamespace(
+    log_interval=10**6, output_dir="unused", dry_run=False, amp=False, loader="batched", num_workers=0
+)
 CPU = torch.device("cpu")
 
 

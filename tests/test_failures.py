@@ -23,7 +23,7 @@ import pytest
 import torch
 from helpers import REPO, clean_env, free_port, one_error, processes_with, run, stage_args, torchrun_cmd
 
-from common import checkpoint, cli
+from common import checkpoint, cli, rundir
 
 S01, S03 = REPO / "01_single_gpu" / "train.py", REPO / "03_ddp_single_node" / "train.py"
 INJECT = str(REPO / "tests" / "inject")
@@ -40,7 +40,7 @@ def python(script, *args, timeout=120, **env):
 def kept(folder, epochs):
     """The run's first `epochs` epochs survive: the checkpoint loads, holds them, and is finite; so are the metrics."""
     state = torch.load(folder / "checkpoint.pt", weights_only=True)
-    assert state["epoch"] == epochs and checkpoint.finite(state)
+    assert state["epoch"] == epochs and rundir.finite(state)
     rows = list(csv.DictReader(open(folder / "metrics.csv")))
     assert len(rows) == epochs and all(math.isfinite(float(r["train_loss"])) for r in rows)
     assert not list(folder.glob("*.tmp"))
@@ -103,10 +103,10 @@ def test_a_huge_learning_rate_stops_in_the_first_epoch(tiny_data, tmp_path):
 
 def test_a_non_finite_tensor_is_never_written(tmp_path):
     model = torch.nn.Linear(2, 2)
-    assert checkpoint.finite([model.state_dict(), {"state": {0: {"step": torch.tensor(3.0)}}}])
+    assert rundir.finite([model.state_dict(), {"state": {0: {"step": torch.tensor(3.0)}}}])
     with torch.no_grad():
         model.bias[1] = float("inf")
-    assert not checkpoint.finite({"nested": [model.state_dict()]})
+    assert not rundir.finite({"nested": [model.state_dict()]})
     with pytest.raises(SystemExit, match="not finite"):
         checkpoint.save_model(model, tmp_path)
     assert not list(tmp_path.iterdir())
@@ -153,12 +153,12 @@ def test_a_requeued_job_takes_over_its_own_lock_only(tmp_path):
     os.write(holder, json.dumps({"host": "node7", "pid": 99, "job": "77", "restart": 0}).encode())
     for env in ({"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "1"}, {"SLURM_JOB_ID": "77"}):
         with pytest.raises(SystemExit, match="in use by another run .host node7, pid 99, Slurm job 77"):
-            checkpoint.claim(tmp_path, env=env)
-    checkpoint.claim(tmp_path, env={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})  # the same job, requeued
+            rundir.claim(tmp_path, env=env)
+    rundir.claim(tmp_path, env={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})  # the same job, requeued
     assert json.loads((tmp_path / ".lock").read_text())["restart"] == 1
     os.pwrite(holder, b"[1, 2]" + b" " * 100, 0)  # a lock file some other program wrote
     with pytest.raises(SystemExit, match=r"in use by another run \(host \?, pid \?, since \?\)"):
-        checkpoint.claim(tmp_path, env={})
+        rundir.claim(tmp_path, env={})
 
 
 def test_two_runs_in_one_job_get_their_own_folders_and_a_requeue_finds_its_own(tmp_path):
@@ -217,7 +217,7 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tiny_data, tmp_p
                  PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_ENOSPC=2)  # fmt: skip
     one_error(out, f"could not write {tmp_path / 'checkpoint.pt'}", "No space left", "MiB free", "kept")
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert state["epoch"] == 1 and checkpoint.finite(state) and not list(tmp_path.glob("*.tmp"))
+    assert state["epoch"] == 1 and rundir.finite(state) and not list(tmp_path.glob("*.tmp"))
 
 
 # --- ranks agree before the first step ----------------------------------------------------------------

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
 from common import cli, data, distributed  # noqa: E402
+from common.environment import cpus_per_rank  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]  # every dtype the stages all-reduce or train in
 FLOOR_GBPS = {"within nodes": 5, "across nodes": 1}  # busbw below PCIe 3 x16 / 10 GbE: the fast links are not used
@@ -123,13 +124,13 @@ def facts(args, local_rank, device):
         ids = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
         gpus, pick = len(ids), 0 if len(ids) == 1 else local_rank  # as setup() picks
         gpu = f"CUDA_VISIBLE_DEVICES {ids[pick]}" if pick < len(ids) else None
-    cpus, addr = os.sched_getaffinity(0), os.environ.get("MASTER_ADDR", "127.0.0.1")
+    cpus, addr = os.sched_getaffinity(0), distributed.launcher().addr or "127.0.0.1"
     ip = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][4][0]
     ifname = "NCCL_SOCKET_IFNAME" if device.type == "cuda" else "GLOO_SOCKET_IFNAME"
     slurm = ("SLURM_STEP_ID", "SLURM_CPUS_PER_TASK", "SRUN_CPUS_PER_TASK", "SLURM_GPUS_ON_NODE")
     return {
         "host": os.environ.get("SLURMD_NODENAME", socket.gethostname()), "gpus": gpus, "gpu": gpu, "gpu_numa": gpu_numa,
-        "cpus": len(cpus), "cpu_numa": numa_nodes(cpus), "cpus_per_rank": cli.cpus_per_rank(),
+        "cpus": len(cpus), "cpu_numa": numa_nodes(cpus), "cpus_per_rank": cpus_per_rank(),
         "workers": data.default_num_workers() if args.num_workers is None else args.num_workers,
         "versions": {
             "python": platform.python_version(), "torch": torch.__version__, "CUDA": str(torch.version.cuda),

@@ -95,10 +95,10 @@ def test_the_rendezvous_address_is_the_first_nodes_own(slurm_cluster, tmp_path):
     assert addr1 == addr2 == "node1" and ip1 == ip2 and ip1 in own1 and not ip1.startswith("127."), output
 
 
-RESOLVE = """import os, socket
-from common.distributed import launcher_env
-launcher_env()  # sets MASTER_ADDR, as for every srun task
-print(os.environ["MASTER_ADDR"], socket.gethostbyname(os.environ["MASTER_ADDR"]))
+RESOLVE = """import socket
+from common.distributed import launcher
+addr = launcher().addr  # what every srun task meets at
+print(addr, socket.gethostbyname(addr))
 """
 
 

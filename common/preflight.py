@@ -1,0 +1,71 @@
+"""Guard rail: checks before the first step, so that a launch that cannot work ends in seconds with one line
+naming the fix, instead of a hang or an error deep in torch: numbers that fit together, a device and a
+network interface that exist, and ranks that train the same run on the same data."""
+
+import os
+import socket
+
+import torch.distributed as dist
+
+from common import cli, data
+from common.environment import is_rank0
+
+
+def check_launch(launch, args):
+    rank, local_rank, world_size = launch.rank, launch.local_rank, launch.world_size
+    if not (0 <= rank < world_size and 0 <= local_rank <= rank):
+        raise SystemExit(f"error: inconsistent launch: rank {rank}, local rank {local_rank}, world size {world_size}")
+    if args.batch_size % world_size:  # every rank alike, so rank 0 alone says it; a resume keeps --batch-size
+        sizes = ", ".join(str(n) for n in range(1, args.batch_size + 1) if args.batch_size % n == 0)
+        raise SystemExit(f"error: --batch-size {args.batch_size} is the global batch: it must divide by the world size "
+                         f"{world_size}: run on {sizes} ranks" if rank == 0 else 1)  # fmt: skip
+
+
+def check_cpu_options(args):
+    if args.sync_bn:
+        raise SystemExit("error: --sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only): drop it on CPUs")
+
+
+def check_gpus(local_rank, visible):
+    if visible > 1 and local_rank >= visible:
+        raise SystemExit(
+            f"error: local rank {local_rank} but only {visible} GPUs are visible on {socket.gethostname()}: "
+            "ask Slurm for as many tasks per node as GPUs per node (--ntasks-per-node = --gres=gpu:N)"
+        )
+
+
+def check_interfaces(backend):
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME must name interfaces this host has: gloo would stop with a
+    C++ stack trace, NCCL at its first collective. NCCL takes prefixes ("ib" for ib0), "=" exact names and
+    "^" names to avoid; gloo exact names, each of which must exist."""
+    name = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    wanted, here = os.environ.get(name, ""), sorted(n for _, n in socket.if_nameindex())
+    if not wanted or wanted.startswith("^"):
+        return
+    names = wanted.lstrip("=").split(",")
+    if backend == "nccl":  # one matching interface is enough
+        missing = [] if any(h == n or (wanted[0] != "=" and h.startswith(n)) for h in here for n in names) else names
+    else:
+        missing = [n for n in names if n not in here]
+    if missing:
+        raise SystemExit(
+            f"error: {name}={wanted} but {socket.gethostname()} has no interface {', '.join(missing)} (it has "
+            f"{', '.join(here)}): set it to the interface of the network the nodes share, or unset it"
+        )
+
+
+def agree(args, *datasets):
+    """Before the first step: every rank must train the same run on the same data. A difference in the
+    options that define the run, or in the data sets' sizes or fingerprints, ends every rank with the
+    option (or data set) and the ranks that differ, instead of a collective mismatch deep in torch."""
+    if not dist.is_initialized():
+        return
+    mine = {f"--{k.replace('_', '-')}": v for k, v in cli.defining(args).items()}
+    mine.update({f"the {s.name} data ({len(s)} images here)": data.fingerprint(s) for s in datasets})
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for key, value in everyone[0].items():
+        differ = [f"rank {r}: {theirs.get(key)}" for r, theirs in enumerate(everyone) if theirs.get(key) != value]
+        if differ:  # the same verdict on every rank; rank 0 says it
+            message = f"error: the ranks differ in {key}: rank 0: {value}, {', '.join(differ)}: give every rank the same options and data"
+            raise SystemExit(message if is_rank0() else 1)
