@@ -11,9 +11,12 @@ Launch (from 05_fsdp/):
     sbatch job.slurm --epochs 3              # as stage 04: srun starts one task per GPU on every node
     sbatch job.slurm --model wideresnet --dataset cifar100 --amp --checkpoint-activations --grad-accum 2
 
-Changes from stage 04: fully_shard per block and at the root instead of DDP; mixed precision through
-FSDP's policy instead of autocast; micro-batches (--grad-accum) and recomputed activations
-(--checkpoint-activations); sharded checkpoints; the memory line.
+Changes from stage 04:
+  - sharding: fully_shard on each BatchNorm layer, each block and the root, instead of DDP;
+  - mixed precision: FSDP's policies (amp.policies) instead of autocast;
+  - sharded checkpoints: save_sharded and resume_sharded instead of save and resume;
+  - memory: the memory line, and two memory savers, which the other stages refuse: micro-batches
+    (--grad-accum, the loop in train()) and recomputed activations (--checkpoint-activations).
 
 Expect: stage 04's accuracy at the same global batch; a memory line that shrinks with the world size.
 """
@@ -108,17 +111,19 @@ def main():
     shape = train_set.in_channels, train_set.classes, train_set.image_size
     model = models.build(args.model, *shape, args.depth, args.width).to(device)
     metrics.memory(model, args, world_size)
-    if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    policy = amp.policy(model, device, args)  # --amp: bf16 compute, fp32 shards (FSDP's, not autocast)
-    for block in models.blocks(model):
-        if args.checkpoint_activations:  # keep the block's input only; rerun its forward in backward()
+    if args.checkpoint_activations:  # a memory saver: keep each block's input only, rerun its forward in backward()
+        for block in models.blocks(model):
             recompute(block)
-        if dist.is_initialized():  # each block's weights are gathered just before it runs, then freed
-            fully_shard(block, mp_policy=policy)
+    block_policy, norm_policy = amp.policies(device, args)  # --amp: FSDP's bf16 compute over fp32 shards
     if dist.is_initialized():  # a plain `python train.py` has no process group and shards nothing
+        if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        for norm in models.norms(model):  # BatchNorm layers: units of their own, in fp32 under --amp
+            fully_shard(norm, mp_policy=norm_policy)
+        for block in models.blocks(model):  # each block's weights are gathered just before it runs, then freed
+            fully_shard(block, mp_policy=block_policy)
         # the rest (first and last layers) at the root; gradients are reduce-scattered during backward()
-        fully_shard(model, mp_policy=policy)
+        fully_shard(model, mp_policy=block_policy)
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)

@@ -2,7 +2,6 @@
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 
 def dtype(device):
@@ -20,15 +19,15 @@ def scaler(device, args):
     return torch.amp.GradScaler(device.type, enabled=args.amp and dtype(device) == torch.float16)
 
 
-def policy(model, device, args):
-    """Stage 05: FSDP's own mixed precision, for fully_shard. Each block's weights are gathered and computed
-    in bf16; the sharded weights, the optimizer, the gradient reduction and the loss stay fp32. BatchNorm
-    layers become units of their own that compute in fp32 (their running statistics are fp32) and hand
-    bf16 on."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # here: the import costs every stage 0.7 s
+def policies(device, args):
+    """Stage 05: FSDP's own mixed precision, for fully_shard: (the blocks' policy, the BatchNorm layers').
+    Under --amp each block's weights are gathered and computed in bf16, while the sharded weights, the
+    optimizer, the gradient reduction and the loss stay fp32; BatchNorm layers compute in fp32 (their
+    running statistics are fp32) and hand bf16 on. Without --amp, fp32 throughout."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # here: the import costs every stage 0.7 s
 
     if not args.amp:
-        return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(), MixedPrecisionPolicy()
     if not dist.is_initialized():
         raise SystemExit(
             "error: --amp in stage 05 is FSDP's mixed precision, which a plain `python train.py` does not use: "
@@ -39,7 +38,5 @@ def policy(model, device, args):
             "error: --amp in stage 05 computes in bf16, which this GPU lacks (fp16 would need a sharded loss "
             "scaler): drop --amp, or use stage 04 with --amp"
         )
-    for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16))
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    return blocks, MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)

@@ -24,18 +24,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from common import cli, divergence, rundir
+from common import cli, divergence, resumable, rundir
 from common.distributed import print0, stop
 from common.environment import integer, is_rank0
+from common.resumable import PREVIOUS, SHARDED, WHOLE  # the file names, shared with the resume checks
 
-WHOLE, SHARDED = "checkpoint.pt", "checkpoint"  # stages 01-04's file; stage 05's link to its newest epoch-N
-PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
 # stage 05 run by plain `python train.py` saves and loads its sharded checkpoints in one process, as meant
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
-
-
-class Unusable(Exception):
-    """A checkpoint that cannot be resumed from, and why."""
 
 
 def unwrap(model):
@@ -105,17 +100,11 @@ def save_sharded(args, epoch, model, optimizer, scheduler, scaler, log):
         link.unlink(missing_ok=True)
         link.symlink_to(folder.name)
         os.replace(link, args.output_dir / SHARDED)  # atomic: the old checkpoint or the new one
-        for old in epochs(args.output_dir)[2:]:  # the last two complete checkpoints stay
+        for old in resumable.epochs(args.output_dir)[2:]:  # the last two complete checkpoints stay
             shutil.rmtree(old)
     if dist.is_initialized():
         dist.barrier()  # rank 0 has switched the link
         rundir.check_shared(args.output_dir, folder)  # a resume at another world size reads every rank's shards
-
-
-def epochs(output_dir):
-    """The sharded checkpoint folders epoch-N in output_dir, newest first."""
-    number = lambda folder: int(folder.name[6:]) if folder.name[6:].isdigit() else -1  # noqa: E731
-    return sorted(output_dir.glob("epoch-*"), key=number, reverse=True)
 
 
 def resume(args, model, optimizer, scheduler, scaler, log):
@@ -141,7 +130,7 @@ def restore(args, name, load_weights, model, optimizer, scheduler, scaler, log):
     box = [None, None]
     if is_rank0():
         try:
-            box[0] = find(args, name, restarted)
+            box[0] = resumable.find(args, name, restarted)  # or why this run cannot continue
         except SystemExit as verdict:  # for every rank: they end together, rank 0 says why
             box[1] = verdict.code
     if dist.is_initialized():
@@ -164,68 +153,6 @@ def restore(args, name, load_weights, model, optimizer, scheduler, scaler, log):
     slurm, torchrun = restarts()
     print0(f"resumed after epoch {state['epoch']} (Slurm restart {slurm}, torchrun restart {torchrun})")
     return state["epoch"] + 1
-
-
-def find(args, name, restarted):
-    """Rank 0: the state of the checkpoint to resume from (a stage 05 folder: its state.pt, with "folder"
-    added), or None to start afresh; a SystemExit saying why where it cannot."""
-    if args.resume is None and not restarted:
-        for found in (args.output_dir / WHOLE, args.output_dir / SHARDED):
-            if found.exists():  # whole or sharded, of any stage: a fresh run would overwrite its metrics.csv
-                raise SystemExit(f"error: {found} holds the checkpoint of an earlier run: add --resume to continue "
-                                 "it (in the stage that wrote it), or choose another --output-dir")  # fmt: skip
-        return None
-    own = args.output_dir / name
-    path = own if args.resume in (None, True) else args.resume
-    if not path.exists():
-        if args.resume is None:  # restarted before its first checkpoint
-            return None
-        other = args.output_dir / (WHOLE if name == SHARDED else SHARDED)
-        held = f" (it holds {other.name}, of {'stages 01-04' if other == args.output_dir / WHOLE else 'stage 05'})"
-        raise SystemExit(f"error: no {path.name} in {path.parent} to resume from{held if other.exists() else ''}")
-    try:
-        state = load(path)
-    except Unusable as problem:
-        hint = fallback(args.output_dir, path.resolve()) if path == own else ""
-        raise SystemExit(f"error: {problem}{hint or ': delete it or use another'}") from None
-    if state["folder"] and name == WHOLE:
-        raise SystemExit(f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
-                         "weights with its --save-model")  # fmt: skip
-    # a checkpoint from before an option existed does not record it: what it records must match
-    now = cli.defining(args)
-    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in state["flags"].items() if now.get(k) != v]
-    if differ:
-        raise SystemExit(f"error: {path} was written with {', '.join(differ)}: resume with the same options, or "
-                         "use another --output-dir")  # fmt: skip
-    return state
-
-
-def load(path):
-    """A checkpoint's run state: checkpoint.pt, or a sharded folder's state.pt with its shards checked and
-    "folder" added; Unusable if it is damaged or no training checkpoint."""
-    folder = path.resolve() if path.is_dir() else None
-    try:
-        state = torch.load(folder / "state.pt" if folder else path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a truncated file, or a pickle that would run code
-        raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged ({type(err).__name__})") from None
-    if not (isinstance(state, dict) and {"epoch", "flags"} <= state.keys() and ("model" in state or folder)):
-        raise Unusable(f"{path} is not a training checkpoint (a --save-model file holds weights only): give "
-                       "<output-dir>/checkpoint.pt")  # fmt: skip
-    if folder and (problem := rundir.damage(folder)):
-        raise Unusable(f"{path} is damaged: {problem}")
-    return state | {"folder": folder}
-
-
-def fallback(output_dir, damaged):
-    """The complete checkpoint before the damaged latest one in output_dir, as a hint: '' if there is none."""
-    candidates = [output_dir / PREVIOUS] if damaged.is_file() else [f for f in epochs(output_dir) if f != damaged]
-    for path in candidates:
-        try:
-            state = load(path)
-        except (Unusable, FileNotFoundError):
-            continue
-        return f": the checkpoint of epoch {state['epoch']} is complete: resume from it with --resume {path}"
-    return ""
 
 
 def load_whole(state, model, optimizer):

@@ -105,6 +105,11 @@ def blocks(model):
     return found or [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
 
 
+def norms(model):
+    """The BatchNorm layers: stage 05 makes each a unit of its own, which computes in fp32 under --amp."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
 def build(name, in_channels, num_classes, image_size, depth=16, width=4):
     """The model `name` for images of in_channels x image_size x image_size in num_classes classes; a
     SystemExit that says what to change for a size it does not fit."""

@@ -93,8 +93,16 @@ def rendezvous(launch, timeout):
         ) from None
     if agent:  # torchrun's own store outlives a restart: fresh keys for each (torch's own keys are kept apart alike)
         store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
+    arrive(store, launch, where, end, timeout)
+    _watch.update(store=store, where=where, rank=rank, world_size=world_size, timeout=timeout)
+    return dist.PrefixStore("pg", store)  # the process group's keys apart from the heartbeats
+
+
+def arrive(store, launch, where, end, timeout):
+    """Wait until every rank has written its host into the store, naming the ones that have not by `end`."""
+    rank, world_size = launch.rank, launch.world_size
     try:
-        store.set(f"host/{rank}", host)
+        store.set(f"host/{rank}", socket.gethostname())
         store.add("arrived", 1)
         while store.add("arrived", 0) < world_size:
             if time.monotonic() > end:
@@ -109,8 +117,6 @@ def rendezvous(launch, timeout):
         raise SystemExit(
             f"error: rank {rank}: lost the rendezvous store at {where}: rank 0 ended (its message says why)"
         ) from None
-    _watch.update(store=store, where=where, rank=rank, world_size=world_size, timeout=timeout)
-    return dist.PrefixStore("pg", store)  # the process group's keys apart from the heartbeats
 
 
 def watch():

@@ -232,11 +232,11 @@ def test_amp_refusals(monkeypatch):
     without a sharded loss scaler would underflow; both are refused, never ignored."""
     args = type(ARGS)(amp=True)
     with pytest.raises(SystemExit, match="launch with torchrun or srun"):
-        amp.policy(models.Net(), CPU, args)
+        amp.policies(CPU, args)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(amp, "dtype", lambda device: torch.float16)  # a GPU without bf16 (V100)
     with pytest.raises(SystemExit, match="computes in bf16, which this GPU lacks"):
-        amp.policy(models.Net(), CPU, args)
+        amp.policies(CPU, args)
 
 
 @pytest.mark.slow
