@@ -2,6 +2,7 @@
 
 import ast
 import difflib
+import re
 
 import pytest
 from helpers import REPO, STAGES
@@ -51,3 +52,39 @@ def test_every_stage_has_its_files():
 
 def test_changed_lines_counts_like_diff():
     assert changed_lines(["a", "b", "c"], ["a", "x", "c", "d"]) == 3  # one changed (<, >), one added (>)
+
+
+LESSON_AND_TOOLS = sorted(REPO.glob("common/*.py")) + sorted(REPO.glob("tools/*.py"))
+
+
+@pytest.mark.parametrize("path", sorted(REPO.glob("common/*.py")), ids=lambda p: p.name)
+def test_common_modules_read_in_minutes(path):
+    """A learner follows a stage into common/: each module fits a few screens."""
+    assert len(path.read_text().splitlines()) <= 250
+
+
+@pytest.mark.parametrize("path", LESSON_AND_TOOLS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_no_function_is_longer_than_a_screen(path):
+    functions = [f for f in ast.walk(ast.parse(path.read_text())) if isinstance(f, ast.FunctionDef)]
+    assert [(f.name, f.end_lineno - f.lineno + 1) for f in functions if f.end_lineno - f.lineno + 1 > 60] == []
+
+
+def test_setup_shows_the_process_group_and_nothing_else():
+    """The module a learner reads for setup() holds no thread, no store and no hook: the guard rails are in
+    modules of their own (common/watchdog.py, common/preflight.py)."""
+    text = (REPO / "common/distributed.py").read_text()
+    assert "init_process_group" in text
+    for hidden in ("threading", "excepthook", "TCPStore"):
+        assert hidden not in text, hidden
+
+
+def test_values_travel_as_arguments_not_through_the_environment():
+    writes = [(p.name, line.strip()) for p in REPO.glob("common/*.py") for line in p.read_text().splitlines()
+              if re.search(r"os\.environ(\[[^]]+\]\s*=[^=]|\.update\(|\.setdefault\()", line)]  # fmt: skip
+    assert writes == []
+
+
+def test_all_of_the_sharding_is_in_the_stage():
+    """fully_shard is called in stage files only, where the 04 -> 05 diff shows it."""
+    calls = [p.relative_to(REPO).as_posix() for p in LESSON_AND_TOOLS if "fully_shard(" in p.read_text()]
+    assert calls == [] and "fully_shard(" in (REPO / "05_fsdp/train.py").read_text()

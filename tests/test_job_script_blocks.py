@@ -45,3 +45,19 @@ def test_without_python_and_torch_a_copied_job_script_names_the_line_to_edit(tmp
     line = int(re.search(r"at line (\d+) of the job script", out.stderr)[1])
     assert out.returncode == 1 and out.stderr.count("error:") == 1 and not out.stdout, out
     assert "set yours up here" in script.read_text().splitlines()[line - 1]
+
+
+def test_the_torchrun_job_script_derives_the_port_as_setup_does():
+    """job_torchrun.slurm repeats common/distributed.py's port formula in shell (it says so): the same ports."""
+    from common.distributed import master_port
+
+    line = next(
+        x
+        for x in (REPO / "04_ddp_multi_node/job_torchrun.slurm").read_text().splitlines()
+        if x.startswith("MASTER_PORT=")
+    )
+    for job_id in (1, 39_999, 40_000, 123_456_789):
+        shell = subprocess.run(
+            ["bash", "-c", f"SLURM_JOB_ID={job_id}; {line}; echo $MASTER_PORT"], capture_output=True, text=True
+        )
+        assert int(shell.stdout) == master_port(job_id)
