@@ -29,7 +29,6 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, Dataset
-from torchvision import datasets, transforms
 
 from common.environment import cpus_per_rank
 
@@ -47,15 +46,15 @@ class Spec(NamedTuple):
     mean: tuple  # per-channel pixel statistics of the training set, for Normalize
     std: tuple
     classes: int
-    download: type = None  # torchvision's class, which downloads the set
+    download: str = None  # the name of torchvision's class that downloads the set
 
 
 CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 SETS = {
-    "mnist": Spec("MNIST/raw", list(FILES), (0.1307,), (0.3081,), 10, datasets.MNIST),  # as in pytorch/examples
-    "fashion-mnist": Spec("FashionMNIST/raw", list(FILES), (0.2860,), (0.3530,), 10, datasets.FashionMNIST),
-    "cifar10": Spec("cifar-10-batches-py", CIFAR10_FILES, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), 10, datasets.CIFAR10),
-    "cifar100": Spec("cifar-100-python", ["train", "test"], (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), 100, datasets.CIFAR100),
+    "mnist": Spec("MNIST/raw", list(FILES), (0.1307,), (0.3081,), 10, "MNIST"),  # as in pytorch/examples
+    "fashion-mnist": Spec("FashionMNIST/raw", list(FILES), (0.2860,), (0.3530,), 10, "FashionMNIST"),
+    "cifar10": Spec("cifar-10-batches-py", CIFAR10_FILES, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), 10, "CIFAR10"),
+    "cifar100": Spec("cifar-100-python", ["train", "test"], (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), 100, "CIFAR100"),
     "synthetic": Spec("", [], (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), 10),
 }  # fmt: skip
 SYNTHETIC = {True: 50_000, False: 10_000}  # images of 3 x 32 x 32, as many as in CIFAR
@@ -255,6 +254,10 @@ class PerSample(Dataset):
     The DataLoader collates the samples into batches."""
 
     def __init__(self, dataset):
+        # imported here, not at the top: torchvision doubles the time torch takes to import, which every rank
+        # of the default (batched) loader and every --help would otherwise pay
+        from torchvision import transforms
+
         self.images, self.labels = dataset.images, dataset.labels
         self.transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(dataset.mean, dataset.std)])
 
@@ -318,8 +321,10 @@ def loader(dataset, sampler, batch_size, args, device):
 
 
 def download(name, data_dir, train):
+    from torchvision import datasets  # here, as in PerSample: only `make data` downloads
+
     try:
-        SETS[name].download(data_dir, train=train, download=True)
+        getattr(datasets, SETS[name].download)(data_dir, train=train, download=True)
     except (OSError, RuntimeError) as err:  # no network: torchvision's URLError, or its last mirror's RuntimeError
         raise SystemExit(
             f"error: cannot download {name} ({err}): run `make data DATASET={name}` on a machine with internet "

@@ -3,11 +3,12 @@
 import pickle
 import re
 import shutil
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import REPO, TRAIN_SIZE, write_idx_subset
+from helpers import REPO, TRAIN_SIZE, run, stage_args, write_idx_subset
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets
 
@@ -34,6 +35,16 @@ def test_every_loader_gives_the_batches_of_the_default(loader, name, held_out, t
     for (x, y), (ref_x, ref_y) in zip(batches(train, sampler, loader), reference, strict=True):
         assert torch.equal(y, ref_y)
         torch.testing.assert_close(x, ref_x, rtol=0, atol=1e-5)  # ToTensor()/Normalize() round differently
+
+
+def test_stage01s_default_path_never_imports_torchvision(tiny_data, tmp_path):
+    """A run of stage 01 with the batched loader, in a fresh interpreter, ends without torchvision loaded: it
+    doubles the time torch takes to import, which every rank would pay. --help imports less than a run."""
+    code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__'); "
+    code += "sys.exit('torchvision' in sys.modules)"
+    args = stage_args(tiny_data, tmp_path, "--epochs", 1, "--dry-run")
+    out = run([sys.executable, "-c", code, "01_single_gpu/train.py", *args])
+    assert out.returncode == 0 and "done: 1 epochs" in out.stdout, out.stdout + out.stderr
 
 
 def test_prepare_checks_and_unpacks_the_vendored_files(tmp_path):
