@@ -24,9 +24,9 @@ help:  ## these lines
 
 DATASET ?= mnist
 data: | $(VENV)  ## MNIST from the vendored files; DATASET=fashion-mnist|cifar10|cifar100 downloads (login node)
-	$(PYTHON) -m common.data data $(DATASET)
+	$(PYTHON) tools/prepare_data.py data $(DATASET)
 $(DATA): | $(VENV)
-	$(PYTHON) -m common.data data mnist
+	$(PYTHON) tools/prepare_data.py data mnist
 
 test: $(VENV) $(DATA)  ## everyday: CPU only, no root, a few minutes
 	$(PYTHON) -m pytest -m "not slow and not slurm"

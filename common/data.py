@@ -9,27 +9,21 @@
 
 All three follow the sampler they are given, so a DistributedSampler shards each of them the same way.
 The data sets are in torchvision's on-disk layout; `synthetic` is random images made in memory, for
-benchmarks. The training scripts never download: compute nodes are often offline, and several ranks
-must not write into one folder at once. `make data DATASET=...` (python -m common.data) prepares the
-folder once.
+benchmarks. The training scripts never download: `make data DATASET=...` (tools/prepare_data.py)
+prepares the folder once. Every file is checked as it is read (common/datafiles.py).
 """
 
-import argparse
-import gzip
 import hashlib
 import math
 import os
-import pickle
-import shutil
-import zlib
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
+from common import datafiles
 from common.environment import cpus_per_rank
 
 FILES = {  # MNIST's sha256 of the uncompressed IDX files
@@ -121,57 +115,16 @@ def dataset(data_dir, name, train, limit=None):
         images, labels = synthetic(SYNTHETIC[train], spec.classes, seed=int(train))
     elif name in ("mnist", "fashion-mnist"):
         prefix = "train" if train else "t10k"
-        images = read_idx(folder / f"{prefix}-images-idx3-ubyte", 3, name).unsqueeze(1)
+        images = datafiles.read_idx(folder / f"{prefix}-images-idx3-ubyte", 3, name).unsqueeze(1)
         labels_path = folder / f"{prefix}-labels-idx1-ubyte"
-        labels = read_idx(labels_path, 1, name).long()
-        check_labels(labels_path, labels, len(images), spec.classes, name)
+        labels = datafiles.read_idx(labels_path, 1, name).long()
+        datafiles.check_labels(labels_path, labels, len(images), spec.classes, name)
     else:  # not torchvision's CIFAR classes: they check the MD5s of the official files, and refuse any other
         paths = [folder / file for file in (spec.files[:-1] if train else spec.files[-1:])]
-        images, labels = read_cifar(paths, b"labels" if name == "cifar10" else b"fine_labels", spec.classes, name)
+        images, labels = datafiles.read_cifar(
+            paths, b"labels" if name == "cifar10" else b"fine_labels", spec.classes, name
+        )
     return Images(name, images[:limit], labels[:limit], spec.mean, spec.std, spec.classes)
-
-
-def bad_file(path, name, problem):
-    """The error for a data file that is there but wrong: one line naming the file and the fix, no traceback
-    from deep inside numpy or torch. Deleting it first matters: `make data` keeps the files it finds."""
-    return SystemExit(
-        f"error: {path}: {problem}: delete it and run `make data DATASET={name}` again "
-        "(or point --data-dir at a good copy)"
-    )
-
-
-def read_idx(path, ndim, name):
-    """An IDX file of uint8 (MNIST's format) as a tensor: the bytes 0, 0, 0x08, ndim; ndim big-endian uint32
-    sizes; the data. The length must match the sizes exactly, so a truncated file cannot pass."""
-    raw = np.fromfile(path, dtype=np.uint8)
-    if raw[:4].tolist() != [0, 0, 8, ndim]:
-        found = raw[:4].tobytes().hex(" ") or "nothing"
-        raise bad_file(
-            path, name, f"not an IDX file of {ndim}-dimensional uint8 (it starts with {found}, not 00 00 08 0{ndim})"
-        )
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise bad_file(path, name, f"{len(raw)} bytes, too short for its {header}-byte header (truncated?)")
-    sizes = raw[4:header].view(">u4").tolist()
-    if len(raw) != header + math.prod(sizes):
-        shape = " x ".join(map(str, sizes))
-        raise bad_file(
-            path, name, f"{len(raw)} bytes, not the {header + math.prod(sizes)} of its {shape} header (truncated?)"
-        )
-    return torch.from_numpy(raw[header:].reshape(sizes))
-
-
-def check_labels(path, labels, count, classes, name):
-    """One label per image, each a class of the set: a shorter labels file would otherwise train on a subset,
-    and a label out of range fail in the loss with a message naming nothing."""
-    if len(labels) != count:
-        raise bad_file(path, name, f"{len(labels)} labels for {count} images")
-    outside = ((labels < 0) | (labels >= classes)).nonzero()
-    if len(outside):
-        index = int(outside[0])
-        raise bad_file(
-            path, name, f"label {int(labels[index])} of image {index} is not one of the classes 0 to {classes - 1}"
-        )
 
 
 def synthetic(count, classes, seed):
@@ -181,48 +134,6 @@ def synthetic(count, classes, seed):
     pixels = torch.empty(count * 3 * 32 * 32 // 8, dtype=torch.int64).random_(-(2**63), None, generator=generator)
     labels = torch.randint(classes, (count,), generator=generator)
     return pixels.view(torch.uint8).view(count, 3, 32, 32), labels
-
-
-class NumpyOnly(pickle.Unpickler):
-    """The CIFAR batches are pickles (the official format, with encoding="bytes" for their Python 2 strings),
-    and unpickling can run any code a file names. These files hold dictionaries of numpy arrays, lists and
-    bytes only, so nothing else may be loaded: a crafted file fails instead of running."""
-
-    ALLOWED = {
-        ("numpy", "ndarray"),
-        ("numpy", "dtype"),
-        ("numpy.core.multiarray", "_reconstruct"),  # the name in the official files
-        ("numpy._core.multiarray", "_reconstruct"),  # numpy >= 2
-    }
-
-    def find_class(self, module, name):
-        if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a CIFAR batch, which holds numpy arrays")
-        return super().find_class(module, name)
-
-
-def read_cifar(paths, label_key, classes, name):
-    """CIFAR's python batches: b"data", uint8 N x 3072 (the red, green and blue planes of 32 x 32 each), and
-    the labels under label_key, a list of N integers."""
-    images, labels = [], []
-    for path in paths:
-        with open(path, "rb") as f:
-            try:
-                batch = NumpyOnly(f, encoding="bytes").load()
-                pixels, batch_labels = np.asarray(batch[b"data"]), torch.as_tensor(batch[label_key])
-            except Exception as err:  # a truncated or foreign file: pickle alone raises a dozen kinds of error
-                raise bad_file(path, name, f"not a CIFAR batch ({type(err).__name__}: {err})") from err
-        if pixels.dtype != np.uint8 or pixels.ndim != 2 or pixels.shape[1] != 3 * 32 * 32:
-            shape = " x ".join(map(str, pixels.shape))
-            raise bad_file(path, name, f"its data is {pixels.dtype} {shape}, not uint8 N x 3072")
-        if batch_labels.dtype != torch.int64 or batch_labels.ndim != 1:
-            raise bad_file(
-                path, name, f"its labels are not a list of integers but {batch_labels.dtype} {list(batch_labels.shape)}"
-            )
-        check_labels(path, batch_labels, len(pixels), classes, name)
-        images.append(torch.from_numpy(pixels))
-        labels.append(batch_labels)
-    return torch.cat(images).view(-1, 3, 32, 32), torch.cat(labels)
 
 
 def fingerprint(dataset, samples=1000):
@@ -318,60 +229,3 @@ def loader(dataset, sampler, batch_size, args, device):
         return DataLoader(PerSample(dataset), batch_size=batch_size, sampler=sampler, **options)
     # batched: the sampler's indices come in lists of batch_size, and the dataset builds each batch
     return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None, **options)
-
-
-def download(name, data_dir, train):
-    from torchvision import datasets  # here, as in PerSample: only `make data` downloads
-
-    try:
-        getattr(datasets, SETS[name].download)(data_dir, train=train, download=True)
-    except (OSError, RuntimeError) as err:  # no network: torchvision's URLError, or its last mirror's RuntimeError
-        raise SystemExit(
-            f"error: cannot download {name} ({err}): run `make data DATASET={name}` on a machine with internet "
-            f"access, or copy its {SETS[name].folder}/ into {data_dir}"
-        ) from err
-
-
-def prepare(data_dir, name="mnist"):
-    """Make `name` ready in data_dir. MNIST: unpack the vendored .gz files after checking them, downloading
-    only if absent; the others: torchvision's download, which checks them."""
-    folder = Path(data_dir) / SETS[name].folder
-    if name == "synthetic":
-        print("synthetic is made in memory: nothing to prepare")
-        return
-    if name != "mnist":
-        download(name, data_dir, train=True)
-        download(name, data_dir, train=False)
-        print(f"{name} ready in {folder}")
-        return
-    if not all((folder / f"{file}.gz").is_file() or (folder / file).is_file() for file in FILES):
-        download(name, data_dir, train=True)
-        download(name, data_dir, train=False)
-    for file, sha256 in FILES.items():
-        if not (folder / file).is_file():
-            part = folder / f"{file}.part"
-            try:
-                with gzip.open(folder / f"{file}.gz") as src, open(part, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-            except (OSError, EOFError, zlib.error) as err:  # a download cut short, or not gzip at all
-                part.unlink(missing_ok=True)
-                raise SystemExit(
-                    f"error: {folder / file}.gz is damaged ({err}): delete it and run `make data` again"
-                ) from None
-            part.replace(folder / file)
-        if hashlib.sha256((folder / file).read_bytes()).hexdigest() != sha256:
-            raise SystemExit(
-                f"error: {folder / file} is corrupt (sha256 mismatch): delete it and run `make data` again"
-            )
-    print(f"MNIST ready in {folder}")
-
-
-if __name__ == "__main__":
-    cli = argparse.ArgumentParser(description="Prepare a data set in DATA_DIR (make data DATASET=NAME).")
-    default = Path(__file__).resolve().parent.parent / "data"
-    cli.add_argument("data_dir", nargs="?", type=Path, default=default, metavar="DATA_DIR",
-                     help="the stages' --data-dir (default: the repository's data/)")  # fmt: skip
-    cli.add_argument("name", nargs="?", choices=list(SETS), default="mnist", metavar="NAME",
-                     help=f"one of {', '.join(SETS)} (default: mnist)")  # fmt: skip
-    args = cli.parse_args()
-    prepare(args.data_dir, args.name)

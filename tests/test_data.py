@@ -1,10 +1,12 @@
-"""The input pipelines: the same batches whichever --loader and data set, and `make data`'s checks."""
+"""The data sets and input pipelines: the same batches whichever --loader and data set; the split; every
+file checked as it is read; and `make data` (tools/prepare_data.py)."""
 
 import pickle
 import re
 import shutil
 import sys
 from types import SimpleNamespace
+from urllib.error import URLError
 
 import pytest
 import torch
@@ -13,6 +15,9 @@ from torch.utils.data.distributed import DistributedSampler
 from torchvision import datasets
 
 from common import data
+
+sys.path.insert(0, str(REPO / "tools"))  # tools/prepare_data.py, as `make data` runs it
+import prepare_data  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -52,12 +57,12 @@ def test_prepare_checks_and_unpacks_the_vendored_files(tmp_path):
     raw.mkdir(parents=True)
     for gz in (REPO / "data" / "MNIST" / "raw").glob("*.gz"):
         shutil.copy(gz, raw)
-    data.prepare(tmp_path)
+    prepare_data.prepare(tmp_path)
     assert len(data.dataset(tmp_path, "mnist", train=False)) == 10_000
     corrupt = raw / "t10k-labels-idx1-ubyte"
     corrupt.write_bytes(corrupt.read_bytes()[:-1] + b"\x00")
     with pytest.raises(SystemExit, match="sha256"):
-        data.prepare(tmp_path)
+        prepare_data.prepare(tmp_path)
 
 
 def test_a_truncated_download_is_named_and_leaves_no_part_file(tmp_path):
@@ -68,7 +73,7 @@ def test_a_truncated_download_is_named_and_leaves_no_part_file(tmp_path):
     cut = raw / "train-images-idx3-ubyte.gz"
     cut.write_bytes(cut.read_bytes()[:100_000])  # a download cut short
     with pytest.raises(SystemExit, match=f"{cut} is damaged .*: delete it and run `make data` again"):
-        data.prepare(tmp_path)
+        prepare_data.prepare(tmp_path)
     assert not list(raw.glob("*.part"))
 
 
@@ -170,3 +175,48 @@ def test_ranks_reading_the_same_files_agree_on_the_fingerprint(tiny_sets):
         first, second = (data.split(data.dataset(tiny_sets, name, train=True), 0.25, seed=1) for _ in range(2))
         assert [data.fingerprint(part) for part in first] == [data.fingerprint(part) for part in second]
         assert data.fingerprint(first[0]) != data.fingerprint(first[1])
+
+
+def test_split_is_seeded_disjoint_and_complete():
+    count = 100
+    images = torch.arange(count, dtype=torch.uint8).view(count, 1, 1, 1).expand(count, 1, 4, 4).contiguous()
+    whole = data.Images("numbers", images, torch.arange(count), (0.5,), (0.25,), count)
+    train, val = data.split(whole, 0.2, seed=1)
+    assert (len(train), len(val)) == (80, 20) and type(train) is type(val) is data.Images
+    assert sorted(torch.cat([train.labels, val.labels]).tolist()) == list(range(count))
+    for part in train, val:
+        assert torch.equal(part.images[:, 0, 0, 0].long(), part.labels)  # each image kept its label
+        assert (part.mean, part.std, part.classes, part.image_size) == (whole.mean, whole.std, count, 4)
+    assert torch.equal(data.split(whole, 0.2, seed=1)[1].labels, val.labels)
+    assert not torch.equal(data.split(whole, 0.2, seed=2)[1].labels, val.labels)
+    train, val = data.split(whole, 0, seed=1)
+    assert train is whole and len(val) == 0 and val.images.shape[1:] == whole.images.shape[1:]
+
+
+def test_a_missing_set_names_its_folder_and_make_data(tmp_path):
+    with pytest.raises(SystemExit, match=f"{tmp_path / 'cifar-100-python'} .*`make data DATASET=cifar100`"):
+        data.dataset(tmp_path, "cifar100", train=True)
+
+
+def test_a_crafted_cifar_batch_runs_no_code(tiny_sets, tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "ran"), "w"))
+
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    (folder / "train").symlink_to(tiny_sets / "cifar-100-python" / "train")
+    (folder / "test").write_bytes(pickle.dumps({b"data": Payload()}))
+    assert len(data.dataset(tmp_path, "cifar100", train=True)) == 8
+    with pytest.raises(SystemExit, match="not allowed"):
+        data.dataset(tmp_path, "cifar100", train=False)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_prepare_offline_says_where_to_run_it(monkeypatch, tmp_path):
+    def offline(*args, **kwargs):
+        raise URLError("no network")
+
+    monkeypatch.setattr(datasets, data.SETS["cifar10"].download, offline)
+    with pytest.raises(SystemExit, match="cannot download cifar10 .*`make data DATASET=cifar10`"):
+        prepare_data.prepare(tmp_path, "cifar10")

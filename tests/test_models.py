@@ -1,15 +1,11 @@
 """Every model with every data set it is offered for (cli.TESTED): one training step and one evaluation on
-tiny copies of the sets in their real on-disk formats, read by the real readers; what `build`, `split`
-and `dataset` refuse."""
+tiny copies of the sets in their real on-disk formats, read by the real readers; what `build` refuses."""
 
-import pickle
 from types import SimpleNamespace
-from urllib.error import URLError
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torchvision import datasets
 
 from common import cli, data, models
 
@@ -78,48 +74,3 @@ def test_net_keeps_the_names_checkpoints_hold():
 def test_build_refuses_what_does_not_fit(args, message):
     with pytest.raises(SystemExit, match=message):
         models.build(*args)
-
-
-def test_split_is_seeded_disjoint_and_complete():
-    count = 100
-    images = torch.arange(count, dtype=torch.uint8).view(count, 1, 1, 1).expand(count, 1, 4, 4).contiguous()
-    whole = data.Images("numbers", images, torch.arange(count), (0.5,), (0.25,), count)
-    train, val = data.split(whole, 0.2, seed=1)
-    assert (len(train), len(val)) == (80, 20) and type(train) is type(val) is data.Images
-    assert sorted(torch.cat([train.labels, val.labels]).tolist()) == list(range(count))
-    for part in train, val:
-        assert torch.equal(part.images[:, 0, 0, 0].long(), part.labels)  # each image kept its label
-        assert (part.mean, part.std, part.classes, part.image_size) == (whole.mean, whole.std, count, 4)
-    assert torch.equal(data.split(whole, 0.2, seed=1)[1].labels, val.labels)
-    assert not torch.equal(data.split(whole, 0.2, seed=2)[1].labels, val.labels)
-    train, val = data.split(whole, 0, seed=1)
-    assert train is whole and len(val) == 0 and val.images.shape[1:] == whole.images.shape[1:]
-
-
-def test_a_missing_set_names_its_folder_and_make_data(tmp_path):
-    with pytest.raises(SystemExit, match=f"{tmp_path / 'cifar-100-python'} .*`make data DATASET=cifar100`"):
-        data.dataset(tmp_path, "cifar100", train=True)
-
-
-def test_a_crafted_cifar_batch_runs_no_code(tiny_sets, tmp_path):
-    class Payload:
-        def __reduce__(self):
-            return (open, (str(tmp_path / "ran"), "w"))
-
-    folder = tmp_path / "cifar-100-python"
-    folder.mkdir()
-    (folder / "train").symlink_to(tiny_sets / "cifar-100-python" / "train")
-    (folder / "test").write_bytes(pickle.dumps({b"data": Payload()}))
-    assert len(data.dataset(tmp_path, "cifar100", train=True)) == 8
-    with pytest.raises(SystemExit, match="not allowed"):
-        data.dataset(tmp_path, "cifar100", train=False)
-    assert not (tmp_path / "ran").exists()
-
-
-def test_prepare_offline_says_where_to_run_it(monkeypatch, tmp_path):
-    def offline(*args, **kwargs):
-        raise URLError("no network")
-
-    monkeypatch.setattr(datasets, data.SETS["cifar10"].download, offline)
-    with pytest.raises(SystemExit, match="cannot download cifar10 .*`make data DATASET=cifar10`"):
-        data.prepare(tmp_path, "cifar10")

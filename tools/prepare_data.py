@@ -1,0 +1,75 @@
+"""Prepare a data set in DATA_DIR, once, on a machine with internet access (the login node): `make data
+DATASET=NAME`. MNIST comes from the repository's vendored files, checked against their sha256 and unpacked;
+the others from torchvision's downloads, which check their own. The training scripts never download:
+compute nodes are often offline, and several ranks must not write into one folder at once.
+
+    python tools/prepare_data.py [DATA_DIR] [NAME]
+"""
+
+import argparse
+import gzip
+import hashlib
+import shutil
+import sys
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ beside tools/, without an install
+from common.data import FILES, SETS  # noqa: E402
+
+
+def download(name, data_dir, train):
+    from torchvision import datasets  # here, as in PerSample: only `make data` downloads
+
+    try:
+        getattr(datasets, SETS[name].download)(data_dir, train=train, download=True)
+    except (OSError, RuntimeError) as err:  # no network: torchvision's URLError, or its last mirror's RuntimeError
+        raise SystemExit(
+            f"error: cannot download {name} ({err}): run `make data DATASET={name}` on a machine with internet "
+            f"access, or copy its {SETS[name].folder}/ into {data_dir}"
+        ) from err
+
+
+def prepare(data_dir, name="mnist"):
+    """Make `name` ready in data_dir. MNIST: unpack the vendored .gz files after checking them, downloading
+    only if absent; the others: torchvision's download, which checks them."""
+    folder = Path(data_dir) / SETS[name].folder
+    if name == "synthetic":
+        print("synthetic is made in memory: nothing to prepare")
+        return
+    if name != "mnist":
+        download(name, data_dir, train=True)
+        download(name, data_dir, train=False)
+        print(f"{name} ready in {folder}")
+        return
+    if not all((folder / f"{file}.gz").is_file() or (folder / file).is_file() for file in FILES):
+        download(name, data_dir, train=True)
+        download(name, data_dir, train=False)
+    for file, sha256 in FILES.items():
+        if not (folder / file).is_file():
+            part = folder / f"{file}.part"
+            try:
+                with gzip.open(folder / f"{file}.gz") as src, open(part, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            except (OSError, EOFError, zlib.error) as err:  # a download cut short, or not gzip at all
+                part.unlink(missing_ok=True)
+                raise SystemExit(
+                    f"error: {folder / file}.gz is damaged ({err}): delete it and run `make data` again"
+                ) from None
+            part.replace(folder / file)
+        if hashlib.sha256((folder / file).read_bytes()).hexdigest() != sha256:
+            raise SystemExit(
+                f"error: {folder / file} is corrupt (sha256 mismatch): delete it and run `make data` again"
+            )
+    print(f"MNIST ready in {folder}")
+
+
+if __name__ == "__main__":
+    cli = argparse.ArgumentParser(description="Prepare a data set in DATA_DIR (make data DATASET=NAME).")
+    default = Path(__file__).resolve().parent.parent / "data"
+    cli.add_argument("data_dir", nargs="?", type=Path, default=default, metavar="DATA_DIR",
+                     help="the stages' --data-dir (default: the repository's data/)")  # fmt: skip
+    cli.add_argument("name", nargs="?", choices=list(SETS), default="mnist", metavar="NAME",
+                     help=f"one of {', '.join(SETS)} (default: mnist)")  # fmt: skip
+    args = cli.parse_args()
+    prepare(args.data_dir, args.name)
