@@ -3,7 +3,7 @@ one `error:` line, no traceback), fast, specific (the flag, file, rank or addres
 keep what was already done (the previous checkpoint and metrics load and are finite).
 
 The fast cases run in `make test`; those that wait on purpose (stalled ranks, timeouts) are slow.
-README.md's failure table names the test of each row.
+tests/FAILURES.md names the test of each row.
 """
 
 import csv

@@ -35,6 +35,8 @@ def check_run(output, output_dir, world_size, epochs=2):
 
 @pytest.mark.parametrize("stage", STAGES[:2])
 def test_single_process_stages(stage, tiny_data, tmp_path):
+    """Stages 01 and 02 as one process. On a CPU, stage 02 cannot reach nn.DataParallel, which it uses only
+    with two GPUs or more: here it runs as stage 01 does, and no CPU test covers what it adds."""
     out = run([sys.executable, f"{stage}/train.py", *stage_args(tiny_data, tmp_path, "--epochs", 2, "--save-model")])
     assert out.returncode == 0, out.stderr
     check_run(out.stdout, tmp_path, world_size=1)
