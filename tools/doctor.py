@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -48,14 +49,30 @@ FIX = {
 
 def parse_args():
     p = cli.Parser(description="check a cluster for multi-node training, launched as a training stage is")
-    # fmt: off
-    p.add_argument("--data-dir", type=Path, default=cli.REPO / "data", help="as the stages': MNIST/raw/ is checked on every rank (default: the repository's data/)")
-    p.add_argument("--output-dir", type=Path, default=cli.default_output_dir(cli.REPO / "doctor" / "doctor.py"),
-                   help="doctor.json, and a file per rank to see which nodes share it (default: runs/doctor/<job id, torchrun id or local-time-pid>)")
-    p.add_argument("--num-workers", type=cli.number(int, "[0, inf)"), help="the DataLoader workers per rank your training uses (default: those of --loader classic)")
-    p.add_argument("--dist-timeout", type=cli.number(int, "[1, 86400]"), default=60, help="seconds any wait for the other ranks may last (default: 60)")
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=cli.REPO / "data",
+        help="as the stages': MNIST/raw/ is checked on every rank (default: the repository's data/)",
+    )
+    p.add_argument(
+        "--output-dir",
+        type=Path,
+        default=cli.default_output_dir(cli.REPO / "doctor" / "doctor.py"),
+        help="doctor.json, and a file per rank to see which nodes share it (default: runs/doctor/<job id, torchrun id or local-time-pid>)",
+    )
+    p.add_argument(
+        "--num-workers",
+        type=cli.number(int, "[0, inf)"),
+        help="the DataLoader workers per rank your training uses (default: those of --loader classic)",
+    )
+    p.add_argument(
+        "--dist-timeout",
+        type=cli.number(int, "[1, 86400]"),
+        default=60,
+        help="seconds any wait for the other ranks may last (default: 60)",
+    )
     p.add_argument("--no-cuda", action="store_true", help="check the CPU and gloo path even where GPUs are visible")
-    # fmt: on
     p.set_defaults(batch_size=0, sync_bn=False)  # what setup() checks of a training run: the doctor trains nothing
     return p.parse_args()
 
@@ -222,85 +239,181 @@ def who(ranks):
     return ", ".join(f"rank {f['rank']} ({f['host']})" for f in ranks)
 
 
-def judge(args, everyone, device):
-    """The verdicts, from every rank's facts: (check, PASS/WARN/FAIL, what was found, the fix). A check
-    that finds problems lists them, naming the ranks and hosts; one that finds none says what it saw."""
-    rows, hosts, gpu = [], {}, device.type == "cuda"
-    for f in everyone:
-        hosts.setdefault(f["host"], []).append(f)
+def verdict(check, problems, ok, fix, worse="FAIL"):
+    """A row of the table: PASS and what was seen, or `worse` with the problems (naming ranks, hosts) and the fix."""
+    return (check, worse if problems else "PASS", "; ".join(problems) or ok, fix if problems else "")
 
-    def row(check, problems, ok, fix, worse="FAIL"):
-        rows.append((check, worse if problems else "PASS", "; ".join(problems) or ok, fix if problems else ""))
 
-    # fmt: off
-    row("ranks", [], f"{len(everyone)} arrived within --dist-timeout {args.dist_timeout} s: "
-        + ", ".join(f"{h} (ranks {', '.join(str(f['rank']) for f in fs)})" for h, fs in hosts.items()), "")
-    uneven = [f"{h}: {len(fs)} ranks, {fs[0]['gpus']} GPUs" for h, fs in hosts.items() if fs[0]["gpus"] and len(fs) != fs[0]["gpus"]]
-    row("ranks per node", uneven, "one per GPU" if everyone[0]["gpus"] else "no GPU", FIX["gpu"],
-        worse="FAIL" if any(len(fs) > fs[0]["gpus"] > 0 for fs in hosts.values()) else "WARN")  # more ranks: GPUs shared; fewer: idle
-    users = {}
+def by(everyone, key):
+    """{value: the ranks' facts with that value of `key`}, in rank order."""
+    groups = {}
     for f in everyone:
-        users.setdefault((f["host"], f["gpu"]), []).append(f) if f["gpu"] else None
-    row("GPU per rank", [f"{who(fs)} all use {g}" for (_, g), fs in users.items() if len(fs) > 1],
-        f"{len(users)} GPUs, one per rank" if users else "no GPU", FIX["gpu"])
-    row("NUMA", [f"{who([f])}: CPUs on NUMA node {f['cpu_numa']}, its GPU on {f['gpu_numa']}" for f in everyone
-                 if f["gpu_numa"] is not None and f["gpu_numa"] >= 0 and f["gpu_numa"] not in f["cpu_numa"]],
-        "each rank's CPUs beside its GPU" if gpu else "no GPU", "bind ranks near their GPUs: srun --cpu-bind=cores --gpu-bind=closest", "WARN")
-    row("CPUs per rank", [f"{who([f])}: {f['cpus_per_rank']} CPUs for {f['workers']} DataLoader workers + 1" for f in everyone
-                          if f["cpus_per_rank"] < f["workers"] + 1],
-        f"{min(f['cpus_per_rank'] for f in everyone)} at least, for {everyone[0]['workers']} DataLoader workers + 1",
-        "--cpus-per-task = workers + 1, exported to srun (SRUN_CPUS_PER_TASK), or fewer --num-workers", "WARN")
-    for name in everyone[0]["versions"]:
-        values = {}
-        for f in everyone:
-            values.setdefault(f["versions"][name], []).append(f)
+        groups.setdefault(f[key], []).append(f)
+    return groups
+
+
+def check_ranks(run):
+    hosts = ", ".join(f"{h} (ranks {', '.join(str(f['rank']) for f in fs)})" for h, fs in run.hosts.items())
+    yield verdict(
+        "ranks", [], f"{len(run.everyone)} arrived within --dist-timeout {run.args.dist_timeout} s: {hosts}", ""
+    )
+
+
+def check_ranks_per_node(run):
+    gpus = {h: fs[0]["gpus"] for h, fs in run.hosts.items()}
+    uneven = [f"{h}: {len(fs)} ranks, {gpus[h]} GPUs" for h, fs in run.hosts.items() if gpus[h] and len(fs) != gpus[h]]
+    shared = any(len(fs) > gpus[h] > 0 for h, fs in run.hosts.items())  # more ranks than GPUs share them; fewer idle
+    ok = "one per GPU" if run.everyone[0]["gpus"] else "no GPU"
+    yield verdict("ranks per node", uneven, ok, FIX["gpu"], worse="FAIL" if shared else "WARN")
+
+
+def check_gpu_per_rank(run):
+    users = by([f | {"where": (f["host"], f["gpu"])} for f in run.everyone if f["gpu"]], "where")
+    shared = [f"{who(fs)} all use {where[1]}" for where, fs in users.items() if len(fs) > 1]
+    yield verdict("GPU per rank", shared, f"{len(users)} GPUs, one per rank" if users else "no GPU", FIX["gpu"])
+
+
+def check_numa(run):
+    far = [f"{who([f])}: CPUs on NUMA node {f['cpu_numa']}, its GPU on {f['gpu_numa']}" for f in run.everyone
+           if f["gpu_numa"] is not None and f["gpu_numa"] >= 0 and f["gpu_numa"] not in f["cpu_numa"]]  # fmt: skip
+    fix = "bind ranks near their GPUs: srun --cpu-bind=cores --gpu-bind=closest"
+    yield verdict("NUMA", far, "each rank's CPUs beside its GPU" if run.gpu else "no GPU", fix, "WARN")
+
+
+def check_cpus_per_rank(run):
+    short = [f"{who([f])}: {f['cpus_per_rank']} CPUs for {f['workers']} DataLoader workers + 1" for f in run.everyone
+             if f["cpus_per_rank"] < f["workers"] + 1]  # fmt: skip
+    least = min(f["cpus_per_rank"] for f in run.everyone)
+    ok = f"{least} at least, for {run.everyone[0]['workers']} DataLoader workers + 1"
+    fix = "--cpus-per-task = workers + 1, exported to srun (SRUN_CPUS_PER_TASK), or fewer --num-workers"
+    yield verdict("CPUs per rank", short, ok, fix, "WARN")
+
+
+def check_versions(run):
+    for name in run.everyone[0]["versions"]:
+        values = by([f | {"version": f["versions"][name]} for f in run.everyone], "version")
         usual = max(values, key=lambda v: len(values[v]))
-        row(f"{name} version", [f"{who(fs)}: {v}, the others {usual}" for v, fs in values.items() if v != usual],
-            f"{usual} on every rank", FIX["software"])
-    nodes, masters = len(hosts), {}
-    for f in everyone:
-        masters.setdefault(f["master"], []).append(f)
-    row("MASTER_ADDR", ([f"{who([f])}: a loopback address on {nodes} nodes" for f in everyone if f["loopback"]] if nodes > 1 else [])
-        + ([f"{who(fs)}: {m}" for m, fs in masters.items()] if len(masters) > 1 else []), f"{everyone[0]['master']} on every rank", FIX["network"])
-    row("interface", [f"{h}: {fs[0]['interface']}, loopback" for h, fs in hosts.items() if nodes > 1 and fs[0]["interface"].startswith("lo ")],
-        "; ".join(f"{h}: {fs[0]['interface']}" for h, fs in hosts.items()), "set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the network the nodes share")
-    ways = sorted({f["transport"] for f in everyone})
-    row("transport", [f"NCCL uses TCP sockets between nodes ({', '.join(ways)})"] if gpu and nodes > 1 and any("NET/Socket" in w for w in ways) else [],
-        " / ".join(ways), "check the InfiniBand/RoCE drivers and NCCL's net plugin (NCCL_DEBUG=INFO says why)", "WARN")
-    row("all-reduce", [w for f in everyone for w in f["all_reduce"]], f"exact in {', '.join(str(d)[6:] for d in DTYPES)}, 1 to 2^20+1 elements"
-        if len(everyone) > 1 else "one rank: nothing to reduce", "a broken GPU, driver or network: run nccl-tests on these hosts")
-    for scope, sweep in everyone[0]["bandwidth"].items():
+        odd = [f"{who(fs)}: {v}, the others {usual}" for v, fs in values.items() if v != usual]
+        yield verdict(f"{name} version", odd, f"{usual} on every rank", FIX["software"])
+
+
+def check_master_addr(run):
+    loopback = [f"{who([f])}: a loopback address on {run.nodes} nodes" for f in run.everyone if f["loopback"]]
+    masters = by(run.everyone, "master")
+    differ = [f"{who(fs)}: {m}" for m, fs in masters.items()] if len(masters) > 1 else []
+    ok = f"{run.everyone[0]['master']} on every rank"
+    yield verdict("MASTER_ADDR", (loopback if run.nodes > 1 else []) + differ, ok, FIX["network"])
+
+
+def check_interface(run):
+    seen = {h: fs[0]["interface"] for h, fs in run.hosts.items()}
+    loopback = [f"{h}: {i}, loopback" for h, i in seen.items() if run.nodes > 1 and i.startswith("lo ")]
+    fix = "set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the network the nodes share"
+    yield verdict("interface", loopback, "; ".join(f"{h}: {i}" for h, i in seen.items()), fix)
+
+
+def check_transport(run):
+    ways = sorted({f["transport"] for f in run.everyone})
+    sockets = run.gpu and run.nodes > 1 and any("NET/Socket" in w for w in ways)
+    problems = [f"NCCL uses TCP sockets between nodes ({', '.join(ways)})"] if sockets else []
+    fix = "check the InfiniBand/RoCE drivers and NCCL's net plugin (NCCL_DEBUG=INFO says why)"
+    yield verdict("transport", problems, " / ".join(ways), fix, "WARN")
+
+
+def check_all_reduce(run):
+    wrong = [w for f in run.everyone for w in f["all_reduce"]]
+    dtypes = ", ".join(str(d)[6:] for d in DTYPES)
+    ok = f"exact in {dtypes}, 1 to 2^20+1 elements" if len(run.everyone) > 1 else "one rank: nothing to reduce"
+    yield verdict("all-reduce", wrong, ok, "a broken GPU, driver or network: run nccl-tests on these hosts")
+
+
+def check_bandwidth(run):
+    fix = "see the transport line; check NCCL_SOCKET_IFNAME and the links (nvidia-smi topo -m)"
+    for scope, sweep in run.everyone[0]["bandwidth"].items():
         size, algbw, busbw = sweep[-1]
-        seen = f"busbw {busbw:.3g} GB/s (algbw {algbw:.3g}) at {size / 2**20:g} MiB, " + ", ".join(f"{b:.3g} at {s / 2**20:g} MiB" for s, _, b in sweep[:-1])
-        row(f"busbw {scope}", [f"{seen}: below {FLOOR_GBPS[scope]} GB/s"] if gpu and busbw < FLOOR_GBPS[scope] else [],
-            seen + ("" if gpu else " (gloo on CPUs: no floor)"), "see the transport line; check NCCL_SOCKET_IFNAME and the links (nvidia-smi topo -m)", "WARN")
-    median, slowest = statistics.median_low(f["compute_s"] for f in everyone), max(everyone, key=lambda f: f["compute_s"])
-    ratio, seen = slowest["compute_s"] / median, f"{who([slowest])}: {slowest['compute_s'] * 1e3:.0f} ms for a fixed computation"
-    row("stragglers", [f"{seen}, {slowest['compute_s'] / median:.1f}x the median {median * 1e3:.0f} ms"] if ratio > SLOW else [],
-        f"the slowest, {seen}, {ratio:.1f}x the median", FIX["slow"], "FAIL" if ratio > VERY_SLOW else "WARN")
-    odd = [f"{n} {'missing' if f['data'][n] == 'missing' else 'differs from rank 0'} on {who([f])}" for f in everyone
-           for n in data.FILES if f["data"][n] != everyone[0]["data"][n] or f["data"][n] == "missing"]
-    unpublished = [] if everyone[0]["data"] == data.FILES else ["the same files on every rank, but not MNIST's published ones (sha256)"]
-    row("data", odd or unpublished, f"MNIST's files on every rank under {args.data_dir}", FIX["data"], "FAIL" if odd else "WARN")
-    row("output folder", [f"{who([f])}: {f['output']}" for f in everyone if f["output"]],
-        f"writable on every rank, {min(f['free_gb'] for f in everyone):.0f} GB free; " + ("shared by every node" if all(
-            len(f["sees"]) == len(everyone) for f in everyone) else "not shared: each node has its own"), FIX["output"])
-    slurm = [f for f in everyone if f["slurm"]["SLURM_STEP_ID"]]
-    row("Slurm CPUs, GPUs", [f"{who([f])}: {f['cpus']} CPUs of --cpus-per-task={f['slurm']['SLURM_CPUS_PER_TASK']}" for f in slurm
-                             if int(f["slurm"]["SLURM_CPUS_PER_TASK"] or 0) > f["cpus"]]
-        + [f"{who([f])}: sees {f['gpus']} GPUs of SLURM_GPUS_ON_NODE={f['slurm']['SLURM_GPUS_ON_NODE']}" for f in slurm
-           if int(f["slurm"]["SLURM_GPUS_ON_NODE"] or f["gpus"]) != f["gpus"]]
-        + (["SRUN_CPUS_PER_TASK is unset: srun of Slurm 22.05-23.02 gives each task 1 CPU"]
-           if any(f["slurm"]["SLURM_CPUS_PER_TASK"] and not f["slurm"]["SRUN_CPUS_PER_TASK"] for f in slurm) else []),
-        "as asked, on every rank" if slurm else "not an srun step", "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK before srun; ask for no more than the nodes have", "WARN")
-    if everyone[0]["requeue"]:
-        requeued, signal = everyone[0]["requeue"]
-        row("requeue", [f"scontrol does not show job {os.environ['SLURM_JOB_ID']}"] * (requeued is None)
-            + [f"Requeue={requeued}: a preempted job does not come back"] * (requeued == "0")
-            + ["no --signal in the job script: the time limit ends the job without a requeue"] * (not signal),
-            f"Requeue=1, --signal={signal}", "#SBATCH --requeue and --signal=B:USR1@90, with the USR1 trap of 04_ddp_multi_node/job.slurm", "WARN")
-    # fmt: on
-    return rows
+        smaller = ", ".join(f"{b:.3g} at {s / 2**20:g} MiB" for s, _, b in sweep[:-1])
+        seen = f"busbw {busbw:.3g} GB/s (algbw {algbw:.3g}) at {size / 2**20:g} MiB, {smaller}"
+        slow = [f"{seen}: below {FLOOR_GBPS[scope]} GB/s"] if run.gpu and busbw < FLOOR_GBPS[scope] else []
+        yield verdict(f"busbw {scope}", slow, seen + ("" if run.gpu else " (gloo on CPUs: no floor)"), fix, "WARN")
+
+
+def check_stragglers(run):
+    median = statistics.median_low(f["compute_s"] for f in run.everyone)
+    slowest = max(run.everyone, key=lambda f: f["compute_s"])
+    ratio, seen = (
+        slowest["compute_s"] / median,
+        f"{who([slowest])}: {slowest['compute_s'] * 1e3:.0f} ms for a fixed computation",
+    )
+    slow = [f"{seen}, {ratio:.1f}x the median {median * 1e3:.0f} ms"] if ratio > SLOW else []
+    ok = f"the slowest, {seen}, {ratio:.1f}x the median"
+    yield verdict("stragglers", slow, ok, FIX["slow"], "FAIL" if ratio > VERY_SLOW else "WARN")
+
+
+def check_data(run):
+    first = run.everyone[0]["data"]
+    odd = [f"{n} {'missing' if f['data'][n] == 'missing' else 'differs from rank 0'} on {who([f])}"
+           for f in run.everyone for n in data.FILES if f["data"][n] != first[n] or f["data"][n] == "missing"]  # fmt: skip
+    unpublished = (
+        [] if first == data.FILES else ["the same files on every rank, but not MNIST's published ones (sha256)"]
+    )
+    ok = f"MNIST's files on every rank under {run.args.data_dir}"
+    yield verdict("data", odd or unpublished, ok, FIX["data"], "FAIL" if odd else "WARN")
+
+
+def check_output_folder(run):
+    unwritable = [f"{who([f])}: {f['output']}" for f in run.everyone if f["output"]]
+    shared = all(len(f["sees"]) == len(run.everyone) for f in run.everyone)
+    free = min(f["free_gb"] for f in run.everyone)
+    ok = f"writable on every rank, {free:.0f} GB free; " + (
+        "shared by every node" if shared else "not shared: each node has its own"
+    )
+    yield verdict("output folder", unwritable, ok, FIX["output"])
+
+
+def check_slurm_resources(run):
+    steps = [f for f in run.everyone if f["slurm"]["SLURM_STEP_ID"]]
+    problems = []
+    for f in steps:
+        asked_cpus, asked_gpus = f["slurm"]["SLURM_CPUS_PER_TASK"], f["slurm"]["SLURM_GPUS_ON_NODE"]
+        if int(asked_cpus or 0) > f["cpus"]:
+            problems.append(f"{who([f])}: {f['cpus']} CPUs of --cpus-per-task={asked_cpus}")
+        if int(asked_gpus or f["gpus"]) != f["gpus"]:
+            problems.append(f"{who([f])}: sees {f['gpus']} GPUs of SLURM_GPUS_ON_NODE={asked_gpus}")
+    if any(f["slurm"]["SLURM_CPUS_PER_TASK"] and not f["slurm"]["SRUN_CPUS_PER_TASK"] for f in steps):
+        problems.append("SRUN_CPUS_PER_TASK is unset: srun of Slurm 22.05-23.02 gives each task 1 CPU")
+    fix = "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK before srun; ask for no more than the nodes have"
+    yield verdict("Slurm CPUs, GPUs", problems, "as asked, on every rank" if steps else "not an srun step", fix, "WARN")
+
+
+def check_requeue(run):
+    if not run.everyone[0]["requeue"]:
+        return  # not an srun step: nothing to ask Slurm
+    requeued, signal = run.everyone[0]["requeue"]
+    problems = []
+    if requeued is None:
+        problems.append(f"scontrol does not show job {os.environ['SLURM_JOB_ID']}")
+    elif requeued == "0":
+        problems.append(f"Requeue={requeued}: a preempted job does not come back")
+    if not signal:
+        problems.append("no --signal in the job script: the time limit ends the job without a requeue")
+    fix = "#SBATCH --requeue and --signal=B:USR1@90, with the USR1 trap of 04_ddp_multi_node/job.slurm"
+    yield verdict("requeue", problems, f"Requeue=1, --signal={signal}", fix, "WARN")
+
+
+CHECKS = [
+    check_ranks, check_ranks_per_node, check_gpu_per_rank, check_numa, check_cpus_per_rank, check_versions,
+    check_master_addr, check_interface, check_transport, check_all_reduce, check_bandwidth, check_stragglers,
+    check_data, check_output_folder, check_slurm_resources, check_requeue,
+]  # fmt: skip
+
+
+def judge(args, everyone, device):
+    """The verdicts, from every rank's facts: (check, PASS/WARN/FAIL, what was found, the fix), a row or more
+    per check of CHECKS. A check that finds problems lists them, naming the ranks and hosts; one that finds
+    none says what it saw."""
+    hosts = by(everyone, "host")
+    run = SimpleNamespace(args=args, everyone=everyone, hosts=hosts, nodes=len(hosts), gpu=device.type == "cuda")
+    return [row for check in CHECKS for row in check(run)]
 
 
 def main():
