@@ -9,7 +9,6 @@ from urllib.error import URLError
 import pytest
 import torch
 import torch.nn.functional as F
-from torchvision import datasets
 
 from common import cli, data, models
 
@@ -120,6 +119,6 @@ def test_prepare_offline_says_where_to_run_it(monkeypatch, tmp_path):
     def offline(*args, **kwargs):
         raise URLError("no network")
 
-    monkeypatch.setattr(datasets, data.SETS["cifar10"].download, offline)
+    monkeypatch.setattr(f"torchvision.datasets.{data.SETS['cifar10'].download}", offline)
     with pytest.raises(SystemExit, match="cannot download cifar10 .*`make data DATASET=cifar10`"):
         data.prepare(tmp_path, "cifar10")
