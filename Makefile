@@ -28,8 +28,12 @@ data: | $(VENV)  ## MNIST from the vendored files; DATASET=fashion-mnist|cifar10
 $(DATA): | $(VENV)
 	$(PYTHON) tools/prepare_data.py data mnist
 
-test: $(VENV) $(DATA)  ## everyday: CPU only, no root, a few minutes
-	$(PYTHON) -m pytest -m "not slow and not slurm"
+# Most tests wait on a process of their own that imports torch on one core: pytest-xdist (requirements.txt) runs
+# WORKERS tests at a time. A PYTHON without it runs them one after another.
+WORKERS ?= 2
+XDIST = $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo "--numprocesses $(WORKERS)")
+test: $(VENV) $(DATA)  ## everyday: CPU only, no root, under 3 minutes on 2 cores (WORKERS tests at a time, default 2)
+	$(PYTHON) -m pytest -m "not slow and not slurm" $(XDIST)
 
 test-all: $(VENV) $(DATA)  ## everything, the real Slurm cluster included (root)
 	$(PYTHON) -m pytest

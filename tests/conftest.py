@@ -4,9 +4,14 @@ import pickle
 
 import numpy as np
 import pytest
+import torch
 from helpers import REPO, TEST_SIZE, TRAIN_SIZE, write_idx_subset
 
 CIFAR_BATCH = 8  # images per CIFAR file: 40 training images in CIFAR-10's five batches, 8 test images
+
+# one thread for what the tests compute in their own process, as clean_env gives the processes they start: the
+# test workers of `make test` and the ranks they launch share the cores instead of fighting over them
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,15 @@ def free_port():
         return s.getsockname()[1]
 
 
+def free_job_id():
+    """A Slurm job id whose MASTER_PORT (distributed.master_port: 20000 + id % 40000) is free now, so that two
+    srun-style runs at once, of this suite or of another, do not meet on one port."""
+    port = free_port()
+    while not 20000 <= port < 60000:
+        port = free_port()
+    return port - 20000
+
+
 def clean_env(**extra):
     """The environment of a process the tests start: no launcher or Slurm variables of our own, one
     thread per process (two cores), `common` importable."""
@@ -58,9 +67,10 @@ def torchrun(nproc, script, *args, env=None, timeout=120):
     return run(torchrun_cmd(nproc, script, *args), env=env, timeout=timeout)
 
 
-def srun_like(world_size, script, *args, job_id=4242, nodelist="localhost", timeout=120, cwds=None, **env_extra):
+def srun_like(world_size, script, *args, job_id=None, nodelist="localhost", timeout=120, cwds=None, **env_extra):
     """Start `world_size` processes with the variables srun gives its tasks (one node, or one working
     folder per rank with `cwds`, as on nodes that share no filesystem); wait for all of them."""
+    job_id = job_id or free_job_id()
     procs = []
     for rank in range(world_size):
         env = clean_env(

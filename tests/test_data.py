@@ -12,7 +12,6 @@ import pytest
 import torch
 from helpers import REPO, TRAIN_SIZE, run, stage_args, write_idx_subset
 from torch.utils.data.distributed import DistributedSampler
-from torchvision import datasets
 
 from common import data
 
@@ -86,6 +85,8 @@ def test_an_empty_validation_set_yields_nothing(loader, tiny_data):
 
 @pytest.mark.parametrize("train", [True, False])
 def test_the_idx_reader_returns_torchvisions_tensors(train, tiny_data):
+    from torchvision import datasets  # here: each test process would otherwise import it while collecting
+
     ours = data.dataset(tiny_data, "mnist", train=train)
     reference = datasets.MNIST(tiny_data, train=train, download=False)
     assert ours.images.dtype == torch.uint8 and ours.labels.dtype == torch.int64
@@ -216,6 +217,8 @@ def test_a_crafted_cifar_batch_runs_no_code(tiny_sets, tmp_path):
 def test_prepare_offline_says_where_to_run_it(monkeypatch, tmp_path):
     def offline(*args, **kwargs):
         raise URLError("no network")
+
+    from torchvision import datasets  # here: collecting the tests imports no torchvision
 
     monkeypatch.setattr(datasets, data.SETS["cifar10"].download, offline)
     with pytest.raises(SystemExit, match="cannot download cifar10 .*`make data DATASET=cifar10`"):

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from helpers import REPO, clean_env, free_port, processes_with, run, stage_args
+from helpers import REPO, clean_env, free_job_id, free_port, processes_with, run, stage_args
 
 pytestmark = pytest.mark.slow
 SLOW_EXIT = "import atexit, os, time\nif os.environ.get('RANK', '0') != '0':\n    atexit.register(time.sleep, 4)\n"
@@ -40,11 +40,8 @@ def job(script, tmp_path, *args, job_id=4242):
 
 
 def test_job_script_run_ends_with_its_summary(tiny_data, tmp_path):
-    port = free_port()
-    while port >= 60000:  # the script's MASTER_PORT is 20000 + job id % 40000
-        port = free_port()
     out, seconds = job("04_ddp_multi_node/job_torchrun.slurm", tmp_path, *stage_args(tiny_data, tmp_path / "o", "--epochs", 1),
-                       job_id=port - 20000)  # fmt: skip
+                       job_id=free_job_id())  # fmt: skip
     lines = (out.stdout + out.stderr).strip().splitlines()
     assert out.returncode == 0 and lines[-1].startswith("done: 1 epochs"), out.stdout + out.stderr
     assert not out.stderr.strip() and seconds < 60, (out.stderr, seconds)
