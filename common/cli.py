@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from common import versions
+
 REPO = Path(__file__).resolve().parent.parent
 DATASETS = ["mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic"]
 REFERENCE_BATCH = 64  # the global batch --lr is given for (--lr-scaling)
@@ -190,4 +192,5 @@ def parse_args(argv=None, warn=True, teaches=()):
 if __name__ == "__main__":
     # a job script's check before torchrun starts its workers: a usage error ends the job once, not once per
     # worker and restart; silent on success (the workers print any warning themselves)
+    versions.require(Path("train.py"))  # and a torch too old for the stage in this folder, where job scripts run
     parse_args(sys.argv[1:], warn=False)

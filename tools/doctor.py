@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
-from common import cli, data, distributed  # noqa: E402
+from common import cli, data, distributed, versions  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]  # every dtype the stages all-reduce or train in
 FLOOR_GBPS = {"within nodes": 5, "across nodes": 1}  # busbw below PCIe 3 x16 / 10 GbE: the fast links are not used
@@ -256,6 +256,14 @@ def judge(args, everyone, device):
         usual = max(values, key=lambda v: len(values[v]))
         row(f"{name} version", [f"{who(fs)}: {v}, the others {usual}" for v, fs in values.items() if v != usual],
             f"{usual} on every rank", FIX["software"])
+    torches = {}
+    for f in everyone:
+        torches.setdefault(f["versions"]["torch"], []).append(f)
+    short = {v: versions.short(v) for v in torches}  # {version: {stage or tool: the torch it needs}}
+    row("torch minimum", [f"{who(torches[v])}: {v}, where " + ", ".join(f"{s} needs ≥ {m}" for s, m in needs.items())
+                          for v, needs in short.items() if needs],
+        f"every stage runs on {', '.join(torches)}", versions.fix(max(versions.TORCH.values(), key=versions.release)),
+        "FAIL" if any(len(needs) == len(versions.TORCH) for needs in short.values()) else "WARN")  # no stage runs: FAIL
     nodes, masters = len(hosts), {}
     for f in everyone:
         masters.setdefault(f["master"], []).append(f)
@@ -303,6 +311,7 @@ def judge(args, everyone, device):
 
 
 def main():
+    versions.require(__file__)
     args = parse_args()
     nccl_log = None
     if torch.cuda.is_available() and not args.no_cuda and "NCCL_DEBUG" not in os.environ:
