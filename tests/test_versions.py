@@ -1,10 +1,18 @@
 """The oldest torch each stage and the doctor run on (common/versions.py): below it, one line naming both
-versions and the fix, before torch is imported."""
+versions and the fix, before torch is imported. `make test-min` runs this file on each of those versions:
+there each script runs on its own minimum, and meets a torch really older than it needs."""
 
+import re
 import sys
 
-from helpers import REPO, clean_env, run
+import pytest
+from helpers import REPO, STAGES, clean_env, run, srun_like, stage_args, torchrun
 from test_failures import one_error
+
+from common import versions
+
+FOUND = versions.installed()
+SCRIPTS = [f"{stage}/train.py" for stage in STAGES] + ["tools/doctor.py"]
 
 
 def fake_torch(folder, version):
@@ -36,3 +44,35 @@ def test_the_job_scripts_check_and_the_doctor_refuse_an_older_torch(tmp_path):
     out = run([sys.executable, "tools/doctor.py"], env=env, timeout=60)
     one_error(out, "tools/doctor.py needs torch ≥ 2.7 (this is 2.6.0)")
     assert out.returncode == 1
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_on_the_oldest_torch_it_needs(script, tiny_data, tmp_path):
+    """make test-min: on the oldest torch it runs on, a script runs (one epoch; two ranks where it has several);
+    below it, it refuses in one line. Newer torches: skipped here, every other test runs it."""
+    need, found = versions.release(versions.needs(REPO / script)), versions.release(FOUND)
+    args = stage_args(tiny_data, tmp_path) + (["--epochs", "1"] if script.endswith("train.py") else [])
+    if found < need:
+        out = run([sys.executable, script, *args], timeout=30)
+        one_error(out, f"{script} needs torch ≥ {versions.needs(REPO / script)} (this is {FOUND})")
+        assert out.returncode == 1
+        return
+    if found[: len(need)] != need:
+        pytest.skip(f"torch {FOUND} is newer than {script} needs: make test-min runs it on its oldest")
+    if script.startswith("04"):  # srun's tasks, the launcher stage 04 teaches
+        codes, outputs = srun_like(2, REPO / script, *args)
+        assert codes == [0, 0], outputs
+        out = outputs[0]
+    else:
+        one = script.startswith(("01", "02"))
+        result = run([sys.executable, script, *args]) if one else torchrun(2, REPO / script, *args)
+        assert result.returncode == 0, result.stdout + result.stderr
+        out = result.stdout
+    assert "done: 1 epochs" in out or "doctor: 2 ranks on 1 node" in out, out
+
+
+def test_requirements_and_make_test_min_name_the_minimums():
+    requirements = (REPO / "requirements.txt").read_text()
+    assert f"torch>={max(versions.TORCH.values(), key=versions.release)}" in requirements  # every stage runs on it
+    pins = re.search(r"^MIN_TORCH := (.*)$", (REPO / "Makefile").read_text(), re.M)[1].split()
+    assert sorted(pins) == sorted(f"{v}.0" for v in set(versions.TORCH.values()))  # each minimum's first release
