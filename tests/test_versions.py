@@ -50,11 +50,12 @@ def test_the_job_scripts_check_and_the_doctor_refuse_an_older_torch(tmp_path):
 def test_on_the_oldest_torch_it_needs(script, tiny_data, tmp_path):
     """make test-min: on the oldest torch it runs on, a script runs (one epoch; two ranks where it has several);
     below it, it refuses in one line. Newer torches: skipped here, every other test runs it."""
-    need, found = versions.release(versions.needs(REPO / script)), versions.release(FOUND)
+    minimum = versions.needs(REPO / script)
+    need, found = versions.release(minimum), versions.release(FOUND)
     args = stage_args(tiny_data, tmp_path) + (["--epochs", "1"] if script.endswith("train.py") else [])
     if found < need:
         out = run([sys.executable, script, *args], timeout=30)
-        one_error(out, f"{script} needs torch ≥ {versions.needs(REPO / script)} (this is {FOUND})")
+        one_error(out, f"{script} needs torch ≥ {minimum} (this is {FOUND})")
         assert out.returncode == 1
         return
     if found[: len(need)] != need:
