@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 DATA := data/MNIST/raw/train-images-idx3-ubyte
 STAGES := 01_single_gpu 02_dataparallel 03_ddp_single_node 04_ddp_multi_node 05_fsdp
 
-.PHONY: install help test test-all test-slurm data run diff profile lint clean bench plot scaling doctor
+.PHONY: install help test test-all test-min test-slurm data run diff profile lint clean bench plot scaling doctor
 
 install: .venv/installed  ## the default: a .venv with requirements.txt (torch, tests, lint, plots)
 .venv/installed: requirements.txt pyproject.toml
@@ -37,6 +37,17 @@ test: $(VENV) $(DATA)  ## everyday: CPU only, no root, under 3 minutes on 2 core
 
 test-all: $(VENV) $(DATA)  ## everything, the real Slurm cluster included (root)
 	$(PYTHON) -m pytest
+
+# The oldest torch each stage and the doctor run on (common/versions.py), each from PyPI into .venv-min/<torch>/
+# with the torchvision built for it; tests/test_versions.py runs there what each is the minimum of (one epoch,
+# two ranks where there are several) and the stages it is too old for (one line)
+MIN_TORCH := 2.3.0 2.7.0 2.9.0
+test-min: $(MIN_TORCH:%=.venv-min/%/installed)  ## each stage on the oldest torch it runs on, CPU (installs 18 GB)
+	for v in $(MIN_TORCH); do .venv-min/$$v/bin/python -m pytest -p no:cacheprovider tests/test_versions.py || exit 1; done
+.venv-min/%/installed:
+	python3 -m venv .venv-min/$*
+	.venv-min/$*/bin/pip install --no-cache-dir torch==$* torchvision numpy pytest  # and the torchvision built for it
+	touch $@
 
 test-slurm: $(VENV) $(DATA)  ## the job scripts under a real local Slurm (root)
 	$(PYTHON) -m pytest -m slurm

@@ -22,16 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data.distributed import DistributedSampler
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stage folders
 try:
-    from common import amp, checkpoint, cli, data, distributed, errors, metrics, models, optim, preflight, rundir
+    from common import versions
 except ModuleNotFoundError as err:
     if err.name != "common":
         raise
@@ -39,6 +32,18 @@ except ModuleNotFoundError as err:
         f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's common/ there, or install "
         "the repository: `make install` in it (its .venv), or `pip install --no-deps -e <repository>` (conda, modules)"
     ) from err
+else:
+    versions.require(__file__)  # first, before torch: an older one fails in the imports below, or mid-run
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+from common import amp, checkpoint, cli, data, distributed, errors, metrics, models, optim, preflight, rundir
+
 try:
     from line_profiler import profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
 except ImportError:

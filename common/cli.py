@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from common import versions
 from common.environment import cpus_per_rank, is_rank0
 
 REPO = Path(__file__).resolve().parent.parent
@@ -183,4 +184,5 @@ def parse_args(argv=None, warn=True, teaches=()):
 if __name__ == "__main__":
     # a job script's check before torchrun starts its workers: a usage error ends the job once, not once per
     # worker and restart; silent on success (the workers print any warning themselves)
+    versions.require(Path("train.py"))  # and a torch too old for the stage in this folder, where job scripts run
     parse_args(sys.argv[1:], warn=False)

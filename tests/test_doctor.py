@@ -14,8 +14,8 @@ from common import preflight
 
 DOCTOR = REPO / "tools" / "doctor.py"
 CHECKS = ["ranks", "ranks per node", "GPU per rank", "NUMA", "CPUs per rank", "python version", "torch version",
-          "CUDA version", "NCCL version", "project version", "MASTER_ADDR", "interface", "transport", "all-reduce",
-          "busbw within nodes", "stragglers", "data", "output folder", "Slurm CPUs, GPUs"]  # fmt: skip
+          "CUDA version", "NCCL version", "project version", "torch minimum", "MASTER_ADDR", "interface", "transport",
+          "all-reduce", "busbw within nodes", "stragglers", "data", "output folder", "Slurm CPUs, GPUs"]  # fmt: skip
 MORE = ["busbw across nodes", "requeue"]  # on several nodes; in a Slurm job
 
 
@@ -66,10 +66,12 @@ def test_faults_on_one_rank_are_fail_lines_naming_it(tiny_data, tmp_path):
     failed = {check: rest for check, (status, rest) in rows.items() if status == "FAIL"}
     assert "rank 0 (" in failed["GPU per rank"] and "rank 1 (" in failed["GPU per rank"], rank0
     assert "rank 1 (" in failed["torch version"] and ": 2.0.0, the others" in failed["torch version"]
+    assert failed["torch minimum"].startswith("rank 1 (") and "2.0.0, where 01_single_gpu needs ≥ 2.3" in rank0
     assert "t10k-labels-idx1-ubyte missing on rank 1 (" in failed["data"] and "rank 0" not in failed["data"]
     assert failed["output folder"].startswith("rank 1 (") and "cannot write out" in failed["output folder"]
     assert failed["stragglers"].startswith("rank 1 (")
-    assert set(failed) == {"ranks per node", "GPU per rank", "torch version", "data", "output folder", "stragglers"}
+    assert set(failed) == {"ranks per node", "GPU per rank", "torch version", "torch minimum", "data", "output folder",
+                           "stragglers"}  # fmt: skip
     assert json.loads((nodes[0] / "out/doctor.json").read_text())["checks"][0]["status"] == "PASS"
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
-from common import cli, data, distributed  # noqa: E402
+from common import cli, data, distributed, versions  # noqa: E402
 from common.environment import cpus_per_rank  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]  # every dtype the stages all-reduce or train in
@@ -297,6 +297,18 @@ def check_versions(run):
         yield verdict(f"{name} version", odd, f"{usual} on every rank", FIX["software"])
 
 
+def check_torch_minimum(run):
+    torches = by([f | {"torch": f["versions"]["torch"]} for f in run.everyone], "torch")
+    short = {v: versions.short(v) for v in torches}  # {version: {stage or tool: the torch it needs}}
+    old = [f"{who(torches[v])}: {v}, where " + ", ".join(f"{s} needs ≥ {m}" for s, m in needs.items())
+           for v, needs in short.items() if needs]  # fmt: skip
+    none_runs = any(len(needs) == len(versions.TORCH) for needs in short.values())
+    fix = versions.fix(max(versions.TORCH.values(), key=versions.release))
+    yield verdict(
+        "torch minimum", old, f"every stage runs on {', '.join(torches)}", fix, "FAIL" if none_runs else "WARN"
+    )
+
+
 def check_master_addr(run):
     loopback = [f"{who([f])}: a loopback address on {run.nodes} nodes" for f in run.everyone if f["loopback"]]
     masters = by(run.everyone, "master")
@@ -402,6 +414,7 @@ def check_requeue(run):
 
 CHECKS = [
     check_ranks, check_ranks_per_node, check_gpu_per_rank, check_numa, check_cpus_per_rank, check_versions,
+    check_torch_minimum,
     check_master_addr, check_interface, check_transport, check_all_reduce, check_bandwidth, check_stragglers,
     check_data, check_output_folder, check_slurm_resources, check_requeue,
 ]  # fmt: skip
@@ -417,6 +430,7 @@ def judge(args, everyone, device):
 
 
 def main():
+    versions.require(__file__)
     args = parse_args()
     nccl_log = None
     if torch.cuda.is_available() and not args.no_cuda and "NCCL_DEBUG" not in os.environ:

@@ -44,7 +44,7 @@ def test_the_doctor_passes_on_two_nodes(slurm_cluster, tmp_path):
     assert not lines["FAIL"], output
     assert "doctor: 4 ranks on 2 nodes, cpu, job " in output, output
     checks = [c["check"] for c in json.loads((tmp_path / "doctor.json").read_text())["checks"]]
-    assert {"busbw within nodes", "busbw across nodes", "requeue"} <= set(checks) and len(checks) == 21
+    assert {"busbw within nodes", "busbw across nodes", "requeue"} <= set(checks) and len(checks) == 22
     assert any("node1 (ranks 0, 1), node2 (ranks 2, 3)" in line for line in lines["PASS"]), output
     assert any("Requeue=1, --signal=B:USR1@90" in line for line in lines["PASS"]), output
     assert any("shared by every node" in line for line in lines["PASS"]), output
