@@ -17,22 +17,19 @@ about 1.7 s on an H100 (6 s with pytorch/examples' pipeline, --loader classic) a
 cores. BENCHMARKS.md has the measurements.
 """
 
+import importlib.util
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stage folders
-try:
+if importlib.util.find_spec("common"):
     from common import versions
-except ModuleNotFoundError as err:
-    if err.name != "common":
-        raise
-    raise SystemExit(
-        f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's common/ there, or install "
-        "the repository: `make install` in it (its .venv), or `pip install --no-deps -e <repository>` (conda, modules)"
-    ) from err
-else:
+
     versions.require(__file__)  # first, before torch: an older one fails in the imports below, or mid-run
+else:  # this folder was copied without common/
+    sys.exit(f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's common/ there, or "
+             "`make install` in the repository, or `pip install --no-deps -e <repository>` (conda, modules)")  # fmt: skip
 
 import torch
 import torch.nn.functional as F
@@ -40,15 +37,8 @@ from torch.utils.data import RandomSampler
 
 from common import amp, checkpoint, cli, data, distributed, errors, metrics, models, optim, preflight, rundir
 
-try:
-    from line_profiler import profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
-except ImportError:
 
-    def profile(func):
-        return func
-
-
-@profile
+@metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
 def train(model, device, loader, optimizer, scaler, epoch, args):
     model.train()
     totals = torch.zeros(2, device=device)  # summed on the device: no GPU -> CPU sync per step

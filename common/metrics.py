@@ -1,5 +1,5 @@
 """Per-epoch lines and the metrics CSV, in one format for every stage, from global rank 0 only; the
-progress line; the memory line of stage 05."""
+progress line; the memory line of stage 05; the line profiler's decorator."""
 
 import csv
 import time
@@ -10,6 +10,14 @@ from common import divergence, optim
 from common.distributed import print0
 from common.environment import integer, is_rank0
 from common.rundir import atomic
+
+try:
+    from line_profiler import profile  # the stages' train(): timed per line under kernprof -l or LINE_PROFILE=1
+except ImportError:  # an environment without it trains the same, untimed
+
+    def profile(func):
+        return func
+
 
 FIELDS = [
     "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",

@@ -2,12 +2,19 @@
 
 import gzip
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
+INJECT = str(REPO / "tests" / "inject")  # its sitecustomize.py injects faults from outside the stages
+TIMING = {"epoch_seconds", "images_per_s", "images_per_s_per_process"}  # the only fields a resume may change
 STAGES = ["01_single_gpu", "02_dataparallel", "03_ddp_single_node", "04_ddp_multi_node", "05_fsdp"]
 TRAIN_SIZE, TEST_SIZE = 256, 10  # 10 test images: not a multiple of 3, for the exact-once test
 
@@ -110,3 +117,54 @@ def one_error(out, *words):
     for word in words:
         assert word in errors[0], errors[0]
     return errors[0]
+
+
+def assert_same_state(a, b, path="checkpoint"):
+    """Field by field: model, optimizer, scheduler, epoch, RNG and the metrics (times excepted)."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for key in a.keys() - TIMING:
+            assert_same_state(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_state(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def wait_for(condition, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+# 2: a killed job loses its progress
+def kill_rank_1_after_a_checkpoint(script, args, checkpoint):
+    """torchrun with one restart; once `checkpoint` exists, SIGKILL rank 1: the run must restart and finish."""
+    marker = f"TEST_RUN={uuid.uuid4()}"
+    env = clean_env(TEST_RUN=marker.split("=")[1], TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)  # as the job scripts
+    proc = subprocess.Popen(
+        torchrun_cmd(2, script, *args, restarts=1), env=env, cwd=REPO, stdout=subprocess.PIPE, text=True
+    )
+    wait_for(checkpoint.exists)
+    rank1 = [
+        pid for pid in processes_with(marker) if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    ]
+    os.kill(rank1[0], signal.SIGKILL)
+    output = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0 and "torchrun restart 1" in output, output
+
+
+def python(script, *args, timeout=120, **env):
+    start = time.monotonic()
+    out = run([sys.executable, str(script), *map(str, args)], env=clean_env(**env), timeout=timeout)
+    out.seconds = time.monotonic() - start
+    return out
+
+
+def checkpoint(folder):
+    return torch.load(folder / "checkpoint.pt", weights_only=True)

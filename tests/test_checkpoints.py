@@ -1,35 +1,56 @@
 """Checkpoints a run can trust: the last two complete ones kept, a damaged one named by file with the one
 before it to resume from, and no fresh run over a folder that holds any stage's checkpoint."""
 
+import os
+import pickle
+import signal
+import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import REPO, clean_env, one_error, run, stage_args
+from helpers import (
+    INJECT,
+    REPO,
+    assert_same_state,
+    checkpoint,
+    clean_env,
+    kill_rank_1_after_a_checkpoint,
+    one_error,
+    python,
+    run,
+    srun_like,
+    stage_args,
+    torchrun,
+    wait_for,
+)  # fmt: skip
 
 from common import resumable, rundir
+from common.models import Net
 
-S01, S05 = REPO / "01_single_gpu" / "train.py", REPO / "05_fsdp" / "train.py"
+S01, S03, S04, S05 = (
+    REPO / s / "train.py" for s in ("01_single_gpu", "03_ddp_single_node", "04_ddp_multi_node", "05_fsdp")
+)
 
 
-def python(script, data_dir, out, *extra):
+def small(script, data_dir, out, *extra):
     return run([sys.executable, str(script), *stage_args(data_dir, out, "--limit", 64, *extra)], env=clean_env())
 
 
 def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(tiny_data, tmp_path):
-    assert python(S01, tiny_data, tmp_path, "--epochs", 2).returncode == 0
+    assert small(S01, tiny_data, tmp_path, "--epochs", 2).returncode == 0
     previous = tmp_path / resumable.PREVIOUS
     assert torch.load(previous, weights_only=True)["epoch"] == 1  # the epoch before checkpoint.pt's
     latest = tmp_path / "checkpoint.pt"
     latest.write_bytes(latest.read_bytes()[:1000])  # truncated by a failing disk, or by hand
-    out = python(S01, tiny_data, tmp_path, "--epochs", 3, "--resume")
+    out = small(S01, tiny_data, tmp_path, "--epochs", 3, "--resume")
     one_error(
         out,
         f"{latest} is not a checkpoint this code wrote, or is damaged",
         "epoch 1 is complete",
         f"--resume {previous}",
     )
-    out = python(S01, tiny_data, tmp_path, "--epochs", 3, "--resume", previous)
+    out = small(S01, tiny_data, tmp_path, "--epochs", 3, "--resume", previous)
     assert out.returncode == 0, out.stderr
     assert "resumed after epoch 1" in out.stdout and torch.load(latest, weights_only=True)["epoch"] == 3
 
@@ -37,17 +58,17 @@ def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(tiny_dat
 @pytest.mark.slow  # the whole-checkpoint case above runs in make test
 def test_a_damaged_shard_or_missing_metadata_is_named_by_file(tiny_data, tmp_path):
     """Stage 05 keeps its last two sharded checkpoints (one process: the shards of one rank)."""
-    assert python(S05, tiny_data, tmp_path, "--epochs", 2).returncode == 0
+    assert small(S05, tiny_data, tmp_path, "--epochs", 2).returncode == 0
     assert [f.name for f in resumable.epochs(tmp_path)] == ["epoch-2", "epoch-1"]
     shard = next((tmp_path / "epoch-2").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
-    out = python(S05, tiny_data, tmp_path, "--epochs", 3, "--resume")
+    out = small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume")
     one_error(out, f"{shard} is truncated", f"--resume {tmp_path / 'epoch-1'}")
     (tmp_path / "epoch-2" / ".metadata").unlink()
     one_error(
-        python(S05, tiny_data, tmp_path, "--epochs", 3, "--resume"), f"{tmp_path / 'epoch-2' / '.metadata'} is missing"
+        small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume"), f"{tmp_path / 'epoch-2' / '.metadata'} is missing"
     )
-    out = python(S05, tiny_data, tmp_path, "--epochs", 3, "--resume", tmp_path / "epoch-1")
+    out = small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume", tmp_path / "epoch-1")
     assert out.returncode == 0, out.stderr
     assert [f.name for f in resumable.epochs(tmp_path)] == ["epoch-3", "epoch-2"]
 
@@ -55,16 +76,16 @@ def test_a_damaged_shard_or_missing_metadata_is_named_by_file(tiny_data, tmp_pat
 def test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint(tiny_data, tmp_path):
     """Without --resume, neither stage 01 over stage 05's sharded checkpoint nor 05 over 01's whole one."""
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
-    assert python(S01, tiny_data, whole, "--epochs", 1).returncode == 0
-    assert python(S05, tiny_data, sharded, "--epochs", 1).returncode == 0
+    assert small(S01, tiny_data, whole, "--epochs", 1).returncode == 0
+    assert small(S05, tiny_data, sharded, "--epochs", 1).returncode == 0
     for script, folder, found in ((S05, whole, "checkpoint.pt"), (S01, sharded, "checkpoint")):
         metrics = (folder / "metrics.csv").read_text()
         one_error(
-            python(script, tiny_data, folder, "--epochs", 1), f"{folder / found} holds the checkpoint", "--resume"
+            small(script, tiny_data, folder, "--epochs", 1), f"{folder / found} holds the checkpoint", "--resume"
         )
         assert (folder / "metrics.csv").read_text() == metrics
     kind = "it holds checkpoint, of stage 05"  # --resume in the other kind's folder says which it holds
-    one_error(python(S01, tiny_data, sharded, "--epochs", 2, "--resume"), f"no checkpoint.pt in {sharded}", kind)
+    one_error(small(S01, tiny_data, sharded, "--epochs", 2, "--resume"), f"no checkpoint.pt in {sharded}", kind)
 
 
 def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeypatch):
@@ -76,3 +97,129 @@ def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeyp
         monkeypatch.setattr(rundir.os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no links")))
     assert torch.load(previous)["epoch"] == 1 and torch.load(latest)["epoch"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-previous.pt", "checkpoint.pt"]
+
+
+@pytest.mark.slow
+def test_killed_rank_restarts_and_resumes_under_torchrun(tiny_data, tmp_path):
+    args = stage_args(tiny_data, tmp_path / "whole", "--epochs", 3)
+    assert torchrun(2, S03, *args).returncode == 0
+    killed = tmp_path / "killed"
+    kill_rank_1_after_a_checkpoint(S03, stage_args(tiny_data, killed, "--epochs", 3), killed / "checkpoint.pt")
+    assert_same_state(checkpoint(killed)["model"], checkpoint(tmp_path / "whole")["model"])
+
+
+@pytest.mark.slow
+def test_interrupted_run_resumes_with_flag(tiny_data, tmp_path):
+    assert python(S01, *stage_args(tiny_data, tmp_path / "whole", "--epochs", 3)).returncode == 0
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(
+        [sys.executable, str(S01), *stage_args(tiny_data, cut, "--epochs", 3)], env=clean_env(), cwd=REPO
+    )
+    wait_for(lambda: (cut / "checkpoint.pt").exists())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert python(S01, *stage_args(tiny_data, cut, "--epochs", 3)).returncode != 0  # no silent restart...
+    resumed = python(S01, *stage_args(tiny_data, cut, "--epochs", 3, "--resume"))  # ...only on request
+    assert resumed.returncode == 0 and "resumed after epoch" in resumed.stdout
+    assert_same_state(checkpoint(cut)["model"], checkpoint(tmp_path / "whole")["model"])
+
+
+# 3: resume restores only part of the state
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["python", "torchrun"])
+def test_resume_restores_everything(launch, tiny_data, tmp_path):
+    def train(folder, epochs, *extra):
+        args = stage_args(tiny_data, folder, "--epochs", epochs, *extra)
+        out = python(S01, *args) if launch == "python" else torchrun(2, S03, *args)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    train(tmp_path / "whole", 3)
+    train(tmp_path / "parts", 1)
+    assert "resumed after epoch 1" in train(tmp_path / "parts", 3, "--resume")
+    assert_same_state(checkpoint(tmp_path / "parts"), checkpoint(tmp_path / "whole"))
+    finished = train(tmp_path / "parts", 3, "--resume")  # all epochs done: report and exit 0
+    assert "epoch " not in finished.replace("resumed after epoch", "") and "done: 3 epochs" in finished
+
+
+# 7: every rank writes the checkpoint; a crash mid-write corrupts it
+@pytest.mark.slow
+def test_one_writer_and_resume_without_shared_filesystem(tiny_data, tmp_path):
+    nodes = [tmp_path / "node0", tmp_path / "node1"]  # two working folders: nodes sharing no disk
+    for node in nodes:
+        node.mkdir()
+    for epochs, extra in ((1, ()), (2, ("--resume",))):
+        args = ("--data-dir", tiny_data, "--output-dir", "out", "--num-workers", 0, "--epochs", epochs, *extra)
+        codes, outputs = srun_like(2, S04, *args, cwds=nodes)
+        assert codes == [0, 0], outputs
+    assert checkpoint(nodes[0] / "out")["epoch"] == 2 and not (nodes[1] / "out").exists()
+    assert "resumed after epoch 1" in outputs[0]  # rank 1 resumed too: from rank 0's broadcast
+
+
+@pytest.mark.slow
+def test_kill_during_checkpoint_write_keeps_the_previous_one(tiny_data, tmp_path):
+    out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 3), PYTHONPATH=INJECT, FAULT_RANK=0, FAULT_SAVE=2)
+    assert out.returncode == -signal.SIGKILL
+    assert checkpoint(tmp_path)["epoch"] == 1  # the second write died half-way; the first is intact
+    resumed = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 3, "--resume"))
+    assert resumed.returncode == 0 and checkpoint(tmp_path)["epoch"] == 3
+
+
+# 8: torch.load of a pickle runs arbitrary code
+class Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.slow
+def test_crafted_checkpoint_is_refused_and_runs_nothing(tiny_data, tmp_path):
+    payload = Payload()
+    payload.marker = tmp_path / "pwned"
+    with open(tmp_path / "evil.pt", "wb") as f:
+        pickle.dump({"model": payload}, f)
+    out = python(S01, *stage_args(tiny_data, tmp_path / "out", "--resume", tmp_path / "evil.pt"))
+    assert out.returncode != 0 and "is not a checkpoint" in out.stderr
+    assert not payload.marker.exists()
+
+
+@pytest.mark.slow
+def test_every_torch_load_is_weights_only():
+    for path in REPO.glob("[0c]*/**/*.py"):
+        for line in path.read_text().splitlines():
+            if "torch.load(" in line:
+                assert "weights_only=True" in line, f"{path}: {line}"
+
+
+# 12: a DDP checkpoint does not load into the single-GPU model
+@pytest.mark.slow
+def test_checkpoints_move_between_stages(tiny_data, tmp_path):
+    assert torchrun(2, S03, *stage_args(tiny_data, tmp_path / "ddp", "--epochs", 1)).returncode == 0
+    net = Net()
+    net.load_state_dict(checkpoint(tmp_path / "ddp")["model"], strict=True)
+    ddp = torch.nn.parallel.DistributedDataParallel  # the saved keys are the wrapped module's, unprefixed
+    assert not any(k.startswith("module.") for k in checkpoint(tmp_path / "ddp")["model"]) and ddp
+    x = torch.randn(4, 1, 28, 28)
+    again = Net()
+    again.load_state_dict(checkpoint(tmp_path / "ddp")["model"])
+    torch.testing.assert_close(net.eval()(x), again.eval()(x), rtol=0, atol=0)
+    single = python(
+        S01, *stage_args(tiny_data, tmp_path / "one", "--epochs", 2, "--resume", tmp_path / "ddp/checkpoint.pt")
+    )
+    assert single.returncode == 0 and "resumed after epoch 1" in single.stdout, single.stderr
+    back = torchrun(
+        2, S03, *stage_args(tiny_data, tmp_path / "two", "--epochs", 3, "--resume", tmp_path / "one/checkpoint.pt")
+    )
+    assert back.returncode == 0 and "resumed after epoch 2" in back.stdout, back.stderr
+
+
+# a checkpoint that does not match the model or the flags
+@pytest.mark.slow
+def test_mismatched_checkpoint_is_an_error_that_says_so(tiny_data, tmp_path):
+    assert python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1)).returncode == 0
+    out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--lr", 0.5, "--resume"))
+    assert out.returncode != 0 and "--lr 1.0" in out.stderr
+    state = checkpoint(tmp_path)
+    state["model"]["fc2.weight"] = torch.zeros(5, 128)
+    torch.save(state, tmp_path / "other.pt")
+    out = python(S01, *stage_args(tiny_data, tmp_path / "x", "--epochs", 2, "--resume", tmp_path / "other.pt"))
+    assert out.returncode != 0 and "does not match this model" in out.stderr

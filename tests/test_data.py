@@ -1,6 +1,7 @@
 """The data sets and input pipelines: the same batches whichever --loader and data set; the split; every
 file checked as it is read; and `make data` (tools/prepare_data.py)."""
 
+import json
 import pickle
 import re
 import shutil
@@ -10,10 +11,12 @@ from urllib.error import URLError
 
 import pytest
 import torch
-from helpers import REPO, TRAIN_SIZE, run, stage_args, write_idx_subset
+from helpers import INJECT, REPO, TRAIN_SIZE, clean_env, run, stage_args, torchrun_cmd, write_idx_subset
 from torch.utils.data.distributed import DistributedSampler
 
 from common import data
+
+S03 = REPO / "03_ddp_single_node" / "train.py"
 
 sys.path.insert(0, str(REPO / "tools"))  # tools/prepare_data.py, as `make data` runs it
 import prepare_data  # noqa: E402
@@ -223,3 +226,18 @@ def test_prepare_offline_says_where_to_run_it(monkeypatch, tmp_path):
     monkeypatch.setattr(datasets, data.SETS["cifar10"].download, offline)
     with pytest.raises(SystemExit, match="cannot download cifar10 .*`make data DATASET=cifar10`"):
         prepare_data.prepare(tmp_path, "cifar10")
+
+
+# 11: forgetting sampler.set_epoch
+@pytest.mark.slow
+def test_each_epoch_reshuffles_and_covers_the_data_once(tiny_data, tmp_path):
+    record = tmp_path / "samples.jsonl"
+    out = run(torchrun_cmd(2, S03, *stage_args(tiny_data, tmp_path, "--epochs", 2)),
+              env=clean_env(PYTHONPATH=INJECT, RECORD_SAMPLES=record))  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    seen = [json.loads(line) for line in record.read_text().splitlines()]
+    by_epoch = {e: [s for s in seen if s["epoch"] == e] for e in (1, 2)}
+    for shards in by_epoch.values():
+        assert sorted(sum((s["indices"] for s in shards), [])) == list(range(TRAIN_SIZE))
+    order = {e: {s["rank"]: s["indices"] for s in shards} for e, shards in by_epoch.items()}
+    assert order[1][0] != order[2][0]

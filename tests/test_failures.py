@@ -17,24 +17,31 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, clean_env, free_port, one_error, processes_with, run, stage_args, torchrun_cmd
+from helpers import (
+    INJECT,
+    REPO,
+    clean_env,
+    free_port,
+    one_error,
+    processes_with,
+    python,
+    run,
+    srun_like,
+    stage_args,
+    torchrun,
+    torchrun_cmd,
+    wait_for,
+)  # fmt: skip
 
 from common import checkpoint, cli, rundir
 
-S01, S03 = REPO / "01_single_gpu" / "train.py", REPO / "03_ddp_single_node" / "train.py"
-INJECT = str(REPO / "tests" / "inject")
+S01, S03, S04 = (REPO / s / "train.py" for s in ("01_single_gpu", "03_ddp_single_node", "04_ddp_multi_node"))
 STEPS = 4  # optimizer steps per epoch: 256 training images, batch 64
-
-
-def python(script, *args, timeout=120, **env):
-    start = time.monotonic()
-    out = run([sys.executable, str(script), *map(str, args)], env=clean_env(**env), timeout=timeout)
-    out.seconds = time.monotonic() - start
-    return out
 
 
 def kept(folder, epochs):
@@ -372,3 +379,54 @@ def test_the_failure_table_names_real_tests():
             assert re.search(rf"^def {name}\(", (REPO / "tests" / file).read_text(), re.M), ref
             named += 1
     assert named >= 40
+
+
+# 1: one rank raises; the others must not block in a collective forever
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["torchrun", "srun"])
+def test_one_failing_rank_ends_the_run(launch, tiny_data, tmp_path):
+    marker = f"TEST_RUN={uuid.uuid4()}"
+    env = dict(PYTHONPATH=INJECT, FAULT_RANK=1, FAULT_STEP=3, TEST_RUN=marker.split("=")[1])
+    start = time.monotonic()
+    if launch == "torchrun":
+        out = run(torchrun_cmd(2, S03, *stage_args(tiny_data, tmp_path, "--epochs", 3)), env=clean_env(**env))
+        codes, output = [out.returncode], out.stdout + out.stderr
+    else:
+        codes, outputs = srun_like(2, S04, *stage_args(tiny_data, tmp_path, "--epochs", 3), **env)
+        output = "".join(outputs)
+    assert all(codes) and time.monotonic() - start < 60, output
+    assert "injected fault: rank 1 at step 3" in output
+    wait_for(lambda: not processes_with(marker), timeout=5)
+
+
+# 9: every rank downloads / compute node offline
+@pytest.mark.slow
+def test_missing_data_fails_every_rank_fast(tmp_path):
+    start = time.monotonic()
+    out = torchrun(2, S03, *stage_args(tmp_path / "empty", tmp_path))
+    assert out.returncode != 0 and time.monotonic() - start < 30
+    assert out.stderr.count("make data") >= 2  # each rank says why, and what to do
+
+
+# 10: two jobs on one node pick the same MASTER_PORT
+@pytest.mark.slow
+def test_two_jobs_on_one_node_run_side_by_side(tiny_data, tmp_path):
+    jobs = []
+    for job_id in (3001, 3002):
+        args = stage_args(tiny_data, tmp_path / str(job_id), "--epochs", 1)
+        jobs.append(subprocess.Popen(
+            [sys.executable, "-c", "import helpers, sys; sys.exit(max(helpers.srun_like(2, *sys.argv[2:], job_id=sys.argv[1])[0]))",
+             str(job_id), str(S04), *map(str, args)],
+            cwd=REPO / "tests", env=clean_env(),
+        ))  # fmt: skip
+    assert [job.wait(timeout=120) for job in jobs] == [0, 0]
+
+
+# 14: batch size not divisible by the world size, zero or negative values
+@pytest.mark.slow
+@pytest.mark.parametrize("flag, message", [(("--batch-size", 64), "--batch-size 64"), (("--epochs", 0), "--epochs")])
+def test_bad_numbers_fail_before_any_process_group(flag, message, tiny_data, tmp_path):
+    start = time.monotonic()
+    out = torchrun(3, S03, *stage_args(tiny_data, tmp_path, *flag))
+    assert out.returncode != 0 and message in out.stderr and time.monotonic() - start < 30
+    assert "init_process_group" not in out.stderr

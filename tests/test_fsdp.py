@@ -11,17 +11,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import (
+    INJECT,
     REPO,
     TEST_SIZE,
     clean_env,
     free_port,
+    kill_rank_1_after_a_checkpoint,
     run,
     srun_like,
     stage_args,
     torchrun,
 )
 from test_equivalence import ARGS, BATCH, CPU, model_without_dropout, stage
-from test_reliability import INJECT, kill_rank_1_after_a_checkpoint
 from test_stages import check_run
 from torch.distributed._composable import checkpoint as recompute
 from torch.distributed.fsdp import fully_shard
@@ -161,7 +162,7 @@ def test_resume_at_other_world_sizes_continues_the_same_run(tiny_data, tmp_path)
 
 
 @pytest.mark.slow
-def test_killed_rank_restarts_and_resumes_under_torchrun(tiny_data, tmp_path):
+def test_stage05_killed_rank_restarts_and_resumes_under_torchrun(tiny_data, tmp_path):
     assert torchrun(2, S05, *stage_args(tiny_data, tmp_path / "whole", "--epochs", 3, "--save-model")).returncode == 0
     killed = tmp_path / "killed"
     kill_rank_1_after_a_checkpoint(

@@ -127,3 +127,14 @@ def test_tiny_data_reads_as_real_mnist(tiny_data):
     train = data.dataset(tiny_data, "mnist", train=True)
     x, y = train[[0, 1, 2]]
     assert len(train) == TRAIN_SIZE and x.shape == (3, 1, 28, 28) and y.tolist() == [5, 0, 4]  # MNIST's first labels
+
+
+@pytest.mark.slow
+def test_make_profile_times_each_line_of_train(tiny_data, tmp_path):
+    """kernprof -l, as `make profile` runs it, times train()'s lines through the stages' @metrics.profile."""
+    stats = tmp_path / "run.lprof"
+    args = stage_args(tiny_data, tmp_path / "out", "--epochs", "1")
+    out = run([sys.executable, "-m", "kernprof", "-l", "-o", stats, REPO / "01_single_gpu/train.py", *args])
+    assert out.returncode == 0, out.stderr
+    shown = run([sys.executable, "-m", "line_profiler", stats]).stdout
+    assert "Function: train at line" in shown and "loss = F.nll_loss(model(x), y)" in shown, shown
