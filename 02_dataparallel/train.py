@@ -18,7 +18,6 @@ on a model this small.
 
 import importlib.util
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stage folders
@@ -35,14 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import RandomSampler
 
-from common import amp, checkpoint, cli, data, distributed, errors, metrics, models, optim, preflight, rundir
+from common import amp, checkpoint, cli, data, distributed, errors, metrics, models, optim, preflight, resumable, rundir
 
 
 @metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
-def train(model, device, loader, optimizer, scaler, epoch, args):
+def train(model, device, loader, optimizer, scaler, epoch, args, run):
     model.train()
     totals = torch.zeros(2, device=device)  # summed on the device: no GPU -> CPU sync per step
-    for batch_idx, (x, y) in enumerate(loader):
+    for batch_idx, (x, y) in enumerate(loader, run.first_step()):  # after a mid-epoch resume, where it stopped
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         with amp.autocast(device, args):
@@ -54,6 +53,7 @@ def train(model, device, loader, optimizer, scaler, epoch, args):
         totals[1] += len(y)
         if batch_idx % args.log_interval == 0:  # a progress line, and a diverged run stops here
             metrics.progress(epoch, batch_idx, len(loader), loss, totals, args)
+        checkpoint.step(run, epoch, batch_idx + 1, totals)  # SIGTERM, SIGUSR1: all ranks save at one step, and end
         if args.dry_run:
             break
     return totals
@@ -83,7 +83,7 @@ def main():
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
     test_set = data.dataset(args.data_dir, args.dataset, train=False, limit=args.limit)
     preflight.agree(args, train_set, test_set)  # all ranks: the same options and the same data
-    train_sampler = RandomSampler(train_set)
+    train_sampler = resumable.Sampler(RandomSampler(train_set, generator=torch.Generator()), args.seed)
     train_loader = data.loader(train_set, train_sampler, args.batch_size, args, device)
     val_loader = data.loader(val_set, range(len(val_set)), args.test_batch_size, args, device)
     test_loader = data.loader(test_set, range(len(test_set)), args.test_batch_size, args, device)
@@ -98,17 +98,19 @@ def main():
     scaler = amp.scaler(device, args)
 
     log = metrics.Log(args.output_dir, world_size)
-    start_epoch = checkpoint.resume(args, model, optimizer, scheduler, scaler, log)
+    run = checkpoint.Run(args, model, optimizer, scheduler, scaler, log, train_sampler)
+    start_epoch = checkpoint.resume(run)
     for epoch in range(start_epoch, args.epochs + 1):
         if log.reached(args.target_accuracy, args.patience):  # the same all-reduced rows on every rank
             break
-        start = time.perf_counter()
-        train_totals = train(model, device, train_loader, optimizer, scaler, epoch, args)
-        seconds = metrics.elapsed(start, device)
+        train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one after a resume
+        log.start(epoch)
+        train_totals = train(model, device, train_loader, optimizer, scaler, epoch, args, run)
+        seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
         totals = torch.cat([train_totals, evaluate(model, device, val_loader), evaluate(model, device, test_loader)])
         log.epoch(epoch, scheduler.get_last_lr()[0], seconds, totals.tolist())
         scheduler.step()
-        checkpoint.save(args, epoch, model, optimizer, scheduler, scaler, log)
+        checkpoint.save(run, epoch)
     log.summary()
     if args.save_model:
         checkpoint.save_model(model, args.output_dir)

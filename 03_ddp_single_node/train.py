@@ -20,7 +20,6 @@ Expect: the accuracy of stage 01 at the same global batch; images/s in total gro
 
 import importlib.util
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stage folders
@@ -39,14 +38,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, checkpoint, cli, data, distributed, errors, metrics, models, optim, preflight, rundir
+from common import amp, checkpoint, cli, data, distributed, errors, metrics, models, optim, preflight, resumable, rundir
 
 
 @metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
-def train(model, device, loader, optimizer, scaler, epoch, args):
+def train(model, device, loader, optimizer, scaler, epoch, args, run):
     model.train()
     totals = torch.zeros(2, device=device)  # summed on the device: no GPU -> CPU sync per step
-    for batch_idx, (x, y) in enumerate(loader):
+    for batch_idx, (x, y) in enumerate(loader, run.first_step()):  # after a mid-epoch resume, where it stopped
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         with amp.autocast(device, args):
@@ -58,6 +57,7 @@ def train(model, device, loader, optimizer, scaler, epoch, args):
         totals[1] += len(y)
         if batch_idx % args.log_interval == 0:  # a progress line, and a diverged run stops here
             metrics.progress(epoch, batch_idx, len(loader), loss, totals, args)
+        checkpoint.step(run, epoch, batch_idx + 1, totals)  # SIGTERM, SIGUSR1: all ranks save at one step, and end
         if args.dry_run:
             break
     return totals
@@ -88,7 +88,9 @@ def main():
     test_set = data.dataset(args.data_dir, args.dataset, train=False, limit=args.limit)
     preflight.agree(args, train_set, test_set)  # all ranks: the same options and the same data
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
-    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
+    train_sampler = resumable.Sampler(
+        DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed), args.seed
+    )
     batch_size = args.batch_size // world_size  # --batch-size is the global batch
     train_loader = data.loader(train_set, train_sampler, batch_size, args, device)
     # evaluation: a shard per rank, padded to as many batches on every rank; the padding counts nowhere
@@ -107,20 +109,21 @@ def main():
     scaler = amp.scaler(device, args)
 
     log = metrics.Log(args.output_dir, world_size)
-    start_epoch = checkpoint.resume(args, model, optimizer, scheduler, scaler, log)
+    run = checkpoint.Run(args, model, optimizer, scheduler, scaler, log, train_sampler)
+    start_epoch = checkpoint.resume(run)
     for epoch in range(start_epoch, args.epochs + 1):
         if log.reached(args.target_accuracy, args.patience):  # the same all-reduced rows on every rank
             break
-        train_sampler.set_epoch(epoch)  # a new shuffle each epoch; without it every epoch repeats the first
-        start = time.perf_counter()
-        train_totals = train(model, device, train_loader, optimizer, scaler, epoch, args)
-        seconds = metrics.elapsed(start, device)
+        train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one after a resume
+        log.start(epoch)
+        train_totals = train(model, device, train_loader, optimizer, scaler, epoch, args, run)
+        seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
         totals = torch.cat([train_totals, evaluate(model, device, val_loader), evaluate(model, device, test_loader)])
         if dist.is_initialized():
             dist.all_reduce(totals)  # sums over the ranks: losses, samples, correct answers
         log.epoch(epoch, scheduler.get_last_lr()[0], seconds, totals.tolist())
         scheduler.step()
-        checkpoint.save(args, epoch, model, optimizer, scheduler, scaler, log)
+        checkpoint.save(run, epoch)
     log.summary()
     if args.save_model:
         checkpoint.save_model(model, args.output_dir)

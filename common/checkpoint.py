@@ -19,13 +19,15 @@ output folder (its lock, atomic and finite writes, damaged files) are in common/
 
 import os
 import shutil
+import time
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from common import cli, divergence, resumable, rundir
-from common.distributed import print0, stop
+from common import cli, divergence, preemption, resumable, rundir
+from common.distributed import cleanup, print0, stop
 from common.environment import integer, is_rank0
 from common.resumable import PREVIOUS, SHARDED, WHOLE  # the file names, shared with the resume checks
 
@@ -44,45 +46,92 @@ def restarts(env=os.environ):
     return integer("SLURM_RESTART_COUNT", 0, env=env), integer("TORCHELASTIC_RESTART_COUNT", 0, env=env)
 
 
-def save(args, epoch, model, optimizer, scheduler, scaler, log):
+class Run(NamedTuple):
+    """What a checkpoint saves and restores, passed whole to save(), resume() and step()."""
+
+    args: object
+    model: object
+    optimizer: object
+    scheduler: object
+    scaler: object
+    log: object  # metrics.Log: the rows so far, and the clock of an epoch cut short
+    sampler: object  # resumable.Sampler: where in its epoch a resumed run starts
+    sharded: bool = False  # stage 05: every rank writes its own shards
+
+    def first_step(self):
+        """The step this epoch starts at: 0, or where an interrupted run stopped."""
+        return self.sampler.skipped() // self.args.batch_size
+
+
+def save(run, epoch, step=0, totals=None):
+    """The end of epoch `epoch`, or with `step`, the middle of it: `totals` (this rank's training loss and
+    samples so far) and the time so far go with it, so its row in metrics.csv counts the whole epoch."""
+    started = time.monotonic()
+    partial = run.log.partial(epoch, totals) if step else None  # all-reduced: every rank calls save()
+    (save_sharded if run.sharded else save_whole)(run, run_state(run, epoch, step, partial))
+    preemption.saved(time.monotonic() - started)
+
+
+def step(run, epoch, step, totals):
+    """The end of every training step. Where a signal stops the run (common/preemption.py), save it here and
+    end it; with --checkpoint-minutes, save it here once that much time has passed since the last save."""
+    if preemption.check(epoch * 2**32 + step):  # a step count that grows across epochs
+        save(run, epoch, step, totals)
+        print0(f"saved at epoch {epoch}, step {step}: resume with --resume ({preemption.signalled()})")
+        cleanup()
+        raise SystemExit(preemption.exit_code())
+    if (
+        run.args.checkpoint_minutes
+        and step % run.args.log_interval == 0
+        and preemption.due(run.args.checkpoint_minutes)
+    ):
+        save(run, epoch, step, totals)
+        print0(f"saved at epoch {epoch}, step {step} (--checkpoint-minutes {run.args.checkpoint_minutes})")
+
+
+def save_whole(run, state):
     """Stages 01-04: rank 0 writes the weights, the optimizer state and the run state to checkpoint.pt."""
-    state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+    args, epoch = run.args, state["epoch"]
+    state |= {"model": unwrap(run.model).state_dict(), "optimizer": run.optimizer.state_dict()}
     divergence.check_weights(state, f"epoch {epoch} left weights that are", args.output_dir)
     if is_rank0():
         with rundir.atomic(args.output_dir / WHOLE, keep=args.output_dir / PREVIOUS) as f:  # the last two stay
-            torch.save(run_state(args, epoch, scheduler, scaler, log) | state, f)
+            torch.save(state, f)
     if dist.is_initialized():
         dist.barrier()  # every rank leaves the epoch with its checkpoint complete on disk
 
 
-def run_state(args, epoch, scheduler, scaler, log):
+def run_state(run, epoch, step, partial):
     """What a checkpoint holds besides the weights and the optimizer state: plain values and small tensors."""
     return {
         "epoch": epoch,
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
+        "step": step,  # 0: the epoch is complete; else the steps of it done, and the sums and time of them
+        "partial": partial,
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.scaler.state_dict(),
         "rng": {
             "cpu": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         },
-        "metrics": log.rows,
-        "flags": cli.defining(args),
+        "metrics": run.log.rows,
+        "flags": cli.defining(run.args),
     }
 
 
-def save_sharded(args, epoch, model, optimizer, scheduler, scaler, log):
+def save_sharded(run, state):
     """Stage 05: each rank writes its shards of the weights and optimizer state into <output-dir>/epoch-N
-    (torch.distributed.checkpoint), rank 0 adds state.pt and then switches the link <output-dir>/checkpoint
-    to the new folder: a kill before the switch leaves the previous checkpoint whole."""
+    (epoch-N-step-S mid-epoch; torch.distributed.checkpoint), rank 0 adds state.pt and then switches the link
+    <output-dir>/checkpoint to the new folder: a kill before the switch leaves the previous checkpoint whole."""
     from torch.distributed import checkpoint as dcp  # here: the stages that do not shard skip the import
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    weights, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards, named as in the model
-    device = next(model.parameters()).device  # each rank sees its own shards: the verdict is all-reduced there
+    args, epoch = run.args, state["epoch"]
+    weights, optimizer_state = get_state_dict(run.model, run.optimizer)  # this rank's shards, named as in the model
+    device = next(run.model.parameters()).device  # each rank sees its own shards: the verdict is all-reduced there
     divergence.check_weights(
         [weights, optimizer_state], f"epoch {epoch} left weights that are", args.output_dir, device
     )
-    folder = args.output_dir / f"epoch-{epoch}"
+    folder = args.output_dir / (f"epoch-{epoch}-step-{state['step']}" if state["step"] else f"epoch-{epoch}")
     if is_rank0():
         shutil.rmtree(folder, ignore_errors=True)  # what a save killed half-way left behind
     if dist.is_initialized():
@@ -95,7 +144,7 @@ def save_sharded(args, epoch, model, optimizer, scheduler, scaler, log):
              "checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
     if is_rank0():
         with rundir.atomic(folder / "state.pt") as f:
-            torch.save(run_state(args, epoch, scheduler, scaler, log), f)
+            torch.save(state, f)
         link = args.output_dir / "checkpoint.tmp"
         link.unlink(missing_ok=True)
         link.symlink_to(folder.name)
@@ -107,21 +156,13 @@ def save_sharded(args, epoch, model, optimizer, scheduler, scaler, log):
         rundir.check_shared(args.output_dir, folder)  # a resume at another world size reads every rank's shards
 
 
-def resume(args, model, optimizer, scheduler, scaler, log):
-    """Continue from this run's checkpoint.pt (or --resume PATH), if there is one to continue: returns the
-    first epoch to run."""
-    return restore(args, WHOLE, load_whole, model, optimizer, scheduler, scaler, log)
-
-
-def resume_sharded(args, model, optimizer, scheduler, scaler, log):
-    """Stage 05's resume: from its own sharded checkpoint <output-dir>/checkpoint, saved at any world
-    size, or with --resume from another checkpoint folder or from a checkpoint.pt of stages 01-04."""
-    return restore(args, SHARDED, load_sharded, model, optimizer, scheduler, scaler, log)
-
-
-def restore(args, name, load_weights, model, optimizer, scheduler, scaler, log):
-    """Rank 0 finds the checkpoint and hands every rank its state (or its verdict); every rank then loads
-    the weights with `load_weights` and the rest of the run's state alike."""
+def resume(run):
+    """Continue from this run's checkpoint (or --resume PATH), if there is one to continue: returns the first
+    epoch to run; part-way through it where the checkpoint was saved mid-epoch. From here on, SIGTERM and
+    SIGUSR1 stop the run at the end of a step (step()). Stages 01-04 resume from checkpoint.pt; stage 05 from
+    its sharded checkpoint, saved at any world size, or with --resume from a checkpoint.pt of stages 01-04."""
+    preemption.catch(run.args.dist_timeout)
+    args, name = run.args, SHARDED if run.sharded else WHOLE
     restarted = any(restarts())
     if dist.is_initialized():  # torch does not count a restart on a node whose own workers had not failed:
         everyone = [None] * dist.get_world_size()  # one for any rank is one for all, so that every rank resumes
@@ -141,18 +182,24 @@ def restore(args, name, load_weights, model, optimizer, scheduler, scaler, log):
     if state is None:
         return 1
     try:
-        load_weights(state, model, optimizer)
+        (load_sharded if run.sharded else load_whole)(state, run.model, run.optimizer)
     except (RuntimeError, ValueError, KeyError) as err:
         stop(f"error: the checkpoint does not match this model: {str(err).splitlines()[0][:300]}")
-    scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["cpu"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng"]["cuda"])
-    log.restore(state["metrics"])
+    run.log.restore(state["metrics"], state["epoch"], state.get("partial"))
     slurm, torchrun = restarts()
-    print0(f"resumed after epoch {state['epoch']} (Slurm restart {slurm}, torchrun restart {torchrun})")
-    return state["epoch"] + 1
+    how = f"(Slurm restart {slurm}, torchrun restart {torchrun})"
+    epoch, step = state["epoch"], state.get("step", 0)
+    if not step:
+        print0(f"resumed after epoch {epoch} {how}")
+        return epoch + 1
+    run.sampler.resume_at(epoch, step * args.batch_size)  # the samples of those steps, over all ranks
+    print0(f"resumed at epoch {epoch}, step {step} {how}")
+    return epoch
 
 
 def load_whole(state, model, optimizer):

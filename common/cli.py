@@ -89,6 +89,7 @@ FREE = (
     # a job requeued onto fewer GPUs may need more accumulation than before
     "grad_accum", "checkpoint_activations",
     "target_accuracy", "patience",  # when to stop early: a resumed run may change its mind
+    "checkpoint_minutes",  # how often a run saves mid-epoch: the saves change nothing that is computed
 )  # fmt: skip
 
 
@@ -125,6 +126,8 @@ def parser(script):
                    help="metrics, checkpoint and model (default: runs/<stage>/<job id>.<step id>, torchrun-<id> or local-<time>-<pid>)")
     p.add_argument("--resume", nargs="?", const=True, type=Path, metavar="PATH",
                    help="continue from --output-dir's checkpoint, or from the checkpoint file PATH (automatic after a Slurm requeue)")
+    p.add_argument("--checkpoint-minutes", type=number(float, "(0, inf)"), metavar="M",
+                   help="also save mid-epoch every M minutes, for what sends no signal (a node lost, SIGKILL); SIGTERM and SIGUSR1 always save (default: off)")
     # a collective that waits a day is a hang: a larger value is a typo (milliseconds?), and past
     # datetime.timedelta's range it would crash the process group's setup
     p.add_argument("--dist-timeout", type=number(int, "[1, 86400]"), default=300,

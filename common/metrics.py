@@ -5,6 +5,7 @@ import csv
 import time
 
 import torch
+import torch.distributed as dist
 
 from common import divergence, optim
 from common.distributed import print0
@@ -63,12 +64,38 @@ class Log:
             "SLURM_STEP_NUM_NODES", world_size // integer("LOCAL_WORLD_SIZE", world_size, low=1), low=1
         )
         self.rows = []
+        self.cut = (0, [0.0, 0.0], 0.0)  # an epoch cut short by a signal: (epoch, [loss sum, samples], seconds)
+        self.clock = (0, 0.0)  # (epoch, start) of the epoch in progress
 
-    def restore(self, rows):
+    def restore(self, rows, epoch, partial):
         """The rows of the epochs a checkpoint holds: a resumed run rewrites the CSV from them, so an
-        epoch that was logged but not checkpointed before a crash is not counted twice."""
+        epoch that was logged but not checkpointed before a crash is not counted twice. `partial`: the
+        sums and time of the steps of `epoch` done before the checkpoint, saved mid-epoch, or None."""
         self.rows = list(rows)
+        if partial:
+            self.cut = (epoch, partial["totals"], partial["seconds"])
         self.write()
+
+    def start(self, epoch):
+        """Start the clock of `epoch` (an interrupted epoch's time so far is added by seconds())."""
+        self.clock = (epoch, time.perf_counter())
+
+    def seconds(self, device):
+        """The time of the epoch in progress, its part before an interruption included."""
+        epoch, start = self.clock
+        return elapsed(start, device) + (self.cut[2] if self.cut[0] == epoch else 0.0)
+
+    def partial(self, epoch, totals):
+        """For a checkpoint saved mid-epoch: the training loss and samples so far over all ranks (every rank
+        calls this), and the time so far."""
+        totals = totals.clone()
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        earlier = self.cut[1] if self.cut[0] == epoch else [0.0, 0.0]
+        return {
+            "totals": [a + b for a, b in zip(totals.tolist(), earlier, strict=True)],
+            "seconds": self.seconds(totals.device),
+        }
 
     def write(self):
         if is_rank0():
@@ -81,6 +108,8 @@ class Log:
         """`totals`: sums over all ranks of train loss and samples, then loss, correct answers and
         samples of the validation set (zeros without one) and of the test set."""
         train_loss, seen, val_loss, val_correct, validated, test_loss, correct, tested = totals
+        if self.cut[0] == epoch:  # the steps before an interruption count too
+            train_loss, seen = train_loss + self.cut[1][0], seen + self.cut[1][1]
         divergence.check_epoch(
             epoch, {"training": train_loss, "validation": val_loss, "test": test_loss}, self.path.parent
         )

@@ -2,9 +2,14 @@
 checkpoint, rank 0 decides which one this run continues, or ends it with one line saying why not: a
 fresh run into a folder that holds a checkpoint; a changed option that defines the run; a checkpoint of
 the other kind (whole, sharded); a damaged one, with the complete one before it to resume from instead.
-common/checkpoint.py calls find() at the one line where it resumes."""
+common/checkpoint.py calls find() at the one line where it resumes. Sampler lets the stages resume an epoch
+part-way, at the sample where it stopped."""
+
+import math
+import re
 
 import torch
+from torch.utils.data.distributed import DistributedSampler
 
 from common import cli, rundir
 
@@ -17,9 +22,14 @@ class Unusable(Exception):
 
 
 def epochs(output_dir):
-    """The sharded checkpoint folders epoch-N in output_dir, newest first."""
-    number = lambda folder: int(folder.name[6:]) if folder.name[6:].isdigit() else -1  # noqa: E731
-    return sorted(output_dir.glob("epoch-*"), key=number, reverse=True)
+    """The sharded checkpoint folders in output_dir, newest first: epoch-N (the end of epoch N) and
+    epoch-N-step-S (S steps into it)."""
+
+    def position(folder):
+        found = re.fullmatch(r"epoch-(\d+)(?:-step-(\d+))?", folder.name)
+        return (int(found[1]), int(found[2]) if found[2] else math.inf) if found else (-1, 0)
+
+    return sorted(output_dir.glob("epoch-*"), key=position, reverse=True)
 
 
 def find(args, name, restarted):
@@ -82,3 +92,46 @@ def fallback(output_dir, damaged):
             continue
         return f": the checkpoint of epoch {state['epoch']} is complete: resume from it with --resume {path}"
     return ""
+
+
+class Sampler(torch.utils.data.Sampler):
+    """A training sampler whose epochs can be resumed part-way. set_epoch(epoch) makes the epoch's order, the
+    same in a resumed run; resume_at(epoch, samples) skips, in that epoch, the first `samples` of the order
+    counted over all ranks (steps x global batch). A DistributedSampler deals the ranks every world_size-th
+    sample of one order, so the first samples of that order are those seen, whatever the world size: a run
+    resumed at another deals out the rest anew, and no sample is skipped or seen twice."""
+
+    def __init__(self, sampler, seed):
+        self.sampler, self.seed, self.epoch, self.skip = sampler, seed, 0, (0, 0)
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+        if isinstance(self.sampler, DistributedSampler):
+            self.sampler.set_epoch(epoch)
+        else:  # a RandomSampler draws its order from its generator
+            self.sampler.generator.manual_seed(self.seed + epoch)
+
+    def resume_at(self, epoch, samples):
+        self.skip = (epoch, samples)
+
+    def skipped(self):
+        """The samples of this epoch that an earlier run already trained on, over all ranks."""
+        return self.skip[1] if self.skip[0] == self.epoch else 0
+
+    def __len__(self):
+        return len(self.sampler)
+
+    def __iter__(self):
+        skip, sampler = self.skipped(), self.sampler
+        if not skip:
+            yield from sampler
+        elif isinstance(sampler, DistributedSampler):  # the whole epoch's order, as one rank would draw it
+            whole = DistributedSampler(
+                sampler.dataset, num_replicas=1, rank=0, shuffle=sampler.shuffle, seed=sampler.seed
+            )
+            whole.set_epoch(self.epoch)
+            rest = list(whole)[skip:]
+            rest += rest[: -len(rest) % sampler.num_replicas]  # padded as DistributedSampler pads
+            yield from rest[sampler.rank :: sampler.num_replicas]
+        else:
+            yield from list(sampler)[skip:]

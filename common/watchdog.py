@@ -141,6 +141,12 @@ def watch():
     sys.excepthook = failed
 
 
+def peers():
+    """(store, rank, world size) of this process's process group, for the guard rails that talk through the
+    store (common/preemption.py); None without one."""
+    return (_watch["store"], _watch["rank"], _watch["world_size"]) if "beat" in _watch else None
+
+
 def failed(kind, error, tb):
     """sys.excepthook: a failed collective becomes one line naming the ranks that stopped answering."""
     # inside backward(), DDP's reducer turns a failed collective into a RuntimeError from the backend

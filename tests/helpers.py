@@ -77,6 +77,17 @@ def torchrun(nproc, script, *args, env=None, timeout=120):
 def srun_like(world_size, script, *args, job_id=None, nodelist="localhost", timeout=120, cwds=None, **env_extra):
     """Start `world_size` processes with the variables srun gives its tasks (one node, or one working
     folder per rank with `cwds`, as on nodes that share no filesystem); wait for all of them."""
+    procs = srun_start(world_size, script, *args, job_id=job_id, nodelist=nodelist, cwds=cwds, **env_extra)
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [p.returncode for p in procs], outputs
+
+
+def srun_start(world_size, script, *args, job_id=None, nodelist="localhost", cwds=None, **env_extra):
+    """srun_like()'s processes, started and left running."""
     job_id = job_id or free_job_id()
     procs = []
     for rank in range(world_size):
@@ -89,12 +100,7 @@ def srun_like(world_size, script, *args, job_id=None, nodelist="localhost", time
         procs.append(
             subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    return [p.returncode for p in procs], outputs
+    return procs
 
 
 def processes_with(marker):

@@ -80,9 +80,7 @@ def test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint(tiny_data, tmp_
     assert small(S05, tiny_data, sharded, "--epochs", 1).returncode == 0
     for script, folder, found in ((S05, whole, "checkpoint.pt"), (S01, sharded, "checkpoint")):
         metrics = (folder / "metrics.csv").read_text()
-        one_error(
-            small(script, tiny_data, folder, "--epochs", 1), f"{folder / found} holds the checkpoint", "--resume"
-        )
+        one_error(small(script, tiny_data, folder, "--epochs", 1), f"{folder / found} holds the checkpoint", "--resume")
         assert (folder / "metrics.csv").read_text() == metrics
     kind = "it holds checkpoint, of stage 05"  # --resume in the other kind's folder says which it holds
     one_error(small(S01, tiny_data, sharded, "--epochs", 2, "--resume"), f"no checkpoint.pt in {sharded}", kind)

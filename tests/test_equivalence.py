@@ -12,14 +12,16 @@ from helpers import REPO, TEST_SIZE, free_port, stage_args, torchrun
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, data
+from common import amp, checkpoint, data, resumable
 from common.models import Net
 
 BATCH, STEPS = 32, 6
 ARGS = SimpleNamespace(
-    log_interval=10**6, output_dir="unused", dry_run=False, amp=False, loader="batched", num_workers=0
-)
+    log_interval=10**6, output_dir="unused", dry_run=False, amp=False, loader="batched", num_workers=0,
+    checkpoint_minutes=None, batch_size=BATCH,
+)  # fmt: skip
 CPU = torch.device("cpu")
+RUN = checkpoint.Run(ARGS, *[None] * 5, resumable.Sampler(range(0), 0))  # train()'s: no signal, from step 0
 
 
 def stage(name):
@@ -43,7 +45,7 @@ def ddp_rank(rank, world_size, port, data_dir, result):
     loader = data.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, ARGS, CPU)
     model = DDP(model_without_dropout())
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    stage("03_ddp_single_node").train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), 1, ARGS)
+    stage("03_ddp_single_node").train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), 1, ARGS, RUN)
     if rank == 0:
         torch.save(model.module.state_dict(), result)
     dist.destroy_process_group()
@@ -55,7 +57,7 @@ def test_two_ranks_with_half_batches_equal_one_process(tiny_data, tmp_path):
     loader = data.loader(data.dataset(tiny_data, "mnist", train=True), range(BATCH * STEPS), BATCH, ARGS, CPU)
     model = model_without_dropout()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    stage("01_single_gpu").train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), 1, ARGS)
+    stage("01_single_gpu").train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), 1, ARGS, RUN)
     ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
     start = model_without_dropout().state_dict()
     for name, value in model.state_dict().items():

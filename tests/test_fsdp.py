@@ -22,7 +22,7 @@ from helpers import (
     stage_args,
     torchrun,
 )
-from test_equivalence import ARGS, BATCH, CPU, model_without_dropout, stage
+from test_equivalence import ARGS, BATCH, CPU, RUN, model_without_dropout, stage
 from test_stages import check_run
 from torch.distributed._composable import checkpoint as recompute
 from torch.distributed.fsdp import fully_shard
@@ -110,7 +110,7 @@ def ranks(rank, world_size, port, data_dir, result):
         optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
         args = type(ARGS)(**vars(ARGS), grad_accum=accum)
         stage("05_fsdp" if way != "ddp" else "03_ddp_single_node").train(
-            model, CPU, loader, optimizer, amp.scaler(CPU, args), 1, args
+            model, CPU, loader, optimizer, amp.scaler(CPU, args), 1, args, RUN
         )
         trained[way] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     if rank == 0:

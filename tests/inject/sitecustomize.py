@@ -7,7 +7,9 @@
   FAULT_RANK=r FAULT_SAVE=n   rank r dies (SIGKILL) half-way through writing its n-th torch.save;
   FAULT_RANK=r FAULT_SLOW=f   rank r's matrix products (torch.mm) take f times as long (a slow GPU or node);
   FAULT_RANK=r FAULT_TORCH=v  rank r's torch reports version v (another environment on one node);
+  FAULT_RANK=r FAULT_SLOW_SAVE=s  every torch.save of rank r waits s seconds first (a slow file system);
   RECORD_SAMPLES=path         every DistributedSampler appends (rank, epoch, indices) to path;
+  RECORD_BATCHES=path         every batch the default loader builds appends (rank, set size, indices) to path;
   NO_DROPOUT=1                every dropout layer passes its input through: each rank draws its own
                               masks, so runs at different world sizes differ by them alone.
 
@@ -44,6 +46,7 @@ if "FAULT_RANK" in env and rank == env["FAULT_RANK"]:
 
     def faulty_save(obj, f, *args, **kwargs):
         calls["save"] += 1
+        time.sleep(float(env.get("FAULT_SLOW_SAVE", 0)))
         if calls["save"] not in (int(env.get("FAULT_SAVE", 0)), int(env.get("FAULT_ENOSPC", 0))):
             return save(obj, f, *args, **kwargs)
         buffer = io.BytesIO()
@@ -87,6 +90,20 @@ if "RECORD_SAMPLES" in env:
         return iter(indices)
 
     distributed.DistributedSampler.__iter__ = recording_iter
+
+if "RECORD_BATCHES" in env:
+    import json
+
+    from common import data
+
+    build = data.Images.__getitem__
+
+    def recording_getitem(self, indices):
+        with open(env["RECORD_BATCHES"], "a") as f:
+            f.write(json.dumps({"rank": rank, "size": len(self), "indices": list(map(int, indices))}) + "\n")
+        return build(self, indices)
+
+    data.Images.__getitem__ = recording_getitem
 
 if "NO_DROPOUT" in env:
     from torch import nn

@@ -15,9 +15,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, processes_with
+import torch
+from helpers import INJECT, REPO, processes_with
 
 pytestmark = pytest.mark.slurm
+SLOW = dict(PYTHONPATH=INJECT, FAULT_RANK="0", FAULT_SLEEP="0.3")  # steps slow enough to signal mid-epoch
 
 
 def sbatch(cluster, script, tiny_data, output_dir, epochs=1, env=None):
@@ -139,34 +141,54 @@ def test_failing_rank_ends_the_job(slurm_cluster, tiny_data, tmp_path):
     assert processes_with(f"SLURM_JOB_ID={job_id}") == []
 
 
-def test_preempted_job_requeues_and_resumes(slurm_cluster, tiny_data, tmp_path):
-    """USR1 to the batch script, as Slurm sends it before a time limit (--signal=B:USR1@90): the job
-    requeues itself, comes back with the same id and output folder, resumes from its last
-    end-of-epoch checkpoint and completes."""
-    out = tmp_path / "out"
-    job_id = slurm_cluster.submit(
-        REPO / "01_single_gpu/job.slurm", "--data-dir", tiny_data, "--epochs", 40, "--output-dir", out
-    )
-    log = Path(slurm_cluster.job_info(job_id)["StdOut"])
+def signal_mid_epoch_2(cluster, tiny_data, out, *how):
+    """Submit stage 01 for 3 epochs with slow steps; once epoch 1 is in metrics.csv and two steps of epoch 2
+    are done, `scancel *how`: returns the job's `scontrol show job` fields and log."""
+    job_id = cluster.submit(REPO / "01_single_gpu/job.slurm", "--data-dir", tiny_data, "--epochs", 3,
+                            "--batch-size", 32, "--output-dir", out, env=SLOW)  # fmt: skip
+    log = Path(cluster.job_info(job_id)["StdOut"])
     try:
         deadline = time.monotonic() + 120
-        while not (out / "checkpoint.pt").exists():
-            assert time.monotonic() < deadline, "no checkpoint"
-            time.sleep(0.2)
-        subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
-        info = slurm_cluster.wait(job_id, timeout=240)
-        output = log.read_text()
+        while not ((out / "metrics.csv").exists() and "\n1," in (out / "metrics.csv").read_text()):
+            assert time.monotonic() < deadline, "no epoch 1"
+            time.sleep(0.1)
+        time.sleep(0.7)
+        subprocess.run(["scancel", *how, job_id], check=True)
+        return cluster.wait(job_id, timeout=240), log.read_text()
     finally:
         log.unlink(missing_ok=True)
+
+
+def test_preempted_job_requeues_and_resumes_at_the_same_sample(slurm_cluster, tiny_data, tmp_path):
+    """USR1 to the batch script, as Slurm sends it before a time limit (--signal=B:USR1@90): the step saves
+    mid-epoch, the job requeues itself, comes back with the same id and output folder, resumes at the step
+    where it stopped and completes with the weights of a job that was never stopped."""
+    job_id = slurm_cluster.submit(REPO / "01_single_gpu/job.slurm", "--data-dir", tiny_data, "--epochs", 3,
+                                  "--batch-size", 32, "--output-dir", tmp_path / "whole", env=SLOW)  # fmt: skip
+    log = Path(slurm_cluster.job_info(job_id)["StdOut"])
+    assert slurm_cluster.wait(job_id, timeout=240)["JobState"] == "COMPLETED", log.read_text()
+    log.unlink()
+    out = tmp_path / "out"
+    info, output = signal_mid_epoch_2(slurm_cluster, tiny_data, out, "--signal=USR1", "--batch")
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), output
-    assert "USR1: requeueing job" in output
-    [resumed] = lines(output, "resumed after epoch ")
-    assert "(Slurm restart 1," in resumed, resumed
-    done = int(resumed.split()[3])
-    assert 1 <= done < 40
-    # the log may show the epoch cut short by the requeue twice; the metrics hold every epoch once
+    assert "USR1: stopping the step, then requeueing job" in output
+    [saved] = lines(output, "saved at epoch 2, step ")
+    step = int(saved.split("step ")[1].split(":")[0])
+    [resumed] = lines(output, "resumed at epoch 2, step ")
+    assert resumed.startswith(f"resumed at epoch 2, step {step} (Slurm restart 1,"), resumed
     rows = list(csv.DictReader(open(out / "metrics.csv")))
-    assert [int(row["epoch"]) for row in rows] == list(range(1, 41))
+    assert [int(row["epoch"]) for row in rows] == [1, 2, 3]  # every epoch once, epoch 2 in one row
+    ours, theirs = (torch.load(f / "checkpoint.pt", weights_only=True)["model"] for f in (out, tmp_path / "whole"))
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_scancel_saves_within_killwait(slurm_cluster, tiny_data, tmp_path):
+    """scancel: SIGTERM to the step, SIGKILL KillWait later; the ranks save mid-epoch before it."""
+    info, output = signal_mid_epoch_2(slurm_cluster, tiny_data, tmp_path / "out")
+    assert info["JobState"] == "CANCELLED", output
+    [saved] = lines(output, "saved at epoch 2, step ")
+    state = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)
+    assert state["epoch"] == 2 and f"step {state['step']}:" in saved
 
 
 HIDE_INSTALL = (  # a sitecustomize that removes what `make install` added: an editable finder and path hook

@@ -1,0 +1,121 @@
+"""Guard rail: a time limit, a preemption or a `scancel` loses at most the step in flight.
+
+Slurm ends a job with SIGTERM (preemption, `scancel`, a requeue; KillWait later, SIGKILL), and the job
+scripts pass on the time-limit signal they ask for; torchrun hands SIGTERM on to its workers. Either
+signal, SIGTERM or SIGUSR1, is only noted when it arrives: every rank finishes the step it is in, and
+the ranks agree, through the rendezvous store, on one step at which all of them stop. A rank proposes
+the step after the one it is in; the others propose theirs when they hear of it (their own signal, or
+the store, polled once per heartbeat by a thread); each rank waits for every proposal at its next step
+boundary and stops at the largest. No rank can be past it (DDP keeps the ranks within a step of each
+other) and no collective is added to a step. common/checkpoint.py then saves the run mid-epoch and ends
+it. A second signal while that happens is noted and ignored."""
+
+import datetime
+import signal
+import threading
+import time
+
+import torch.distributed as dist
+
+from common import watchdog
+from common.distributed import stop
+
+_stop = {
+    "signal": None,
+    "at": None,
+    "step": 0,
+    "saved": time.monotonic(),
+    "save_seconds": None,
+}  # this process's: read and written by this module alone
+
+
+def catch(timeout):
+    """From here on, SIGTERM and SIGUSR1 stop the run at a step boundary that every rank agrees on (check());
+    `timeout`: the longest wait for the other ranks' proposals."""
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, received)
+    _stop["timeout"] = timeout
+    if watchdog.peers():  # other ranks may hear of the stop from the store before their own signal arrives
+        threading.Thread(target=listen, daemon=True).start()
+
+
+def received(signum, frame):
+    """The signal handler: note the first signal and propose a step; a second one changes nothing."""
+    if _stop["signal"] is None:
+        _stop["signal"] = signal.Signals(signum).name
+        propose()
+
+
+def listen():
+    """In a thread: a rank whose signal is late (or never comes: a signal sent to one rank by hand) proposes
+    its step as soon as another rank's proposal is in the store."""
+    store = watchdog.peers()[0]
+    while _stop["signal"] is None:
+        try:
+            if store.check(["stop"]):
+                _stop["signal"] = store.get("stop").decode()  # another rank's: this one stops alike
+                propose()
+        except dist.DistError:  # the store ended with rank 0: the run is over
+            return
+        time.sleep(watchdog.HEARTBEAT)
+
+
+def propose():
+    """This rank's stop step, after the signal is noted: the step after the last one it finished. The
+    order (signal noted, then step read) makes it no earlier than the boundary where check() sees it."""
+    _stop["proposal"] = _stop["step"] + 1
+    if peers := watchdog.peers():
+        store, rank, _ = peers
+        store.set(f"stop/{rank}", str(_stop["proposal"]))
+        store.set("stop", _stop["signal"])
+
+
+def check(step):
+    """At a step boundary, with `step` steps done (counted over the whole run): True where the run must stop
+    and save. Two dictionary reads per step while no signal has come."""
+    _stop["step"] = step
+    if _stop["signal"] is None:
+        return False
+    if _stop["at"] is None:
+        _stop["at"] = agree()
+    return step >= _stop["at"]
+
+
+def agree():
+    """The stop step: the largest of every rank's proposals, waited for at most the timeout."""
+    peers = watchdog.peers()
+    if not peers:
+        return _stop["proposal"]
+    store, rank, world_size = peers
+    keys = [f"stop/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=_stop["timeout"]))
+    except dist.DistError:
+        missing = [k[5:] for k in keys if not store.check([k])]
+        stop(f"error: rank {rank}: {_stop['signal']} came, but rank {', '.join(missing)} did not agree on a step to "
+             f"stop at within --dist-timeout {_stop['timeout']} s: the last checkpoint stays")  # fmt: skip
+    return max(int(store.get(key)) for key in keys)
+
+
+def signalled():
+    """The name of the signal that stops this run, or None."""
+    return _stop["signal"]
+
+
+def exit_code():
+    """A run stopped by a signal exits as the shell reports a process that signal ended: 128 + its number."""
+    return 128 + signal.Signals[_stop["signal"]].value
+
+
+def saved(seconds):
+    """Note a checkpoint just written, and how long it took: --checkpoint-minutes counts from here."""
+    _stop.update(saved=time.monotonic(), save_seconds=seconds)
+
+
+def due(minutes):
+    """--checkpoint-minutes: has rank 0's clock run `minutes` since the last save? Rank 0 decides for all (one
+    small broadcast, at the progress lines only), so that every rank saves at the same step."""
+    verdict = [time.monotonic() - _stop["saved"] >= 60 * minutes]
+    if dist.is_initialized():
+        dist.broadcast_object_list(verdict, src=0)
+    return verdict[0]

@@ -1,0 +1,168 @@
+"""A time limit, a preemption or a scancel loses at most the step in flight: SIGTERM or SIGUSR1 mid-epoch
+saves the run where it stands, in seconds, with one line, and the resumed run is the run it would have
+been (bit-identical weights; at another world size, every sample of the epoch seen once)."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+import torch
+from helpers import (
+    INJECT,
+    REPO,
+    TRAIN_SIZE,
+    checkpoint,
+    clean_env,
+    python,
+    srun_start,
+    stage_args,
+    torchrun,
+    torchrun_cmd,
+    wait_for,
+)  # fmt: skip
+
+from common import resumable
+
+S01, S03, S04, S05 = (
+    REPO / s / "train.py" for s in ("01_single_gpu", "03_ddp_single_node", "04_ddp_multi_node", "05_fsdp")
+)
+BATCH = 32  # 8 steps per epoch of the 256 training images
+SLOW = dict(PYTHONPATH=INJECT, FAULT_RANK=0, FAULT_SLEEP=0.3)  # rank 0's steps take 0.3 s: time to signal mid-epoch
+
+
+def args(data, out, *extra):
+    return stage_args(data, out, "--epochs", 2, "--batch-size", BATCH, *extra)
+
+
+def signal_mid_epoch_2(proc, out, signum, *others):
+    """Once epoch 1 is saved, wait two steps, then send `signum` to `proc` (and to `others`); returns its
+    output and the seconds from the signal to its exit."""
+    wait_for(lambda: (out / "metrics.csv").exists() and "\n1," in (out / "metrics.csv").read_text(), timeout=90)
+    time.sleep(0.6)
+    sent = time.monotonic()
+    for p in (proc, *others):
+        p.send_signal(signum)
+    output = proc.communicate(timeout=60)[0]
+    return output, time.monotonic() - sent
+
+
+def saved_mid_epoch(out, output, code, proc):
+    """The run stopped as it should have: its exit code, its one line, and the checkpoints."""
+    assert proc.returncode == code, output
+    lines = [line for line in output.splitlines() if line.startswith("saved at epoch 2, step ")]
+    assert len(lines) == 1 and lines[0].split(":")[1].startswith(" resume with --resume"), output
+    step = int(lines[0].split("step ")[1].split(":")[0])
+    assert 0 < step < TRAIN_SIZE // BATCH, output
+    # torchrun, signalled itself, ends with a traceback of its own (SignalException); the run has none
+    assert output.count("Traceback") == output.count("elastic.multiprocessing.api.SignalException: Process"), output
+    return step
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)])
+def test_stage01_stopped_mid_epoch_resumes_bit_identical(signum, tiny_data, tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert python(S01, *args(tiny_data, whole)).returncode == 0
+    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, cut))], env=clean_env(**SLOW),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    output, seconds = signal_mid_epoch_2(proc, cut, signum)
+    step = saved_mid_epoch(cut, output, 128 + signum, proc)
+    assert seconds < 5, seconds  # the step in flight (0.3 s here), the save and the exit
+    assert checkpoint(cut)["step"] == step and checkpoint(cut)["epoch"] == 2
+    assert torch.load(cut / resumable.PREVIOUS, weights_only=True)["epoch"] == 1  # the one before survives
+    resumed = python(S01, *args(tiny_data, cut, "--resume"))
+    assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stdout
+    assert torch.equal(torch.cat([p.flatten() for p in checkpoint(cut)["model"].values()]),
+                       torch.cat([p.flatten() for p in checkpoint(whole)["model"].values()]))  # fmt: skip
+    rows = (cut / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 3 and float(rows[2].split(",")[7]) > 0.6  # epoch 2's row: its time across the interruption
+
+
+@pytest.mark.slow
+def test_stage03_under_torchrun_stopped_by_sigterm_resumes_bit_identical(tiny_data, tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert torchrun(2, S03, *args(tiny_data, whole)).returncode == 0
+    proc = subprocess.Popen(torchrun_cmd(2, S03, *args(tiny_data, cut)), env=clean_env(**SLOW), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    output, seconds = signal_mid_epoch_2(proc, cut, signal.SIGTERM)  # to torchrun, which passes it on
+    assert proc.returncode != 0 and seconds < 35, output
+    step = saved_mid_epoch(cut, output, proc.returncode, proc)
+    resumed = torchrun(2, S03, *args(tiny_data, cut, "--resume"))
+    assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
+    for key, weights in checkpoint(whole)["model"].items():
+        assert torch.equal(checkpoint(cut)["model"][key], weights), key
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_of_a_manual_launch_stops_both_at_one_step(tiny_data, tmp_path):
+    """Ranks started by hand (srun-style variables): rank 1 alone is signalled; rank 0 hears of it through
+    the store, and both save at the same step."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    procs = srun_start(2, S04, *args(tiny_data, whole))
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    procs = srun_start(2, S04, *args(tiny_data, cut), **SLOW)
+    output, seconds = signal_mid_epoch_2(procs[1], cut, signal.SIGUSR1)
+    assert procs[0].wait(timeout=30) == 128 + signal.SIGUSR1 and procs[1].returncode == 128 + signal.SIGUSR1
+    step = saved_mid_epoch(cut, procs[0].communicate()[0], 128 + signal.SIGUSR1, procs[0])
+    procs = srun_start(2, S04, *args(tiny_data, cut, "--resume"))
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and f"resumed at epoch 2, step {step}" in outputs[0], outputs
+    for key, weights in checkpoint(whole)["model"].items():
+        assert torch.equal(checkpoint(cut)["model"][key], weights), key
+
+
+@pytest.mark.slow
+def test_stage05_saved_mid_epoch_at_two_ranks_resumes_at_one_seeing_every_sample_once(tiny_data, tmp_path):
+    cut, record = tmp_path / "cut", tmp_path / "batches.jsonl"
+    proc = subprocess.Popen(torchrun_cmd(2, S05, *args(tiny_data, cut)), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=clean_env(**SLOW, RECORD_BATCHES=record))  # fmt: skip
+    output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
+    step = saved_mid_epoch(cut, output, proc.returncode, proc)
+    assert (cut / f"epoch-2-step-{step}").is_dir() and (cut / "epoch-1").is_dir()
+    resumed = python(S05, *args(tiny_data, cut, "--resume"), PYTHONPATH=INJECT, RECORD_BATCHES=record)
+    assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
+    batches = [json.loads(line) for line in record.read_text().splitlines()]
+    seen = Counter(i for b in batches if b["size"] == TRAIN_SIZE for i in b["indices"])
+    assert seen == Counter({i: 2 for i in range(TRAIN_SIZE)})  # two epochs: each image twice, no more, no less
+    rows = (cut / "metrics.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["1", "2"] and rows[2].split(",")[10] == "1"
+
+
+@pytest.mark.slow
+def test_a_second_signal_during_the_save_changes_nothing(tiny_data, tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert python(S01, *args(tiny_data, whole)).returncode == 0
+    env = clean_env(**SLOW, FAULT_SLOW_SAVE=1.0)  # each save takes a second: time for a second signal
+    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, cut))], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    wait_for(lambda: (cut / "metrics.csv").exists() and "\n1," in (cut / "metrics.csv").read_text(), timeout=90)
+    time.sleep(1.6)  # past epoch 1's save, into epoch 2
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.8)  # the step in flight ends, the save starts
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    step = saved_mid_epoch(cut, output, 128 + signal.SIGTERM, proc)
+    resumed = python(S01, *args(tiny_data, cut, "--resume"))
+    assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout
+    for key, weights in checkpoint(whole)["model"].items():
+        assert torch.equal(checkpoint(cut)["model"][key], weights), key
+
+
+@pytest.mark.slow
+def test_checkpoint_minutes_saves_mid_epoch_for_a_sigkill(tiny_data, tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    often = ("--checkpoint-minutes", 0.001, "--log-interval", 1)  # at every progress line: every step here
+    assert python(S01, *args(tiny_data, whole)).returncode == 0
+    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, cut, *often))], env=clean_env(**SLOW),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    wait_for(lambda: (cut / "checkpoint.pt").exists() and checkpoint(cut)["epoch"] == 2, timeout=90)
+    proc.kill()  # no signal to catch: what the interval saved is what there is
+    proc.wait()
+    step = checkpoint(cut)["step"]
+    resumed = python(S01, *args(tiny_data, cut, "--resume"))  # a free option: resumes without it
+    assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
+    for key, weights in checkpoint(whole)["model"].items():
+        assert torch.equal(checkpoint(cut)["model"][key], weights), key
