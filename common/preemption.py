@@ -11,22 +11,22 @@ other) and no collective is added to a step. common/checkpoint.py then saves the
 it. A second signal while that happens is noted and ignored."""
 
 import datetime
+import math
+import os
+import re
 import signal
+import subprocess
 import threading
 import time
 
 import torch.distributed as dist
 
 from common import watchdog
-from common.distributed import stop
+from common.distributed import print0, stop
+from common.environment import is_rank0
 
-_stop = {
-    "signal": None,
-    "at": None,
-    "step": 0,
-    "saved": time.monotonic(),
-    "save_seconds": None,
-}  # this process's: read and written by this module alone
+_stop = {"signal": None, "at": None, "step": 0, "saved": time.monotonic(), "warned": False}  # this process's alone
+MARGIN = 30  # seconds beyond a save: the step in flight, the requeue, a save slower than the last
 
 
 def catch(timeout):
@@ -108,8 +108,39 @@ def exit_code():
 
 
 def saved(seconds):
-    """Note a checkpoint just written, and how long it took: --checkpoint-minutes counts from here."""
-    _stop.update(saved=time.monotonic(), save_seconds=seconds)
+    """Note a checkpoint just written: --checkpoint-minutes counts from here. Under Slurm, warn once if the
+    job's signal comes too late for a save that takes `seconds` (the job scripts' --signal=B:USR1@90)."""
+    _stop["saved"] = time.monotonic()
+    if _stop["warned"] or not is_rank0() or "SLURM_JOB_ID" not in os.environ:
+        return
+    _stop["warned"] = True
+    spec = job_signal(os.environ["SLURM_JOB_ID"])
+    if spec and lead(spec) < lead_needed(seconds):
+        print0(f"warning: a checkpoint takes {seconds:.0f} s here, and this job's signal (--signal={spec}) comes "
+               f"{lead(spec)} s before its time limit: set #SBATCH --signal=B:USR1@{lead_needed(seconds)} or more, "
+               "or the time limit may cut the last save short")  # fmt: skip
+
+
+def job_signal(job):
+    """The --signal of a Slurm job's script (Slurm shows it nowhere else; one given to sbatch's command line is
+    not seen), or None."""
+    try:
+        script = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True,
+                                timeout=10).stdout  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"^#SBATCH.*--signal[= ](\S+)", script, re.M)
+    return found and found[1]
+
+
+def lead(spec):
+    """The seconds before the time limit of a --signal value: B:USR1@90 -> 90 (Slurm's default is 60)."""
+    return int(spec.rpartition("@")[2]) if "@" in spec else 60
+
+
+def lead_needed(save_seconds):
+    """The signal's lead a job needs, for a save that took `save_seconds`: the rule of the run and the doctor."""
+    return math.ceil(save_seconds) + MARGIN
 
 
 def due(minutes):

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
-from common import cli, data, distributed, versions  # noqa: E402
+from common import cli, data, distributed, preemption, versions  # noqa: E402
 from common.environment import cpus_per_rank  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]  # every dtype the stages all-reduce or train in
@@ -224,8 +224,7 @@ def requeue():
     (Slurm shows the signal nowhere else; one given on sbatch's command line is not seen)."""
     job = os.environ["SLURM_JOB_ID"]
     requeued = re.search(r"Requeue=(\d)", run("scontrol", "show", "job", job))
-    signal = re.search(r"^#SBATCH.*--signal[= ](\S+)", run("scontrol", "write", "batch_script", job, "-"), re.M)
-    return requeued and requeued[1], signal and signal[1]
+    return requeued and requeued[1], preemption.job_signal(job)
 
 
 def gather(obj):
@@ -408,6 +407,9 @@ def check_requeue(run):
         problems.append(f"Requeue={requeued}: a preempted job does not come back")
     if not signal:
         problems.append("no --signal in the job script: the time limit ends the job without a requeue")
+    elif preemption.lead(signal) < preemption.lead_needed(0):  # the run's own rule, with its save time
+        problems.append(f"--signal={signal} leaves {preemption.lead(signal)} s: less than a save's margin "
+                        f"({preemption.MARGIN} s) before the time limit")  # fmt: skip
     fix = "#SBATCH --requeue and --signal=B:USR1@90, with the USR1 trap of 04_ddp_multi_node/job.slurm"
     yield verdict("requeue", problems, f"Requeue=1, --signal={signal}", fix, "WARN")
 
