@@ -26,6 +26,7 @@ from common.distributed import print0, stop
 from common.environment import is_rank0
 
 _stop = {"signal": None, "at": None, "step": 0, "saved": time.monotonic(), "warned": False}  # this process's alone
+_once = threading.RLock()  # re-entrant: a second signal can interrupt the handler of the first
 MARGIN = 30  # seconds beyond a save: the step in flight, the requeue, a save slower than the last
 
 
@@ -41,9 +42,16 @@ def catch(timeout):
 
 def received(signum, frame):
     """The signal handler: note the first signal and propose a step; a second one changes nothing."""
-    if _stop["signal"] is None:
-        _stop["signal"] = signal.Signals(signum).name
-        propose()
+    note(signal.Signals(signum).name)
+
+
+def note(name):
+    """Note the signal that stops the run and propose this rank's step, once: the handler (main thread) and
+    the listener (its own) may both try; a proposal once read by another rank must never change."""
+    with _once:
+        if _stop["signal"] is None:
+            _stop["signal"] = name
+            propose()
 
 
 def listen():
@@ -53,8 +61,7 @@ def listen():
     while _stop["signal"] is None:
         try:
             if store.check(["stop"]):
-                _stop["signal"] = store.get("stop").decode()  # another rank's: this one stops alike
-                propose()
+                note(store.get("stop").decode())  # another rank's signal: this one stops alike
         except dist.DistError:  # the store ended with rank 0: the run is over
             return
         time.sleep(watchdog.HEARTBEAT)
