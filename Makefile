@@ -96,8 +96,10 @@ lint: $(VENV)  ## ruff (check, format --check); bash -n and shellcheck on the jo
 clean:  ## deletes runs/ (every run's metrics and checkpoints), plot and scaling outputs, decompressed MNIST, caches
 	rm -rf runs .pytest_cache */__pycache__ */*.out */*.gpu.csv plot.png scaling.md scaling.png data/MNIST/raw/*-ubyte
 
-bench: $(VENV) $(DATA)  ## the stages on this machine's GPUs: bench-results/bench.{csv,md,png}
+bench: $(VENV) $(DATA)  ## the stages on this machine's GPUs, or its CPU: bench-results/bench.{csv,md,png}; DDP's costs; the guard rails' cost per step
 	$(PYTHON) bench/bench.py $(if $(ARGS),-- $(ARGS))
+	$(PYTHON) bench/ddp_profile.py
+	$(PYTHON) bench/check_cost.py
 
 plot: $(VENV)  ## losses, accuracy and time per epoch of the run folders in RUNS, to plot.png
 	$(PYTHON) tools/plot.py -o plot.png $(RUNS)

@@ -90,11 +90,13 @@ def main():
 
     shape = train_set.in_channels, train_set.classes, train_set.image_size
     model = models.build(args.model, *shape, args.depth, args.width).to(device)
+    if args.compile:  # fused kernels for this model; the first step of each shape waits for the compiler
+        model.compile()  # in place: the state dict keeps its names, so checkpoints do not change
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)
 
-    log = metrics.Log(args.output_dir, world_size)
+    log = metrics.Log(args.output_dir, world_size, args.compile)
     run = checkpoint.Run(args, model, optimizer, scheduler, scaler, log, train_sampler)
     start_epoch = checkpoint.resume(run)
     for epoch in range(start_epoch, args.epochs + 1):

@@ -93,11 +93,13 @@ def main():
     if device.type == "cuda" and torch.cuda.device_count() > 1:
         # one process, every visible GPU: each batch is split across them, gradients summed on GPU 0
         model = nn.DataParallel(model)
+    if args.compile:  # fused kernels for this model; the first step of each shape waits for the compiler
+        model.compile()  # in place: the state dict keeps its names, so checkpoints do not change
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)
 
-    log = metrics.Log(args.output_dir, world_size)
+    log = metrics.Log(args.output_dir, world_size, args.compile)
     run = checkpoint.Run(args, model, optimizer, scheduler, scaler, log, train_sampler)
     start_epoch = checkpoint.resume(run)
     for epoch in range(start_epoch, args.epochs + 1):

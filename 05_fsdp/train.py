@@ -14,7 +14,8 @@ Launch (from 05_fsdp/):
 Changes from stage 04:
   - sharding: fully_shard on each BatchNorm layer, each block and the root, instead of DDP;
   - mixed precision: FSDP's policies (amp.policies) instead of autocast;
-  - sharded checkpoints: save_sharded and resume_sharded instead of save and resume;
+  - sharded checkpoints: checkpoint.Run(..., sharded=True), each rank writing its own shards;
+  - --compile: per block, before fully_shard, instead of the whole DDP model;
   - memory: the memory line, and two memory savers, which the other stages refuse: micro-batches
     (--grad-accum, the loop in train()) and recomputed activations (--checkpoint-activations).
 
@@ -111,6 +112,9 @@ def main():
     if args.checkpoint_activations:  # a memory saver: keep each block's input only, rerun its forward in backward()
         for block in models.blocks(model):
             recompute(block)
+    if args.compile:  # per block, the unit FSDP gathers and frees, as PyTorch documents for FSDP2
+        for block in models.blocks(model):
+            block.compile()
     block_policy, norm_policy = amp.policies(device, args)  # --amp: FSDP's bf16 compute over fp32 shards
     if dist.is_initialized():  # a plain `python train.py` has no process group and shards nothing
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
@@ -125,7 +129,7 @@ def main():
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)
 
-    log = metrics.Log(args.output_dir, world_size)
+    log = metrics.Log(args.output_dir, world_size, args.compile)
     run = checkpoint.Run(args, model, optimizer, scheduler, scaler, log, train_sampler, sharded=True)
     start_epoch = checkpoint.resume(run)
     for epoch in range(start_epoch, args.epochs + 1):

@@ -1,11 +1,16 @@
-"""Benchmark the stages on the GPUs of this machine: `make bench` (or python bench/bench.py).
+"""Benchmark the stages on this machine: `make bench` (or python bench/bench.py), on its GPUs or its CPU.
 
 Every configuration runs the real train.py for a fixed number of epochs and is read back from its
 metrics.csv. Reported per configuration (the median over its repeats): the median epoch time of the
-epochs after the first (the first pays for start-up), images/s in total and per GPU, the training
-time until the test accuracy first reaches 99 % (the first epoch included), and the final accuracy.
-The classic pytorch/examples pipeline runs in the same session as the reference. Stages 01, 02 and
-03 at one GPU run alternately, round after round, so that drifts of a noisy machine hit all three.
+epochs after the first (the first pays for start-up and for --compile's compiler), images/s in total
+and per device, the compile time, the training time until the test accuracy first reaches 99 % (the
+first epoch included, its compile time not), and the final accuracy. Configurations that are compared
+run alternately, round after round, so that drifts of a noisy machine hit all of them alike.
+
+On GPUs: pytorch/examples' classic pipeline as the reference; 01, 02, 03 and 05 at batch 64 and 512,
+eager and compiled; the device loader; the large-batch recipes for the time to 99 %; 1 -> N GPUs.
+On a CPU (no GPU claims): stage 01 with the default loader, the classic one and --compile, and stage 03
+at 1 and 2 gloo processes, on the first --limit images (a full MNIST epoch takes 85 s on 2 cores).
 
 Writes OUT/bench.csv (one row per run), OUT/bench.md (the table) and, if matplotlib is installed,
 OUT/bench.png (test accuracy against training time).
@@ -33,12 +38,30 @@ RECIPES = {  # large global batches, for the time to 99 %: the learning rate gro
 
 def configs(gpus, rounds):
     """(name, stage, GPUs, flags, epochs) for every run, in the order they run."""
+    if not torch.cuda.is_available():
+        return cpu_configs(rounds)
     runs = [("01 classic (pytorch/examples)", "01_single_gpu", 1, ("--loader", "classic", "--num-workers", "1"), 4)]
     for _ in range(rounds):  # alternating: 01, 02 and 03 at one GPU see the same machine state
         runs += [(f"{stage[:2]} default, 1 GPU", stage, 1, (), 4) for stage in STAGES]
+    for _ in range(rounds):  # eager against compiled, at the default batch and a large one
+        for stage in (*STAGES, "05_fsdp"):
+            for batch in ("64", "512"):
+                for compiled in ((), ("--compile",)):
+                    name = f"{stage[:2]} batch {batch}{' --compile' if compiled else ''}, 1 GPU"
+                    runs.append((name, stage, 1, ("--batch-size", batch, *compiled), 4))
     runs.append(("01 --loader device, 1 GPU", "01_single_gpu", 1, FAST, 4))
     runs.append(("03 --loader device, 1 GPU", "03_ddp_single_node", 1, FAST, 4))
-    runs += [(f"01 --loader device {name}", "01_single_gpu", 1, FAST + flags, 12) for name, flags in RECIPES.items()]
+    for name, flags in RECIPES.items():
+        for compiled in ((), ("--compile",)):
+            runs.append(
+                (
+                    f"01 --loader device {name}{' --compile' if compiled else ''}",
+                    "01_single_gpu",
+                    1,
+                    FAST + flags + compiled,
+                    12,
+                )
+            )
     n = 2
     while n <= gpus:  # 1 -> N GPUs: one process for all (02) against one per GPU (03)
         runs += [(f"{stage[:2]} default, {n} GPUs", stage, n, (), 4) for stage in STAGES[1:]]
@@ -47,15 +70,37 @@ def configs(gpus, rounds):
     return runs
 
 
+def cpu_configs(rounds, limit="6400"):
+    """The CPU rows: the loaders and --compile on stage 01, and 1 -> 2 gloo processes on stage 03."""
+    cut = ("--limit", limit)
+    runs = []
+    for _ in range(rounds):
+        runs += [
+            (
+                "01 classic (pytorch/examples)",
+                "01_single_gpu",
+                1,
+                (*cut, "--loader", "classic", "--num-workers", "1"),
+                3,
+            ),
+            ("01 default", "01_single_gpu", 1, cut, 3),
+            ("01 default --compile", "01_single_gpu", 1, (*cut, "--compile"), 3),
+            ("03 default, 1 process", "03_ddp_single_node", 1, cut, 3),
+            ("03 default, 2 processes", "03_ddp_single_node", 2, cut, 3),
+        ]
+    return runs
+
+
 def run(stage, gpus, flags, epochs, output_dir, extra):
     script = str(REPO / stage / "train.py")
     launcher = [sys.executable, script]
-    if stage.startswith("03"):
+    if stage.startswith(("03", "05")):
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", script]
     args = ["--epochs", str(epochs), "--output-dir", str(output_dir), *flags, *extra]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(gpus)))}
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # the CPU's cores, shared by the processes
         env.pop("CUDA_VISIBLE_DEVICES")
+        env["OMP_NUM_THREADS"] = str(max(os.cpu_count() // gpus, 1))
     subprocess.run([*launcher, *args], check=True, stdout=subprocess.DEVNULL, env=env)
     return list(csv.DictReader(open(output_dir / "metrics.csv")))
 
@@ -64,8 +109,11 @@ def summarise(rows, gpus):
     seconds = [float(r["epoch_seconds"]) for r in rows]
     images = float(rows[-1]["images_per_s"]) * seconds[-1]  # images in one epoch
     median = statistics.median(seconds[1:])
-    reached = [sum(seconds[: i + 1]) for i, r in enumerate(rows) if float(r["test_accuracy"]) >= 99.0]
+    compiling = [float(r.get("compile_seconds") or 0) for r in rows]
+    trained = [s - c for s, c in zip(seconds, compiling, strict=True)]  # the time to 99 % leaves the compiler out
+    reached = [sum(trained[: i + 1]) for i, r in enumerate(rows) if float(r["test_accuracy"]) >= 99.0]
     return {
+        "compile_s": sum(compiling),
         "median_epoch_s": median,
         "images_per_s": images / median,
         "images_per_s_per_gpu": images / median / gpus,
@@ -95,24 +143,26 @@ def main():
 
 def write(results, out):
     fields = ["name", "stage", "gpus", "flags", "epochs", "median_epoch_s", "images_per_s", "images_per_s_per_gpu",
-              "seconds_to_99", "final_accuracy"]  # fmt: skip
+              "compile_s", "seconds_to_99", "final_accuracy"]  # fmt: skip
     with open(out / "bench.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(results)
     names = list(dict.fromkeys(r["name"] for r in results))
     reference = statistics.median(r["images_per_s"] for r in results if r["name"] == names[0])
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
+    unit = "GPUs" if torch.cuda.is_available() else "processes"
     lines = [f"{device}, torch {torch.__version__}; medians over repeats ({len(results)} runs)", "",
-             "| configuration | GPUs | runs | s/epoch | images/s | per GPU | × classic | s to 99 % | accuracy |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             f"| configuration | {unit} | runs | s/epoch | images/s | per process | × classic | compile s | s to 99 % | accuracy |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for name in names:
         runs = [r for r in results if r["name"] == name]
         m = {k: statistics.median(r[k] for r in runs) for k in fields[5:]}
         to99 = f"{m['seconds_to_99']:.2f}" if m["seconds_to_99"] == m["seconds_to_99"] else "–"
         lines.append(
             f"| {name} | {runs[0]['gpus']} | {len(runs)} | {m['median_epoch_s']:.3f} | {m['images_per_s']:.0f} "
-            f"| {m['images_per_s_per_gpu']:.0f} | {m['images_per_s'] / reference:.2f} | {to99} | {m['final_accuracy']:.2f} |"
+            f"| {m['images_per_s_per_gpu']:.0f} | {m['images_per_s'] / reference:.2f} | {m['compile_s']:.1f} | {to99} "
+            f"| {m['final_accuracy']:.2f} |"
         )
     (out / "bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,6 +1,7 @@
-"""What the divergence check costs: the progress line with its check (common.metrics.progress) against
-the plain line it replaced, and the once-an-epoch finiteness scan of a checkpoint (common.rundir.finite),
-both beside the time of a training step of stage 01's Net at batch 64, on this machine's GPU or CPU.
+"""What the guard rails cost a step: the progress line with its divergence check (common.metrics.progress)
+against the plain line it replaced, the once-an-epoch finiteness scan of a checkpoint (common.rundir.finite),
+and the check for a stop signal at the end of every step (common.checkpoint.step), each beside the time of
+a training step of stage 01's Net at batch 64, on this machine's GPU or CPU.
 
     python bench/check_cost.py
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import metrics, models, rundir
+from common import checkpoint, metrics, models, resumable, rundir
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 model = models.build("net", 1, 10, 28, 16, 4).to(device)
@@ -49,15 +50,19 @@ loss = step()
 with contextlib.redirect_stdout(io.StringIO()):  # the lines themselves are not what is measured
     plain = lambda: print(f"  epoch 1 batch 0/938 loss {step().item():.4f}")  # noqa: E731
     checked = lambda: metrics.progress(1, 0, 938, step(), totals, args)  # noqa: E731
-    for fn in (step, plain, checked):
+    options = argparse.Namespace(checkpoint_minutes=None, log_interval=100, batch_size=64)
+    run = checkpoint.Run(options, model, optimizer, None, None, None, resumable.Sampler(range(0), 0))
+    stoppable = lambda: (step(), checkpoint.step(run, 1, 1, totals))  # noqa: E731
+    for fn in (step, plain, checked, stoppable):
         seconds(fn, 20)  # warm-up
-    runs = {"step": [], "plain": [], "checked": []}
-    for _ in range(5):  # alternated, so that drifts in clock or load hit all three alike
-        for name, fn in (("step", step), ("plain", plain), ("checked", checked)):
+    runs = {"step": [], "plain": [], "checked": [], "stoppable": []}
+    for _ in range(5):  # alternated, so that drifts in clock or load hit all of them alike
+        for name, fn in (("step", step), ("plain", plain), ("checked", checked), ("stoppable", stoppable)):
             runs[name].append(seconds(fn, 100))
 per = {name: sorted(times)[2] for name, times in runs.items()}  # the median of five
 scan = seconds(lambda: rundir.finite([model.state_dict(), optimizer.state_dict()]), 20)
 print(f"{device.type}: a step {per['step'] * 1e3:.3f} ms; a step with the plain progress line "
       f"{per['plain'] * 1e3:.3f} ms, with the checked one {per['checked'] * 1e3:.3f} ms: "
       f"{(per['checked'] - per['plain']) * 1e6:+.1f} us per --log-interval (100 steps by default); "
-      f"the scan before each checkpoint {scan * 1e3:.2f} ms per epoch")  # fmt: skip
+      f"the scan before each checkpoint {scan * 1e3:.2f} ms per epoch; the stop check "
+      f"{(per['stoppable'] - per['step']) * 1e6:+.1f} us per step")  # fmt: skip

@@ -77,6 +77,7 @@ DEFINING = (
     "batch_size", "val_fraction", "limit", "seed",  # the global batch, the training set and its shuffles
     "optimizer", "lr", "lr_scaling", "momentum", "weight_decay", "scheduler", "gamma", "step_size",  # the updates
     "amp",  # the precision, and the scaler state a checkpoint holds
+    "compile",  # compiled kernels round differently from eager ones: the same run only with the same choice
     "dry_run",  # one batch per epoch: its checkpoints are no part of a real run; ranks that differ hang
 )  # fmt: skip
 FREE = (
@@ -122,6 +123,8 @@ def parser(script):
     p.add_argument("--loader", choices=["batched", "classic", "device"], default="batched",
                    help="input pipeline: whole batches from decoded tensors (default), pytorch/examples' per-sample one, or the data set held on the GPU")
     p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast where supported, else fp16 with loss scaling")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (per block in stage 05): fused kernels; the first steps of each shape wait for the compiler, whose time metrics.csv keeps apart")
     p.add_argument("--output-dir", type=Path, default=default_output_dir(script),
                    help="metrics, checkpoint and model (default: runs/<stage>/<job id>.<step id>, torchrun-<id> or local-<time>-<pid>)")
     p.add_argument("--resume", nargs="?", const=True, type=Path, metavar="PATH",

@@ -116,10 +116,12 @@ def use_device(local_rank, args):
     """This rank's device, made the current one: GPU `local_rank` of the node, or the CPU."""
     if not torch.cuda.is_available() or args.no_cuda:
         preflight.check_cpu_options(args)
+        preflight.check_compile(args, torch.device("cpu"))
         return torch.device("cpu")
     visible = torch.cuda.device_count()
     preflight.check_gpus(local_rank, visible)
     device = torch.device("cuda", local_rank if visible > 1 else 0)  # one visible GPU per task: it is 0
+    preflight.check_compile(args, device)
     torch.cuda.set_device(device)
     return device
 

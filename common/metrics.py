@@ -23,6 +23,7 @@ except ImportError:  # an environment without it trains the same, untimed
 FIELDS = [
     "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",
     "epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size", "nodes", "peak_memory_mib",
+    "compile_seconds",
 ]  # fmt: skip
 
 
@@ -56,7 +57,7 @@ def elapsed(start, device):
 
 
 class Log:
-    def __init__(self, output_dir, world_size):
+    def __init__(self, output_dir, world_size, compiled=False):
         self.path = output_dir / "metrics.csv"
         self.world_size = world_size
         # the nodes of this srun step (srun, or srun torchrun), else torchrun's nodes (ranks / ranks per node)
@@ -66,6 +67,7 @@ class Log:
         self.rows = []
         self.cut = (0, [0.0, 0.0], 0.0)  # an epoch cut short by a signal: (epoch, [loss sum, samples], seconds)
         self.clock = (0, 0.0)  # (epoch, start) of the epoch in progress
+        self.compiling = CompileClock(compiled)  # --compile: the seconds it takes, apart
 
     def restore(self, rows, epoch, partial):
         """The rows of the epochs a checkpoint holds: a resumed run rewrites the CSV from them, so an
@@ -119,6 +121,7 @@ class Log:
             test_accuracy=100 * correct / tested, epoch_seconds=seconds, images_per_s=seen / seconds,
             images_per_s_per_process=seen / seconds / self.world_size, world_size=self.world_size, nodes=self.nodes,
             peak_memory_mib=torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else "",
+            compile_seconds=self.compiling.take(),  # inside epoch_seconds: the steps that waited for it
         )  # fmt: skip
         if torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()  # each epoch's own peak
@@ -129,6 +132,7 @@ class Log:
             f"| accuracy {int(correct)}/{int(tested)} ({row['test_accuracy']:.2f}%) | {seconds:.2f} s "
             f"| {row['images_per_s']:.0f} img/s ({row['images_per_s_per_process']:.0f} per process)"
             + (f" | peak {row['peak_memory_mib']:.0f} MiB" if row["peak_memory_mib"] != "" else "")
+            + (f" | compile {row['compile_seconds']:.1f} s" if row["compile_seconds"] else "")
         )
         self.write()
 
@@ -151,3 +155,33 @@ class Log:
             f"done: {len(self.rows)} epochs, {seconds:.1f} s of training, {images / seconds:.0f} img/s, "
             f"test accuracy {self.rows[-1]['test_accuracy']:.2f}% | metrics in {self.path}"
         )
+
+
+class CompileClock:
+    """The seconds torch.compile spends compiling (--compile), from its own start and end callbacks: the
+    first step of each new shape (and evaluation's first batch) waits for it, so that epoch's time includes
+    it, and metrics.csv keeps it apart (compile_seconds)."""
+
+    def __init__(self, compiled):
+        self.total, self.started = 0.0, None
+        if not compiled:  # torch._dynamo takes a second and a half to import: only where it compiles anyway
+            return
+        try:
+            from torch._dynamo import callback  # the callbacks PyTorch documents for compile events
+        except ImportError:
+            return
+        callback.on_compile_start(self.start)
+        callback.on_compile_end(self.end)
+
+    def start(self, *args):
+        self.started = time.perf_counter()
+
+    def end(self, *args):
+        if self.started is not None:
+            self.total += time.perf_counter() - self.started
+            self.started = None
+
+    def take(self):
+        """The seconds compiled since the last take()."""
+        seconds, self.total = self.total, 0.0
+        return seconds

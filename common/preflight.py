@@ -2,8 +2,11 @@
 naming the fix, instead of a hang or an error deep in torch: numbers that fit together, a device and a
 network interface that exist, and ranks that train the same run on the same data."""
 
+import importlib.util
 import os
+import shutil
 import socket
+import sys
 
 import torch.distributed as dist
 
@@ -24,6 +27,26 @@ def check_launch(launch, args):
 def check_cpu_options(args):
     if args.sync_bn:
         raise SystemExit("error: --sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only): drop it on CPUs")
+
+
+def check_compile(args, device):
+    """--compile needs what torch.compile generates code with: a C++ compiler for the CPU, Triton for GPUs."""
+    if not args.compile:
+        return
+    import torch._dynamo  # here: a run without --compile never loads the compiler stack
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise SystemExit(f"error: --compile: torch {torch.__version__} cannot compile on Python {sys.version.split()[0]}: "
+                         "drop --compile, or use a Python this torch supports")  # fmt: skip
+    if device.type == "cpu" and not any(
+        shutil.which(cc) for cc in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")
+    ):
+        raise SystemExit(
+            "error: --compile on the CPU needs a C++ compiler (g++) on PATH: `module load gcc`, or drop --compile"
+        )
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise SystemExit("error: --compile on GPUs needs Triton, which this torch lacks: `pip install triton` "
+                         "(the version torch pins), or drop --compile")  # fmt: skip
 
 
 def check_gpus(local_rank, visible):

@@ -1,0 +1,98 @@
+"""--compile: the training of eager mode within a stated tolerance (compiled kernels fuse and reorder float
+sums: rounding, nothing more), the same checkpoints, and a missing compiler refused in one line."""
+
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import REPO, checkpoint, free_port, one_error, python, stage_args
+from test_equivalence import ARGS, BATCH, CPU, RUN, STEPS, model_without_dropout, stage
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+
+from common import amp, data, models
+from common.models import Net
+
+S01 = REPO / "01_single_gpu" / "train.py"
+TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # after 6 Adadelta steps of the Net; bitwise equality is not expected
+
+
+def both(rank, world_size, port, data_dir, name, result):
+    """Train the Net without dropout for STEPS steps as stage `name` does, eager and then compiled: rank 0
+    saves both training losses and both weights."""
+    torch.set_num_threads(1)
+    if world_size > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    sampler = DistributedSampler(range(BATCH * STEPS), num_replicas=world_size, rank=rank, shuffle=False)
+    loader = data.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, ARGS, CPU)
+    found = {}
+    for compiled in (False, True):
+        model = model_without_dropout()
+        if name == "05_fsdp":
+            for block in models.blocks(model):  # as stage 05 does: compile per block, then shard
+                if compiled:
+                    block.compile()
+                fully_shard(block)
+            fully_shard(model)
+        else:
+            model = DDP(model) if world_size > 1 else model
+            if compiled:
+                model.compile()
+        optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+        totals = stage(name).train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), 1, ARGS, RUN)
+        if world_size > 1:
+            dist.all_reduce(totals)
+        weights = {k.removeprefix("module."): v for k, v in model.state_dict().items()}
+        found[compiled] = (
+            totals[0] / totals[1],
+            {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in weights.items()},
+        )
+    if rank == 0:
+        torch.save(found, result)
+    if world_size > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, world_size", [("01_single_gpu", 1), ("03_ddp_single_node", 2), ("05_fsdp", 2)])
+def test_compiled_training_equals_eager_within_tolerance(name, world_size, tiny_data, tmp_path):
+    mp.spawn(both, args=(world_size, free_port(), tiny_data, name, tmp_path / "r.pt"), nprocs=world_size)
+    found = torch.load(tmp_path / "r.pt", weights_only=True)
+    (eager_loss, eager), (compiled_loss, compiled) = found[False], found[True]
+    torch.testing.assert_close(compiled_loss, eager_loss, **TOLERANCE)
+    assert compiled.keys() == eager.keys() and not any("_orig_mod" in k for k in compiled)
+    start = model_without_dropout().state_dict()
+    for key, value in eager.items():
+        assert not torch.equal(value, start[key])  # training moved it, and compiled training moved it alike
+        torch.testing.assert_close(compiled[key], value, **TOLERANCE)
+
+
+@pytest.mark.slow
+def test_compiled_and_eager_checkpoints_are_one_format(tiny_data, tmp_path):
+    """A compiled run's checkpoint is an eager run's: the same keys (no _orig_mod), loaded strictly by stage
+    01's Net; the weights load into a compiled model and back, computing the same. --compile defines the
+    run: resuming with it changed is refused, naming it."""
+    out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1, "--compile"))
+    assert out.returncode == 0 and "| compile " in out.stdout, out.stderr
+    weights = checkpoint(tmp_path)["model"]
+    eager = Net().eval()
+    eager.load_state_dict(weights, strict=True)
+    compiled = Net().eval()
+    compiled.compile()
+    compiled.load_state_dict(eager.state_dict(), strict=True)
+    assert compiled.state_dict().keys() == weights.keys()
+    x = torch.randn(8, 1, 28, 28)
+    torch.testing.assert_close(compiled(x), eager(x), **TOLERANCE)
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert float(rows[1].split(",")[-1]) > 0  # compile_seconds, kept apart
+    one_error(python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--resume")), "--compile True (now False)")
+
+
+def test_compile_without_a_cpp_compiler_is_one_line(tiny_data, tmp_path):
+    out = python(S01, *stage_args(tiny_data, tmp_path, "--compile"), PATH="/nonexistent", CXX="")
+    one_error(out, "--compile on the CPU needs a C++ compiler")
+    assert out.seconds < 30 and not (tmp_path / "checkpoint.pt").exists()
+
