@@ -5,7 +5,7 @@ scripts pass on the time-limit signal they ask for; torchrun hands SIGTERM on to
 signal, SIGTERM or SIGUSR1, is only noted when it arrives: every rank finishes the step it is in, and
 the ranks agree, through the rendezvous store, on one step at which all of them stop. A rank proposes
 the step after the one it is in; the others propose theirs when they hear of it (their own signal, or
-the store, polled once per heartbeat by a thread); each rank waits for every proposal at its next step
+the store, polled with every heartbeat); each rank waits for every proposal at its next step
 boundary and stops at the largest. No rank can be past it (DDP keeps the ranks within a step of each
 other) and no collective is added to a step. common/checkpoint.py then saves the run mid-epoch and ends
 it. A second signal while that happens is noted and ignored."""
@@ -36,8 +36,8 @@ def catch(timeout):
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, received)
     _stop["timeout"] = timeout
-    if watchdog.peers():  # other ranks may hear of the stop from the store before their own signal arrives
-        threading.Thread(target=listen, daemon=True).start()
+    if watchdog.peers():  # a rank may hear of the stop from the store before its own signal arrives
+        watchdog.listen(poll)
 
 
 def received(signum, frame):
@@ -54,17 +54,11 @@ def note(name):
             propose()
 
 
-def listen():
-    """In a thread: a rank whose signal is late (or never comes: a signal sent to one rank by hand) proposes
-    its step as soon as another rank's proposal is in the store."""
-    store = watchdog.peers()[0]
-    while _stop["signal"] is None:
-        try:
-            if store.check(["stop"]):
-                note(store.get("stop").decode())  # another rank's signal: this one stops alike
-        except dist.DistError:  # the store ended with rank 0: the run is over
-            return
-        time.sleep(watchdog.HEARTBEAT)
+def poll(store):
+    """With every heartbeat: a rank whose signal is late (or never comes: a signal sent to one rank by hand)
+    proposes its step as soon as another rank's proposal is in the store."""
+    if _stop["signal"] is None and store.check(["stop"]):
+        note(store.get("stop").decode())  # another rank's signal: this one stops alike
 
 
 def propose():

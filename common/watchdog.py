@@ -132,13 +132,21 @@ def watch():
                 fail(f"error: rank {rank}: torchrun (pid {parent}) has ended: this worker ends too")
             try:
                 store.set(f"alive/{rank}", str(time.time()))
+                for listen in _watch["listeners"]:
+                    listen(store)
             except dist.DistError:  # the store went with rank 0: the main thread reports what failed
                 return
             _watch["stop"].wait(HEARTBEAT)
 
-    _watch.update(stop=threading.Event(), beat=threading.Thread(target=beat, daemon=True))
+    _watch.update(stop=threading.Event(), beat=threading.Thread(target=beat, daemon=True), listeners=[])
     _watch["beat"].start()
     sys.excepthook = failed
+
+
+def listen(fn):
+    """Call fn(store) with every heartbeat, in the heartbeat's thread, which leave() stops before the store
+    closes (common/preemption.py hears there of a stop another rank proposed)."""
+    _watch["listeners"].append(fn)
 
 
 def peers():
