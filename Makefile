@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 DATA := data/MNIST/raw/train-images-idx3-ubyte
 STAGES := 01_single_gpu 02_dataparallel 03_ddp_single_node 04_ddp_multi_node 05_fsdp
 
-.PHONY: install help test test-all test-min test-slurm data run diff profile lint clean bench plot scaling doctor
+.PHONY: install help test test-all test-min test-slurm data run diff profile lint clean bench plan plot scaling doctor
 
 install: .venv/installed  ## the default: a .venv with requirements.txt (torch, tests, lint, plots)
 .venv/installed: requirements.txt pyproject.toml
@@ -35,8 +35,9 @@ XDIST = $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo "--numprocesses 
 test: $(VENV) $(DATA)  ## everyday: CPU only, no root, under 3 minutes on 2 cores (WORKERS tests at a time, default 2)
 	$(PYTHON) -m pytest -m "not slow and not slurm" $(XDIST)
 
-test-all: $(VENV) $(DATA)  ## everything, the real Slurm cluster included (root)
-	$(PYTHON) -m pytest
+test-all: $(VENV) $(DATA)  ## everything: the real Slurm cluster's tests (root) one at a time, then the rest WORKERS at a time
+	$(PYTHON) -m pytest -m slurm
+	$(PYTHON) -m pytest -m "not slurm" $(XDIST)
 
 # The oldest torch each stage and the doctor run on (common/versions.py), each from PyPI into .venv-min/<torch>/
 # with the torchvision built for it; tests/test_versions.py runs there what each is the minimum of (one epoch,
@@ -100,6 +101,9 @@ bench: $(VENV) $(DATA)  ## the stages on this machine's GPUs, or its CPU: bench-
 	$(PYTHON) bench/bench.py $(if $(ARGS),-- $(ARGS))
 	$(PYTHON) bench/ddp_profile.py
 	$(PYTHON) bench/check_cost.py
+
+plan: $(VENV)  ## will it fit, on how many GPUs: memory per GPU under DDP, FSDP and HSDP, and #SBATCH lines; ARGS=...
+	$(PYTHON) tools/plan.py $(ARGS)
 
 plot: $(VENV)  ## losses, accuracy and time per epoch of the run folders in RUNS, to plot.png
 	$(PYTHON) tools/plot.py -o plot.png $(RUNS)

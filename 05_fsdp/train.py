@@ -86,7 +86,7 @@ def evaluate(model, device, loader):
 
 
 def main():
-    args = cli.parse_args(teaches=("grad_accum", "checkpoint_activations"))
+    args = cli.parse_args(teaches=("grad_accum", "checkpoint_activations", "full_shard"))
     rundir.claim(args.output_dir)  # first: one run per folder, and a folder it can write
     rank, local_rank, world_size, device = distributed.setup(args)
     distributed.banner(args, rank, local_rank, world_size, device)
@@ -108,7 +108,8 @@ def main():
 
     shape = train_set.in_channels, train_set.classes, train_set.image_size
     model = models.build(args.model, *shape, args.depth, args.width).to(device)
-    metrics.memory(model, args, world_size)
+    mesh = distributed.mesh(args, world_size, device)  # several nodes: shard within each, replicate across (HSDP)
+    metrics.memory(model, args, world_size, mesh)
     if args.checkpoint_activations:  # a memory saver: keep each block's input only, rerun its forward in backward()
         for block in models.blocks(model):
             recompute(block)
@@ -120,11 +121,11 @@ def main():
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         for norm in models.norms(model):  # BatchNorm layers: units of their own, in fp32 under --amp
-            fully_shard(norm, mp_policy=norm_policy)
+            fully_shard(norm, mesh=mesh, mp_policy=norm_policy)
         for block in models.blocks(model):  # each block's weights are gathered just before it runs, then freed
-            fully_shard(block, mp_policy=block_policy)
+            fully_shard(block, mesh=mesh, mp_policy=block_policy)
         # the rest (first and last layers) at the root; gradients are reduce-scattered during backward()
-        fully_shard(model, mp_policy=block_policy)
+        fully_shard(model, mesh=mesh, mp_policy=block_policy)
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)

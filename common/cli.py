@@ -89,6 +89,7 @@ FREE = (
     # stage 05: how the same global batch fits in memory (not BatchNorm's statistics, which see the micro-batches);
     # a job requeued onto fewer GPUs may need more accumulation than before
     "grad_accum", "checkpoint_activations",
+    "full_shard",  # the mesh: a sharded checkpoint loads into any
     "target_accuracy", "patience",  # when to stop early: a resumed run may change its mind
     "checkpoint_minutes",  # how often a run saves mid-epoch: the saves change nothing that is computed
 )  # fmt: skip
@@ -138,6 +139,8 @@ def parser(script):
     large = p.add_argument_group("large models (stage 05 only: refused in the stages that do not teach them)")
     large.add_argument("--grad-accum", type=POSITIVE, default=1, metavar="N",
                        help="split each rank's share of --batch-size into N micro-batches, one backward each, gradients reduced once after the last (default: 1)")
+    large.add_argument("--full-shard", action="store_true",
+                       help="on several nodes, shard across all ranks (FSDP) instead of within each node and replicate across nodes (HSDP, the default)")
     large.add_argument("--checkpoint-activations", action="store_true",
                        help="keep only each block's input for the backward pass and recompute the rest: less memory, about one more forward pass of time")
     experiments = p.add_argument_group("experiments")
@@ -167,7 +170,7 @@ def parse_args(argv=None, warn=True, teaches=()):
     large-model option is refused unless the stage `teaches` it: silently ignored, it would mislead."""
     p = parser(Path(sys.argv[0]).resolve())
     args = p.parse_args(argv)
-    for name in ("grad_accum", "checkpoint_activations"):
+    for name in ("grad_accum", "checkpoint_activations", "full_shard"):
         if name not in teaches and getattr(args, name) != p.get_default(name):
             p.error(f"--{name.replace('_', '-')} is taught in stage 05_fsdp, not here: run 05_fsdp/train.py")
     if args.dataset not in TESTED[args.model]:

@@ -40,16 +40,17 @@ class Spec(NamedTuple):
     mean: tuple  # per-channel pixel statistics of the training set, for Normalize
     std: tuple
     classes: int
+    size: int  # height and width of an image; its channels: one per mean
     download: str = None  # the name of torchvision's class that downloads the set
 
 
 CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 SETS = {
-    "mnist": Spec("MNIST/raw", list(FILES), (0.1307,), (0.3081,), 10, "MNIST"),  # as in pytorch/examples
-    "fashion-mnist": Spec("FashionMNIST/raw", list(FILES), (0.2860,), (0.3530,), 10, "FashionMNIST"),
-    "cifar10": Spec("cifar-10-batches-py", CIFAR10_FILES, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), 10, "CIFAR10"),
-    "cifar100": Spec("cifar-100-python", ["train", "test"], (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), 100, "CIFAR100"),
-    "synthetic": Spec("", [], (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), 10),
+    "mnist": Spec("MNIST/raw", list(FILES), (0.1307,), (0.3081,), 10, 28, "MNIST"),  # as in pytorch/examples
+    "fashion-mnist": Spec("FashionMNIST/raw", list(FILES), (0.2860,), (0.3530,), 10, 28, "FashionMNIST"),
+    "cifar10": Spec("cifar-10-batches-py", CIFAR10_FILES, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), 10, 32, "CIFAR10"),
+    "cifar100": Spec("cifar-100-python", ["train", "test"], (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), 100, 32, "CIFAR100"),
+    "synthetic": Spec("", [], (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), 10, 32),
 }  # fmt: skip
 SYNTHETIC = {True: 50_000, False: 10_000}  # images of 3 x 32 x 32, as many as in CIFAR
 

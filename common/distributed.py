@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from common import data, preflight, watchdog
-from common.environment import integer, is_rank0
+from common.environment import integer, is_rank0, ranks_per_node
 
 
 class Launch(NamedTuple):
@@ -110,6 +110,21 @@ def setup(args):
             )
         watchdog.watch()  # heartbeats: a failed collective names the rank that went silent
     return launch.rank, launch.local_rank, launch.world_size, device
+
+
+def mesh(args, world_size, device):
+    """Stage 05's DeviceMesh, or None without a process group. On several nodes, 2-D (nodes, ranks per node):
+    FSDP2 then replicates the weights across nodes and shards them within each (HSDP), so every block's
+    all-gather stays on the node's fast links and only the gradients' all-reduce crosses the network. On one
+    node, or with --full-shard, 1-D: every rank holds 1/world size of everything (FSDP)."""
+    if not dist.is_initialized():
+        return None
+    from torch.distributed.device_mesh import init_device_mesh  # here: the stages that do not shard skip it
+
+    per_node = ranks_per_node(world_size)
+    if args.full_shard or per_node >= world_size or world_size % per_node:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device.type, (world_size // per_node, per_node), mesh_dim_names=("replicate", "shard"))
 
 
 def use_device(local_rank, args):

@@ -44,3 +44,11 @@ def cpus_per_rank(env=os.environ):
     started beside it."""
     cpus = integer("SLURM_CPUS_PER_TASK", len(os.sched_getaffinity(0)), env=env, low=1)
     return max(cpus // integer("LOCAL_WORLD_SIZE", 1, env=env, low=1), 1)
+
+
+def ranks_per_node(world_size, env=os.environ):
+    """The ranks on each node: torchrun's LOCAL_WORLD_SIZE, else this srun step's ranks over its nodes; all of
+    them on one node, or without a launcher."""
+    if env.get("LOCAL_WORLD_SIZE"):
+        return integer("LOCAL_WORLD_SIZE", env=env, low=1)
+    return max(world_size // integer("SLURM_STEP_NUM_NODES", 1, env=env, low=1), 1)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from common import divergence, optim
 from common.distributed import print0
-from common.environment import integer, is_rank0
+from common.environment import is_rank0, ranks_per_node
 from common.rundir import atomic
 
 try:
@@ -33,20 +33,27 @@ def progress(epoch, batch, batches, loss, totals, args):
     print0(f"  epoch {epoch} batch {batch}/{batches} loss {loss:.4f}")
 
 
-def memory(model, args, world_size):
-    """Stage 05, at start: the bytes each rank holds of the weights, their gradients and the optimizer
-    state, replicated (DDP: all of them on every rank) and sharded (FSDP: 1/world size of each). Activations
-    and the one block FSDP gathers at a time come on top: the peak of each epoch is measured on GPUs."""
+def memory(model, args, world_size, mesh):
+    """Stage 05, at start: the mesh, and the bytes each rank holds of the weights, their gradients and the
+    optimizer state: replicated (DDP: all of them on every rank), sharded (FSDP: 1/world size of each) and,
+    on several nodes, hybrid (HSDP: 1/ranks per node). Activations and the one block FSDP gathers at a time
+    come on top: the peak of each epoch is measured on GPUs."""
     per_rank = args.batch_size // world_size
     if args.grad_accum > per_rank:
         print0(f"warning: --grad-accum {args.grad_accum} is more than the {per_rank} images each rank computes per "
                f"step: each rank runs {per_rank} micro-batches of one image")  # fmt: skip
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     total = weights * (2 + optim.state_tensors(args))
+    shards = mesh.shape[-1] if mesh is not None else 1  # the ranks that share one copy of the weights
+    if mesh is not None and mesh.ndim == 2:
+        print0(f"mesh: {mesh.shape[0]} nodes (replicate) x {mesh.shape[1]} ranks (shard): HSDP, the weights "
+               "gathered within a node, the gradients all-reduced across nodes")  # fmt: skip
+    elif mesh is not None:
+        print0(f"mesh: {shards} ranks (shard): FSDP across all of them")
     peak = "in the log and metrics.csv each epoch" if torch.cuda.is_initialized() else "not measured on the CPU"
     print0(f"memory per rank: weights {weights:.1f} MiB + gradients {weights:.1f} MiB + {args.optimizer} state "
            f"{total - 2 * weights:.1f} MiB = {total:.1f} MiB under DDP, {total / world_size:.1f} MiB under FSDP "
-           f"at world size {world_size} | peak device memory: {peak}")  # fmt: skip
+           f"at world size {world_size}, {total / shards:.1f} MiB with this mesh | peak device memory: {peak}")  # fmt: skip
 
 
 def elapsed(start, device):
@@ -60,10 +67,7 @@ class Log:
     def __init__(self, output_dir, world_size, compiled=False):
         self.path = output_dir / "metrics.csv"
         self.world_size = world_size
-        # the nodes of this srun step (srun, or srun torchrun), else torchrun's nodes (ranks / ranks per node)
-        self.nodes = integer(
-            "SLURM_STEP_NUM_NODES", world_size // integer("LOCAL_WORLD_SIZE", world_size, low=1), low=1
-        )
+        self.nodes = max(world_size // ranks_per_node(world_size), 1)
         self.rows = []
         self.cut = (0, [0.0, 0.0], 0.0)  # an epoch cut short by a signal: (epoch, [loss sum, samples], seconds)
         self.clock = (0, 0.0)  # (epoch, start) of the epoch in progress

@@ -31,7 +31,7 @@ def check_cpu_options(args):
 
 def check_compile(args, device):
     """--compile needs what torch.compile generates code with: a C++ compiler for the CPU, Triton for GPUs."""
-    if not args.compile:
+    if not getattr(args, "compile", False):  # the doctor's options have no --compile
         return
     import torch._dynamo  # here: a run without --compile never loads the compiler stack
 

@@ -1,7 +1,6 @@
 """--compile: the training of eager mode within a stated tolerance (compiled kernels fuse and reorder float
 sums: rounding, nothing more), the same checkpoints, and a missing compiler refused in one line."""
 
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -41,7 +40,8 @@ def both(rank, world_size, port, data_dir, name, result):
             if compiled:
                 model.compile()
         optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-        totals = stage(name).train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), 1, ARGS, RUN)
+        args = type(ARGS)(**vars(ARGS), grad_accum=1)  # stage 05's train() reads it
+        totals = stage(name).train(model, CPU, loader, optimizer, amp.scaler(CPU, args), 1, args, RUN)
         if world_size > 1:
             dist.all_reduce(totals)
         weights = {k.removeprefix("module."): v for k, v in model.state_dict().items()}
@@ -95,4 +95,3 @@ def test_compile_without_a_cpp_compiler_is_one_line(tiny_data, tmp_path):
     out = python(S01, *stage_args(tiny_data, tmp_path, "--compile"), PATH="/nonexistent", CXX="")
     one_error(out, "--compile on the CPU needs a C++ compiler")
     assert out.seconds < 30 and not (tmp_path / "checkpoint.pt").exists()
-

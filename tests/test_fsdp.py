@@ -4,6 +4,7 @@ size, and its exported model is stage 01's."""
 import csv
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -17,6 +18,7 @@ from helpers import (
     clean_env,
     free_port,
     kill_rank_1_after_a_checkpoint,
+    python,
     run,
     srun_like,
     stage_args,
@@ -25,6 +27,7 @@ from helpers import (
 from test_equivalence import ARGS, BATCH, CPU, RUN, model_without_dropout, stage
 from test_stages import check_run
 from torch.distributed._composable import checkpoint as recompute
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
@@ -54,8 +57,8 @@ def test_stage05_exports_stage01s_model(tiny_data, tmp_path):
     assert out.returncode == 0, out.stderr
     rows = check_run(out.stdout, tmp_path, world_size=2)
     assert (
-        "= 18.3 MiB under DDP, 9.2 MiB under FSDP at world size 2 | peak device memory: not measured on the CPU"
-        in out.stdout
+        "= 18.3 MiB under DDP, 9.2 MiB under FSDP at world size 2, 9.2 MiB with this mesh | peak device memory: "
+        "not measured on the CPU" in out.stdout
     )
     assert os.readlink(tmp_path / "checkpoint") == "epoch-2" and (tmp_path / "epoch-1" / "state.pt").exists()
     model = models.Net()
@@ -97,16 +100,19 @@ def ranks(rank, world_size, port, data_dir, result):
         ("fsdp", 1, False),
         ("accum", 4, False),
         ("recompute", 1, True),
+        ("hsdp", 1, False),
     ):
         model = model_without_dropout()
+        # HSDP as on two nodes of one rank each: replicated across them, "sharded" within each over one rank
+        mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")) if way == "hsdp" else None
         if way == "ddp":
             model = DDP(model)
         else:
             for block in models.blocks(model):  # as stage 05 does
                 if checkpointed:
                     recompute(block)
-                fully_shard(block)
-            fully_shard(model)
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
         args = type(ARGS)(**vars(ARGS), grad_accum=accum)
         stage("05_fsdp" if way != "ddp" else "03_ddp_single_node").train(
@@ -121,11 +127,12 @@ def ranks(rank, world_size, port, data_dir, result):
 
 def test_fsdp_micro_batches_and_recompute_equal_ddp(tiny_data, tmp_path):
     """After a few steps at world size 2, FSDP's weights are DDP's, with the global batch in four
-    micro-batches too (gradients summed, reduced once), and with recomputed activations."""
+    micro-batches too (gradients summed, reduced once), with recomputed activations, and under HSDP's
+    2-D mesh (replicated across two "nodes")."""
     mp.spawn(ranks, args=(2, free_port(), tiny_data, tmp_path / "w.pt"), nprocs=2)
     trained = torch.load(tmp_path / "w.pt", weights_only=True)
     start = model_without_dropout().state_dict()
-    for way in ("fsdp", "accum", "recompute"):
+    for way in ("fsdp", "accum", "recompute", "hsdp"):
         assert_close_weights(trained[way], trained["ddp"])
     assert all(not torch.equal(trained["accum"][k], start[k]) for k in start)  # training moved every tensor
 
@@ -257,3 +264,32 @@ def test_a_full_disk_during_a_sharded_save_and_a_missing_shard(tiny_data, tmp_pa
     assert (
         f"error: {tmp_path / 'checkpoint'} is damaged: {tmp_path / 'epoch-1' / '__1_0.distcp'} is missing" in errors[0]
     )
+
+
+@pytest.mark.slow
+def test_hsdp_on_two_nodes_and_its_checkpoint_across_mesh_shapes(tiny_data, tmp_path):
+    """Two torchrun agents of two ranks each, meeting in a c10d rendezvous as on two nodes: the mesh is 2
+    (replicate) x 2 (shard). Its sharded checkpoint resumes on one node of two ranks (FSDP), in one process,
+    and back on two nodes: every epoch once."""
+    out = tmp_path / "out"
+
+    def two_nodes(epochs, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
+               "--rdzv_id=1", f"--rdzv_endpoint=127.0.0.1:{free_port()}", S05,
+               *stage_args(tiny_data, out, "--epochs", epochs, *extra)]  # fmt: skip
+        agents = [subprocess.Popen(list(map(str, cmd)), env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), cwd=REPO,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+        outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+        assert [agent.returncode for agent in agents] == [0, 0], outputs
+        return "".join(outputs)
+
+    assert "mesh: 2 nodes (replicate) x 2 ranks (shard)" in two_nodes(1)
+    one_node = torchrun(2, S05, *stage_args(tiny_data, out, "--epochs", 2, "--resume"))
+    assert one_node.returncode == 0 and "mesh: 2 ranks (shard)" in one_node.stdout, one_node.stderr
+    alone = python(S05, *stage_args(tiny_data, out, "--epochs", 3, "--resume"))
+    assert alone.returncode == 0 and "resumed after epoch 2" in alone.stdout, alone.stderr
+    assert "resumed after epoch 3" in two_nodes(4, "--resume")
+    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    assert [(r["epoch"], r["world_size"], r["nodes"]) for r in rows] == [
+        ("1", "4", "2"), ("2", "2", "1"), ("3", "1", "1"), ("4", "4", "2")
+    ]  # fmt: skip

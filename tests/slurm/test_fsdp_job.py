@@ -21,6 +21,7 @@ def test_stage05_job_script(slurm_cluster, tiny_data, tmp_path):
     _, info, output = sbatch(slurm_cluster, "05_fsdp/job.slurm", tiny_data, tmp_path / "out")
     check_completed(info, output, tmp_path / "out", world_size=4)
     check_two_nodes(info, output)
+    assert "mesh: 2 nodes (replicate) x 2 ranks (shard)" in output  # HSDP: sharded within a node
     assert os.readlink(tmp_path / "out" / "checkpoint") == "epoch-1"
 
 

@@ -1,0 +1,189 @@
+"""Will it fit, and on how many GPUs? The memory each GPU needs for a model and batch under DDP (stages
+03, 04), FSDP and HSDP (stage 05) at 1, 2, 4, ... GPUs, and the smallest allocation that fits, as #SBATCH
+lines. `make plan ARGS="--model wideresnet --depth 28 --width 10 --dataset cifar100 --batch-size 512 --amp
+--optimizer sgd --momentum 0.9 --gpu-memory 80 --gpus-per-node 4"`. No data is read: the shapes come
+from the data set's description.
+
+Per GPU:
+  - weights, gradients and optimizer state: exact, from the model and the optimizer; FSDP and HSDP keep
+    each parameter's first-dimension chunk of this rank (the largest, rank 0's), as fully_shard splits it;
+  - FSDP and HSDP gather one block's whole weights at a time, and prefetch the next: two of the largest;
+  - activations saved for backward: counted by saved-tensor hooks in one forward on the CPU at per-rank
+    batches of 1 and 2, extrapolated (they grow linearly with the batch), with --amp and
+    --checkpoint-activations as the stage applies them;
+  - an allowance for the CUDA context and the allocator: ALLOWANCE, and 10 % of the rest.
+With --bandwidth GB/s (or a doctor.json that measured it), the communication time per step too.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed._composable import checkpoint as recompute  # noqa: E402
+
+from common import cli, data, models, optim  # noqa: E402
+
+MiB = 2**20
+ALLOWANCE = 1024 * MiB  # the CUDA context, cuBLAS/cuDNN workspaces and NCCL's buffers, per GPU
+
+
+def build(args):
+    """The stage's model for the data set's image shape, on the CPU, in the order fully_shard sees it."""
+    spec = data.SETS[args.dataset]
+    torch.manual_seed(0)
+    return models.build(args.model, len(spec.mean), spec.classes, spec.size, args.depth, args.width)
+
+
+def shard_bytes(model, ranks):
+    """Bytes of this model's weights that rank 0 holds when fully_shard splits every parameter over `ranks`:
+    the first chunk of its first dimension (torch.chunk's, as FSDP2 lays it out)."""
+    total = 0
+    for p in model.parameters():
+        rows = p.shape[0] if p.dim() else 1
+        total += min(math.ceil(rows / ranks), rows) * (p.numel() // max(rows, 1)) * p.element_size()
+    return total
+
+
+def activation_bytes(args, model, batch):
+    """Bytes saved for backward by one forward at `batch` images, as the stages train (dropout, BatchNorm in
+    train mode; --amp in bf16; --checkpoint-activations per block): tensors counted once by storage,
+    parameters left out (they are the weights)."""
+    spec = data.SETS[args.dataset]
+    x = torch.randn(batch, len(spec.mean), spec.size, spec.size)
+    y = torch.randint(spec.classes, (batch,))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp):
+            loss = F.nll_loss(model(x), y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(saved.values())
+
+
+def measure(args):
+    """What does not depend on the number of GPUs: the model, its activations at per-rank batches 1 and 2,
+    and the largest unit FSDP gathers (a block, or the root's own first and last layers)."""
+    model = build(args)
+    if args.checkpoint_activations:
+        for block in models.blocks(model):
+            recompute(block)
+    units = [sum(p.numel() for p in block.parameters()) for block in models.blocks(model)]
+    units.append(sum(p.numel() for p in model.parameters()) - sum(units))
+    return model, activation_bytes(args, model, 1), activation_bytes(args, model, 2), max(units)
+
+
+def per_gpu(args, world_size, measured):
+    """{strategy: {component: bytes}} for DDP, FSDP and (on several nodes) HSDP at `world_size` GPUs."""
+    model, one, two, unit = measured
+    activations = one + (args.batch_size // world_size - 1) * (two - one)
+    gathered = 2 * unit * (2 if args.amp else 4)  # the block in use and the next, prefetched; bf16 under --amp
+    plans = {"DDP": (shard_bytes(model, 1), 0), "FSDP": (shard_bytes(model, world_size), gathered)}
+    per_node = min(args.gpus_per_node, world_size)
+    if world_size > per_node:
+        plans["HSDP"] = (shard_bytes(model, per_node), gathered)
+    result = {}
+    for name, (weights, transient) in plans.items():
+        parts = {"weights": weights, "gradients": weights, "optimizer": optim.state_tensors(args) * weights,
+                 "gathered": transient, "activations": activations}  # fmt: skip
+        parts["allowance"] = ALLOWANCE + sum(parts.values()) // 10
+        result[name] = parts
+    return result
+
+
+def traffic(args, model_bytes, name, world_size):
+    """(bytes a GPU sends per step within its node, across nodes): ring collectives of the fp32 gradients
+    (DDP: all-reduce), or of the weights twice (all-gather, forward and backward) and the gradients once
+    (reduce-scatter) for FSDP; HSDP all-gathers and reduce-scatters within a node and all-reduces its shard
+    across nodes."""
+    per_node = min(args.gpus_per_node, world_size)
+    nodes = world_size // per_node
+    ring = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
+    if name == "DDP":
+        total = 2 * ring(world_size) * model_bytes
+    elif name == "FSDP":
+        total = 3 * ring(world_size) * model_bytes
+    else:
+        inside = 3 * ring(per_node) * model_bytes
+        return inside, 2 * ring(nodes) * model_bytes / per_node
+    return (total, 0.0) if nodes == 1 else (total * ring(per_node), total * (1 - ring(per_node)))
+
+
+def bandwidth(args):
+    """GB/s across nodes: --bandwidth, else the slowest all-reduce a doctor.json measured, else None."""
+    if args.bandwidth or not args.doctor:
+        return args.bandwidth
+    measured = json.loads(Path(args.doctor).read_text()).get("bandwidth", {})
+    return min(measured.values()) if measured else None
+
+
+def parse(argv=None):
+    p = cli.parser(Path(__file__))  # the stages' own flags: --model --depth --width --dataset --batch-size --amp ...
+    p.description = "will it fit, and on how many GPUs: memory per GPU under DDP, FSDP and HSDP"
+    p.add_argument("--gpu-memory", type=cli.number(float, "(0, inf)"), default=80.0, metavar="GiB",
+                   help="memory of one GPU (default: 80, an H100)")  # fmt: skip
+    p.add_argument("--gpus-per-node", type=cli.POSITIVE, default=4, help="GPUs in one node (default: 4)")
+    p.add_argument("--bandwidth", type=cli.number(float, "(0, inf)"), metavar="GBps",
+                   help="GB/s between nodes per GPU: adds the communication time per step")  # fmt: skip
+    p.add_argument("--doctor", metavar="doctor.json", help="a cluster doctor's report: its measured bandwidth")
+    p.add_argument("--max-gpus", type=cli.POSITIVE, default=16, help="the largest allocation to show (default: 16)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    limit, speed = args.gpu_memory * 2**30, bandwidth(args)
+    model_bytes = shard_bytes(build(args), 1)
+    print(f"{args.model} ({model_bytes / 4 / 1e6:.1f} M parameters) on {args.dataset}, global batch {args.batch_size}"
+          f"{', --amp' if args.amp else ''}{', --checkpoint-activations' if args.checkpoint_activations else ''}, "
+          f"{args.optimizer}; GPUs of {args.gpu_memory:g} GiB, {args.gpus_per_node} per node")  # fmt: skip
+    print("\n| GPUs | strategy | weights | gradients | optimizer | gathered | activations | allowance | total GiB | fits |"
+          + (" comm. ms/step |" if speed else "") + "\n|---|---|---|---|---|---|---|---|---|---|" + ("---|" if speed else ""))  # fmt: skip
+    best, measured = None, measure(args)
+    for world_size in (2**i for i in range(int(math.log2(args.max_gpus)) + 1)):
+        if args.batch_size % world_size or (world_size > args.gpus_per_node and world_size % args.gpus_per_node):
+            continue  # the global batch splits evenly, and nodes are whole
+        for name, parts in per_gpu(args, world_size, measured).items():
+            total = sum(parts.values())
+            cells = " | ".join(f"{parts[k] / MiB:.0f} MiB" for k in parts)
+            comm = ""
+            if speed:  # one bandwidth for the traffic within and across nodes: an upper bound
+                comm = f" {1e3 * sum(traffic(args, model_bytes, name, world_size)) / (speed * 1e9):.2f} |"
+            print(
+                f"| {world_size} | {name} | {cells} | {total / 2**30:.2f} | {'yes' if total <= limit else 'no'} |{comm}"
+            )
+            if best is None and total <= limit:
+                best = (world_size, name)
+    recommend(args, best)
+
+
+def recommend(args, best):
+    if best is None:
+        print(f"\nnothing fits in {args.max_gpus} GPUs of {args.gpu_memory:g} GiB: --checkpoint-activations, --amp, a "
+              "smaller --batch-size (with --grad-accum in stage 05) or larger GPUs")  # fmt: skip
+        return
+    world_size, name = best
+    per_node = min(args.gpus_per_node, world_size)
+    stage = {"DDP": "03_ddp_single_node" if world_size <= per_node else "04_ddp_multi_node"}.get(name, "05_fsdp")
+    print(
+        f"\nthe smallest allocation that fits: {world_size} GPU{'s' * (world_size > 1)}, {name} ({stage}/job.slurm):\n"
+    )
+    print(
+        f"#SBATCH --nodes={world_size // per_node}\n#SBATCH --ntasks-per-node={per_node}\n#SBATCH --gres=gpu:{per_node}"
+    )
+
+
+if __name__ == "__main__":
+    main()
