@@ -104,21 +104,20 @@ def per_gpu(args, world_size, measured):
 
 
 def traffic(args, model_bytes, name, world_size):
-    """(bytes a GPU sends per step within its node, across nodes): ring collectives of the fp32 gradients
-    (DDP: all-reduce), or of the weights twice (all-gather, forward and backward) and the gradients once
-    (reduce-scatter) for FSDP; HSDP all-gathers and reduce-scatters within a node and all-reduces its shard
-    across nodes."""
+    """(bytes a GPU sends per step within its node, across nodes), ring collectives as BENCHMARKS.md counts
+    them: DDP's all-reduce of the gradients (hierarchical: within the node, then its 1/G across nodes);
+    FSDP's two all-gathers of the weights and one reduce-scatter of the gradients, over every rank; HSDP's
+    three within the node and an all-reduce of its 1/G shard across nodes."""
     per_node = min(args.gpus_per_node, world_size)
     nodes = world_size // per_node
-    ring = lambda n: (n - 1) / n if n > 1 else 0.0  # noqa: E731
+    ring = lambda n: (n - 1) / n  # noqa: E731
+    across = 2 * ring(nodes) * model_bytes / per_node
     if name == "DDP":
-        total = 2 * ring(world_size) * model_bytes
-    elif name == "FSDP":
-        total = 3 * ring(world_size) * model_bytes
-    else:
-        inside = 3 * ring(per_node) * model_bytes
-        return inside, 2 * ring(nodes) * model_bytes / per_node
-    return (total, 0.0) if nodes == 1 else (total * ring(per_node), total * (1 - ring(per_node)))
+        return 2 * ring(per_node) * model_bytes, across
+    if name == "FSDP":
+        flat = 3 * ring(world_size) * model_bytes
+        return (flat, 0.0) if nodes == 1 else (0.0, flat)  # on several nodes, every collective crosses them
+    return 3 * ring(per_node) * model_bytes, across
 
 
 def bandwidth(args):
