@@ -138,6 +138,13 @@ def parser(script):
     # datetime.timedelta's range it would crash the process group's setup
     p.add_argument("--dist-timeout", type=number(int, "[1, 86400]"), default=300,
                    help="seconds a collective may wait for the other ranks (default: 300)")
+    # fmt: on
+    return more_options(p)
+
+
+def more_options(p):
+    """The options of stage 05 and the workshops' experiments, in groups of their own in --help."""
+    # fmt: off
     large = p.add_argument_group("large models (stage 05 only: refused in the stages that do not teach them)")
     large.add_argument("--grad-accum", type=POSITIVE, default=1, metavar="N",
                        help="split each rank's share of --batch-size into N micro-batches, one backward each, gradients reduced once after the last (default: 1)")

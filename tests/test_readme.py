@@ -1,8 +1,13 @@
-"""The README says what the code does: every message its Troubleshooting quotes is one the code prints."""
+"""The READMEs say what the code does: every message Troubleshooting quotes is one the code prints, and
+every command of theirs that a CPU runs in seconds runs as written."""
 
 import ast
 import re
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 from helpers import REPO
 
 
@@ -27,3 +32,33 @@ def test_every_troubleshooting_heading_is_a_line_the_code_prints():
     for message in quoted:
         assert any(message in text for text in texts), message
     assert not any("Address already in use" in text for text in texts)  # torch's words, which the run replaces
+
+
+SAFE = re.compile(r"--limit|--help|--check\b(?!-)|make (help|diff)\b")  # what a CPU runs in seconds
+
+
+def fenced_commands():
+    """(README, command) for every line of a ```bash block in the READMEs that is safe to run on a CPU."""
+    for path in [REPO / "README.md", *sorted(REPO.glob("0*/README.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", path.read_text(), re.S):
+            for line in block.splitlines():
+                command = line.split("  #")[0].strip()
+                if SAFE.search(command):
+                    yield path, command
+
+
+@pytest.mark.parametrize("readme, command", list(fenced_commands()), ids=lambda x: str(x)[-40:])
+def test_the_readmes_commands_run(readme, command, tiny_data, tmp_path):
+    """As written, from the README's folder: the environment's own bin/ for .venv/bin/, a stage on the tiny
+    data set into a folder of its own, make with this Python."""
+    command = command.replace(".venv/bin/", f"{Path(sys.executable).parent}/")
+    if "train.py" in command:
+        command += f" --data-dir {tiny_data} --output-dir {tmp_path / 'out'}"
+    if command.startswith("make "):
+        command += f" PYTHON={sys.executable}"
+    out = subprocess.run(["bash", "-c", command], cwd=readme.parent, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_the_quick_start_is_among_them():
+    assert any("--nproc_per_node=2" in command and "--limit" in command for _, command in fenced_commands())
