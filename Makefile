@@ -61,25 +61,8 @@ doctor: $(VENV) $(DATA)  ## check this machine as a cluster, two gloo ranks (a c
 
 # diff -u of two train.py below their opening docstrings (the rule of code() in tests/test_budgets.py), which
 # describe each stage rather than change it; the names and line numbers are those of the files.
-define CODE_DIFF
-import ast, difflib, re, sys
-def code(path):
-    lines = open(path).read().splitlines(keepends=True)
-    first = ast.parse("".join(lines)).body[0]
-    skip = first.end_lineno if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) else 0
-    return skip, lines[skip:]
-(skip_a, a), (skip_b, b) = map(code, sys.argv[1:])
-for line in difflib.unified_diff(a, b, *sys.argv[1:]):
-    m = re.fullmatch(r"@@ -(\d+)(\S*) \+(\d+)(\S*) @@\n", line)
-    sys.stdout.write(f"@@ -{int(m[1]) + skip_a}{m[2]} +{int(m[3]) + skip_b}{m[4]} @@\n" if m else line)
-endef
-export CODE_DIFF
-
-diff:  ## what each stage adds to the previous one: the train.py code (not the docstrings) and job scripts
-	@set -e; prev=; for s in $(STAGES); do \
-	  if [ -n "$$prev" ]; then python3 -c "$$CODE_DIFF" $$prev/train.py $$s/train.py; \
-	    diff -u $$prev/job.slurm $$s/job.slurm || true; fi; prev=$$s; \
-	done; diff -u 04_ddp_multi_node/job.slurm 04_ddp_multi_node/job_torchrun.slurm || true
+diff:  ## what each stage adds to the previous one, for a projector: its idea, train.py's code (not the docstrings) and job script
+	@$(if $(VENV),python3,$(PYTHON)) tools/stage_diff.py
 
 # pytorch/examples' pipeline by default (one worker, a PIL image per sample); PROFILE= for this repository's
 PROFILE ?= --loader classic --num-workers 1

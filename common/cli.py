@@ -82,7 +82,7 @@ DEFINING = (
 )  # fmt: skip
 FREE = (
     "epochs",  # a resumed run may be given more or fewer epochs to go (not under cosine: defining())
-    "log_interval", "save_model", "output_dir", "resume",  # what is printed and written, not computed
+    "log_interval", "save_model", "output_dir", "resume", "check",  # what is printed and written, not computed
     "data_dir", "num_workers", "loader",  # where batches come from: the three loaders give the same batches
     "test_batch_size",  # evaluation sums do not depend on how they are split into batches
     "no_cuda", "dist_timeout",  # where it runs and how long a collective waits: checkpoints load on any device
@@ -130,12 +130,21 @@ def parser(script):
                    help="metrics, checkpoint and model (default: runs/<stage>/<job id>.<step id>, torchrun-<id> or local-<time>-<pid>)")
     p.add_argument("--resume", nargs="?", const=True, type=Path, metavar="PATH",
                    help="continue from --output-dir's checkpoint, or from the checkpoint file PATH (automatic after a Slurm requeue)")
+    p.add_argument("--check", action="store_true",
+                   help="check the options and exit (0, or 2 with one line): `python train.py --check ARGS && torchrun ... train.py ARGS` keeps a typo from reaching every worker")
     p.add_argument("--checkpoint-minutes", type=number(float, "(0, inf)"), metavar="M",
                    help="also save mid-epoch every M minutes, for what sends no signal (a node lost, SIGKILL); SIGTERM and SIGUSR1 always save (default: off)")
     # a collective that waits a day is a hang: a larger value is a typo (milliseconds?), and past
     # datetime.timedelta's range it would crash the process group's setup
     p.add_argument("--dist-timeout", type=number(int, "[1, 86400]"), default=300,
                    help="seconds a collective may wait for the other ranks (default: 300)")
+    # fmt: on
+    return more_options(p)
+
+
+def more_options(p):
+    """The options of stage 05 and the workshops' experiments, in groups of their own in --help."""
+    # fmt: off
     large = p.add_argument_group("large models (stage 05 only: refused in the stages that do not teach them)")
     large.add_argument("--grad-accum", type=POSITIVE, default=1, metavar="N",
                        help="split each rank's share of --batch-size into N micro-batches, one backward each, gradients reduced once after the last (default: 1)")
@@ -187,6 +196,8 @@ def parse_args(argv=None, warn=True, teaches=()):
         if warn:
             say(f"warning: --num-workers {args.num_workers} is more than the {cpus} CPUs per rank here: using {cpus}")
         args.num_workers = cpus
+    if args.check:  # the options hold for this stage: nothing else to do
+        raise SystemExit(0)
     return args
 
 

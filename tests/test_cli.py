@@ -161,3 +161,12 @@ def test_module_checks_arguments_fast_without_torch():
     assert time.monotonic() - start < 10
     code = "import sys, common.cli; sys.exit('torch' in sys.modules)"
     assert run([sys.executable, "-c", code], timeout=30).returncode == 0
+
+
+def test_check_validates_a_stages_own_options_from_any_folder(tmp_path):
+    """`train.py --check ARGS`, the pre-check before torchrun: stage 05 accepts its own flags, stage 03
+    refuses them in one line, from a folder outside the repository."""
+    ok = run([sys.executable, REPO / "05_fsdp/train.py", "--check", "--grad-accum", "2"], cwd=tmp_path)
+    assert ok.returncode == 0 and ok.stdout == "" and ok.stderr == "", ok.stderr
+    refused = run([sys.executable, REPO / "03_ddp_single_node/train.py", "--check", "--grad-accum", "2"], cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --grad-accum is taught in stage 05_fsdp")

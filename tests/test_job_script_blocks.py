@@ -3,6 +3,7 @@ between stages (their lengths: test_budgets.py)."""
 
 import re
 import subprocess
+from pathlib import Path
 
 from helpers import REPO
 
@@ -61,3 +62,19 @@ def test_the_torchrun_job_script_derives_the_port_as_setup_does():
             ["bash", "-c", f"SLURM_JOB_ID={job_id}; {line}; echo $MASTER_PORT"], capture_output=True, text=True
         )
         assert int(shell.stdout) == master_port(job_id)
+
+
+def test_a_job_whose_tasks_per_node_differ_from_its_gpus_stops_in_one_line():
+    """The scripts that start a rank per task check the one rule a user must keep by hand."""
+    import sys
+
+    for script in ("04_ddp_multi_node/job.slurm", "05_fsdp/job.slurm"):
+        folder = (REPO / script).parent
+        env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "SLURM_SUBMIT_DIR": str(folder),
+               "SLURM_NTASKS_PER_NODE": "2", "SLURM_GPUS_ON_NODE": "4"}  # fmt: skip
+        out = subprocess.run(
+            ["bash", str(REPO / script)], env=env, cwd=folder, capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 1 and out.stderr == "error: --ntasks-per-node=2 but --gres=gpu:4: make them equal\n", (
+            out
+        )

@@ -4,11 +4,15 @@ files' names and line numbers."""
 import re
 import shutil
 import subprocess
+import sys
 from itertools import pairwise
 
 import pytest
 from helpers import REPO, STAGES
 from test_budgets import code  # the rule that `make diff` follows
+
+sys.path.insert(0, str(REPO / "tools"))
+import stage_diff  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
@@ -49,3 +53,11 @@ def test_scaling_and_clean_commands():
     assert scaling == "python3 tools/scaling.py --out scaling.md --plot scaling.png --bandwidth 25 runs/a runs/b\n"
     assert "--bandwidth" not in make("-n", "PYTHON=python3", "scaling", "RUNS=runs/a")
     assert {"scaling.md", "scaling.png", "plot.png"} <= set(make("-n", "clean").split())
+
+
+def test_diff_names_each_pairs_idea_and_an_unchanged_train_py():
+    shown = make("diff")
+    headers = [line for line in shown.splitlines() if line.startswith("==== ")]
+    assert headers[:4] == [f"==== {a} -> {b}: {stage_diff.idea(b)} ====" for a, b in pairwise(STAGES)]
+    assert "04_ddp_multi_node/train.py: unchanged from 03_ddp_single_node: the lesson is in the job script" in shown
+    assert not re.search(r"^(---|\+\+\+) .*\t", shown, re.M)  # no timestamps beside the file names

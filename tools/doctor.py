@@ -38,7 +38,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]  # every dt
 FLOOR_GBPS = {"within nodes": 5, "across nodes": 1}  # busbw below PCIe 3 x16 / 10 GbE: the fast links are not used
 SLOW, VERY_SLOW = 1.5, 3  # a rank's compute time over the median: WARN, FAIL
 FIX = {
-    "gpu": "ask Slurm for one task per GPU (--ntasks-per-node = --gpus-per-node) and let setup() pick local_rank's GPU",
+    "gpu": "ask Slurm for one task per GPU (--ntasks-per-node = the N of --gres=gpu:N) and let setup() pick local_rank's GPU",
     "software": "use one environment on every node: the same module, venv or container, and the same checkout",
     "network": "set MASTER_ADDR to rank 0's host name (srun tasks find it themselves), resolving alike on every node",
     "data": "copy MNIST/raw/ to every node's --data-dir (`make data` on a login node), or put it on a shared filesystem",

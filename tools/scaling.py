@@ -22,7 +22,8 @@ from plot import Figure, labels, load  # tools/plot.py, beside this file
 from common import data, models
 
 NOTE = (
-    "images/s: the median of the epochs after the first, which includes warm-up. Efficiency: speed-up / (world size"
+    "images/s: the median of the epochs after the first, which includes warm-up (a one-epoch run: that epoch)."
+    " Efficiency: speed-up / (world size"
     " / smallest world size). Time to {0:g}%: training seconds until the validation (else test) accuracy reached it.\n"
 )
 PAPER = "On paper: {:,} fp32 gradients ({:.1f} MB) at {:g} GB/s, without latency or overlap with backward().\n"
