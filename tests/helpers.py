@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 INJECT = str(REPO / "tests" / "inject")  # its sitecustomize.py injects faults from outside the stages
 TIMING = {"epoch_seconds", "images_per_s", "images_per_s_per_process"}  # the only fields a resume may change
 STAGES = ["01_single_gpu", "02_dataparallel", "03_ddp_single_node", "04_ddp_multi_node", "05_fsdp"]
+S01, S02, S03, S04, S05 = (REPO / stage / "train.py" for stage in STAGES)  # the stage scripts
 TRAIN_SIZE, TEST_SIZE = 256, 10  # 10 test images: not a multiple of 3, for the exact-once test
 
 

@@ -12,6 +12,10 @@ import torch
 from helpers import (
     INJECT,
     REPO,
+    S01,
+    S03,
+    S04,
+    S05,
     assert_same_state,
     checkpoint,
     clean_env,
@@ -27,10 +31,6 @@ from helpers import (
 
 from common import resumable, rundir
 from common.models import Net
-
-S01, S03, S04, S05 = (
-    REPO / s / "train.py" for s in ("01_single_gpu", "03_ddp_single_node", "04_ddp_multi_node", "05_fsdp")
-)
 
 
 def small(script, data_dir, out, *extra):

@@ -14,6 +14,10 @@ import torch
 from helpers import (
     INJECT,
     REPO,
+    S01,
+    S03,
+    S04,
+    S05,
     TRAIN_SIZE,
     checkpoint,
     clean_env,
@@ -27,9 +31,6 @@ from helpers import (
 
 from common import resumable
 
-S01, S03, S04, S05 = (
-    REPO / s / "train.py" for s in ("01_single_gpu", "03_ddp_single_node", "04_ddp_multi_node", "05_fsdp")
-)
 BATCH = 32  # 8 steps per epoch of the 256 training images
 SLOW = dict(PYTHONPATH=INJECT, FAULT_RANK=0, FAULT_SLEEP=0.3)  # rank 0's steps take 0.3 s: time to signal mid-epoch
 
