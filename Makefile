@@ -66,9 +66,9 @@ diff:  ## what each stage adds to the previous one, for a projector: its idea, t
 
 # pytorch/examples' pipeline by default (one worker, a PIL image per sample); PROFILE= for this repository's
 PROFILE ?= --loader classic --num-workers 1
-profile: $(VENV) $(DATA)  ## time per line of stage 01's train(), one epoch
+profile: $(VENV) $(DATA)  ## time per line of stage 01's train(), one epoch; ARGS=--limit 5000 on a CPU
 	rm -rf runs/profile
-	$(PYTHON) -m kernprof -l -v -o runs/profile.lprof 01_single_gpu/train.py --epochs 1 --output-dir runs/profile $(PROFILE)
+	$(PYTHON) -m kernprof -l -v -o runs/profile.lprof 01_single_gpu/train.py --epochs 1 --output-dir runs/profile $(PROFILE) $(ARGS)
 
 SHELL_SCRIPTS := */*.slurm tests/slurm/*.sh .ci/run
 lint: $(VENV)  ## ruff (check, format --check); bash -n and shellcheck on the job scripts and shell scripts
@@ -92,4 +92,4 @@ plot: $(VENV)  ## losses, accuracy and time per epoch of the run folders in RUNS
 	$(PYTHON) tools/plot.py -o plot.png $(RUNS)
 
 scaling: $(VENV)  ## images/s, speed-up, efficiency and time to 99 % per world size of the run folders in RUNS: scaling.md, scaling.png
-	$(PYTHON) tools/scaling.py --out scaling.md --plot scaling.png $(if $(BANDWIDTH),--bandwidth $(BANDWIDTH)) $(RUNS)
+	$(PYTHON) tools/scaling.py --out scaling.md --plot scaling.png $(if $(BANDWIDTH),--bandwidth $(BANDWIDTH)) $(ARGS) $(RUNS)

@@ -49,8 +49,12 @@ def test_diff_shows_train_py_code_at_its_real_lines():
 
 
 def test_scaling_and_clean_commands():
-    scaling = make("-n", "PYTHON=python3", "scaling", "RUNS=runs/a runs/b", "BANDWIDTH=25")
-    assert scaling == "python3 tools/scaling.py --out scaling.md --plot scaling.png --bandwidth 25 runs/a runs/b\n"
+    scaling = make("-n", "PYTHON=python3", "scaling", "RUNS=runs/a runs/b", "BANDWIDTH=25", "ARGS=--target-accuracy 98")
+    assert scaling == (
+        "python3 tools/scaling.py --out scaling.md --plot scaling.png --bandwidth 25 --target-accuracy 98 runs/a runs/b\n"
+    )
+    profile = make("-n", "PYTHON=python3", "profile", "ARGS=--limit 5000")  # the classic loader's flags stay
+    assert profile.splitlines()[-1].endswith("--loader classic --num-workers 1 --limit 5000")
     assert "--bandwidth" not in make("-n", "PYTHON=python3", "scaling", "RUNS=runs/a")
     assert {"scaling.md", "scaling.png", "plot.png"} <= set(make("-n", "clean").split())
 
