@@ -327,7 +327,10 @@ def started(proc, folder):
 
 def test_ctrl_c_is_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path):
     cmd = [sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--epochs", 50)]
-    proc = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # as from a terminal: a shell's background job (`make test &`) passes SIGINT on ignored, which Python keeps
+    default = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    proc = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=default)  # fmt: skip
     started(proc, tmp_path)
     proc.send_signal(signal.SIGINT)
     out = subprocess.CompletedProcess(cmd, proc.wait(timeout=30), *proc.communicate())
