@@ -1,11 +1,14 @@
-"""Guard rail: how a run ends when it is interrupted or loses a DataLoader worker. `run(main)` is the last
-line of every stage: Ctrl-C, and a worker process killed under it (most often by the out-of-memory killer),
-each end the run with one line that says what happened and what to do, instead of a traceback. Nothing is
-lost that a checkpoint holds: the last finished epoch stays in --output-dir."""
+"""Guard rail: how a run ends. `run(main)` is the last line of every stage: Ctrl-C, and a DataLoader worker
+killed under it (most often by the out-of-memory killer), each end the run with one line that says what
+happened and what to do, instead of a traceback. Nothing is lost that a checkpoint holds: the last finished
+epoch stays in --output-dir. A rank of a process group then ends without the interpreter's teardown (end())."""
 
+import atexit
+import os
 import re
 import sys
 
+from common import watchdog
 from common.environment import is_rank0
 
 
@@ -16,7 +19,7 @@ def run(main):
         if is_rank0():  # Ctrl-C reaches every rank of the terminal's launch: one says it
             print("error: interrupted (Ctrl-C): the checkpoint of the last finished epoch is kept in --output-dir: "
                   "continue with --resume", file=sys.stderr, flush=True)  # fmt: skip
-        raise SystemExit(130) from None  # the shell's code for a run ended by SIGINT
+        end(130)  # the shell's code for a run ended by SIGINT
     except RuntimeError as err:
         # "DataLoader worker (pid(s) 812) exited unexpectedly", caused by "... (pid 812) is killed by signal: Killed."
         lost = re.match(
@@ -24,8 +27,30 @@ def run(main):
         )
         if not lost:
             raise
-        raise SystemExit(
+        end(
             f"error: a DataLoader worker of this rank (pid {lost[1]}) ended ({lost[2]}), most likely killed by the "
             "out-of-memory killer: use fewer --num-workers, or ask for more memory (#SBATCH --mem); then continue "
             "with --resume"
-        ) from None
+        )
+    except SystemExit as stop:
+        end(stop.code)
+    end(0)
+
+
+def end(code):
+    """End the process with `code`, an exit status or a message for stderr (then status 1), as SystemExit does.
+    A rank of a process group skips the interpreter's teardown: there, a thread that returns from C++ into
+    Python is stopped inside C++, which aborts the process (SIGABRT, "terminate called without an active
+    exception") after a run that succeeded. gloo's threads do that when they release a finished collective's
+    tensor. Without a process group, Python ends the run as usual (kernprof writes its profile after it)."""
+    if not watchdog.joined():
+        if code:
+            raise SystemExit(code) from None
+        return
+    if not isinstance(code, int | None):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()  # what the teardown runs first: line_profiler's report under LINE_PROFILE=1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)

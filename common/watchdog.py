@@ -149,6 +149,11 @@ def listen(fn):
     _watch["listeners"].append(fn)
 
 
+def joined():
+    """Whether this process met other ranks (rendezvous()): common/errors.py then ends it itself."""
+    return "store" in _watch
+
+
 def peers():
     """(store, rank, world size) of this process's process group, for the guard rails that talk through the
     store (common/preemption.py); None without one."""

@@ -370,6 +370,16 @@ def test_a_killed_torchrun_takes_its_workers_with_it(tiny_data, tmp_path):
         time.sleep(0.1)
 
 
+def test_a_run_that_succeeded_ends_with_status_0_when_gloo_frees_a_tensor_at_exit(tiny_data, tmp_path):
+    """gloo's thread frees a late collective's tensor after the rank's last line (tests/inject: LATE_RELEASE):
+    it needs the GIL, and in the interpreter's teardown taking it ends the thread inside C++, which aborts
+    the process (SIGABRT, "terminate called without an active exception"). A rank skips that teardown."""
+    env = clean_env(PYTHONPATH=f"{INJECT}:{REPO}", LATE_RELEASE=2)
+    out = torchrun(2, S03, *stage_args(tiny_data, tmp_path, "--epochs", 1), env=env)
+    assert out.returncode == 0 and "terminate called" not in out.stderr, out.stderr[-3000:]
+    assert "done: 1 epochs" in out.stdout and len(list(csv.DictReader(open(tmp_path / "metrics.csv")))) == 1
+
+
 def test_the_failure_table_names_real_tests():
     """Every test tests/FAILURES.md names exists: `file.py::test`, then bare names from the same file."""
     named = 0

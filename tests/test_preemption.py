@@ -71,7 +71,7 @@ def test_stage01_stopped_mid_epoch_resumes_bit_identical(signum, tiny_data, tmp_
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     output, seconds = signal_mid_epoch_2(proc, cut, signum)
     step = saved_mid_epoch(cut, output, 128 + signum, proc)
-    assert seconds < 5, seconds  # the step in flight (0.3 s here), the save and the exit
+    assert seconds < 15, seconds  # the step in flight (0.3 s here), the save and the exit: well within KillWait (30 s)
     assert checkpoint(cut)["step"] == step and checkpoint(cut)["epoch"] == 2
     assert torch.load(cut / resumable.PREVIOUS, weights_only=True)["epoch"] == 1  # the one before survives
     resumed = python(S01, *args(tiny_data, cut, "--resume"))

@@ -11,7 +11,9 @@
   RECORD_SAMPLES=path         every DistributedSampler appends (rank, epoch, indices) to path;
   RECORD_BATCHES=path         every batch the default loader builds appends (rank, set size, indices) to path;
   NO_DROPOUT=1                every dropout layer passes its input through: each rank draws its own
-                              masks, so runs at different world sizes differ by them alone.
+                              masks, so runs at different world sizes differ by them alone;
+  LATE_RELEASE=s              rank 0's last collective ends in gloo's thread while rank 0 holds the GIL
+                              for s seconds after destroy_process_group (a teardown that aborts).
 
 Python imports sitecustomize at start-up in every process, the launchers included; only the
 processes a variable names are touched, and nothing else is imported otherwise.
@@ -109,3 +111,45 @@ if "NO_DROPOUT" in env:
     from torch import nn
 
     nn.Dropout.forward = lambda self, x: x
+
+if "LATE_RELEASE" in env:
+    import atexit
+    import sys
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    class Teardown:
+        def __del__(self):  # the interpreter's teardown frees objects that let other threads run, as torch's do
+            time.sleep(0.2)
+
+    teardown, destroy, late = Teardown(), dist.destroy_process_group, {}
+
+    def late_destroy(*args, **kwargs):
+        late.update(group=dist.new_group(), first=dist.get_rank() == 0, size=dist.get_world_size())
+        destroy(*args, **kwargs)
+
+    def late_collective():
+        """The last thing before the teardown (atexit runs the first registered last): a collective that ends
+        late, in gloo's thread, holding the only reference to its output, a tensor with Python state, which
+        that thread must take the GIL to free; this thread keeps the GIL into the teardown."""
+        if not late:
+            return
+        outputs = [torch.zeros(1) for _ in range(late["size"])]
+        for t in outputs:
+            t.note = "Python state"
+        late["group"].barrier().wait()
+        sys.setswitchinterval(100)  # this thread keeps the GIL from now on
+        if late["first"]:
+            late["group"].allgather([outputs], [torch.ones(1)])
+            del outputs
+            end = time.perf_counter() + float(env["LATE_RELEASE"])
+            while time.perf_counter() < end:  # the other ranks join 1 s late; gloo's thread then waits for the GIL
+                pass
+        else:
+            time.sleep(1)
+            late["group"].allgather([outputs], [torch.ones(1)]).wait()
+
+    dist.destroy_process_group = late_destroy
+    atexit.register(late_collective)
