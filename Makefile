@@ -35,12 +35,9 @@ XDIST = $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo "--numprocesses 
 test: $(VENV) $(DATA)  ## everyday: CPU only, no root, under 3 minutes on 2 cores (WORKERS tests at a time, default 2)
 	$(PYTHON) -m pytest -m "not slow and not slurm" $(XDIST)
 
-# test_fsdp.py runs alone: under a second test process's load, a stage 05 rank has been seen to abort at exit
-# in torch's teardown ("terminate called without an active exception"; tests/README.md)
 test-all: $(VENV) $(DATA)  ## everything: the real Slurm cluster's tests (root) one at a time, then the rest WORKERS at a time
 	$(PYTHON) -m pytest -m slurm
-	$(PYTHON) -m pytest -m "not slurm" --ignore=tests/test_fsdp.py $(XDIST)
-	$(PYTHON) -m pytest tests/test_fsdp.py
+	$(PYTHON) -m pytest -m "not slurm" $(XDIST)
 
 # The oldest torch each stage and the doctor run on (common/versions.py), each from PyPI into .venv-min/<torch>/
 # with the torchvision built for it; tests/test_versions.py runs there what each is the minimum of (one epoch,
