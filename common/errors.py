@@ -51,6 +51,9 @@ def end(code):
         print(code, file=sys.stderr)
         code = 1
     atexit._run_exitfuncs()  # what the teardown runs first: line_profiler's report under LINE_PROFILE=1
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):  # None when started with the descriptor closed (>&-)
+        try:
+            stream and stream.flush()
+        except (OSError, ValueError):  # a pipe whose reader left (| head): the run's own files are whole
+            pass
     os._exit(code or 0)

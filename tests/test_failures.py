@@ -380,6 +380,15 @@ def test_a_run_that_succeeded_ends_with_status_0_when_gloo_frees_a_tensor_at_exi
     assert "done: 1 epochs" in out.stdout and len(list(csv.DictReader(open(tmp_path / "metrics.csv")))) == 1
 
 
+def test_a_run_started_with_stdout_closed_ends_with_status_0(tiny_data, tmp_path):
+    """`>&-`: Python's sys.stdout is None; the ranks' own ending (common/errors.py) flushes only what exists."""
+    cmd = torchrun_cmd(2, S03, *stage_args(tiny_data, tmp_path, "--epochs", 1))
+    out = subprocess.run(cmd, env=clean_env(), cwd=REPO, stderr=subprocess.PIPE, text=True, timeout=120,
+                         preexec_fn=lambda: os.close(1))  # fmt: skip
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert len(list(csv.DictReader(open(tmp_path / "metrics.csv")))) == 1
+
+
 def test_the_failure_table_names_real_tests():
     """Every test tests/FAILURES.md names exists: `file.py::test`, then bare names from the same file."""
     named = 0
