@@ -4,6 +4,7 @@ common.cli ARGS...` checks ARGS as a stage would, without importing torch."""
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ from common.environment import cpus_per_rank, is_rank0
 REPO = Path(__file__).resolve().parent.parent
 DATASETS = ["mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic"]
 REFERENCE_BATCH = 64  # the global batch --lr is given for (--lr-scaling)
+FLOAT32_MAX = 3.4e38  # about float32's largest: optimizers compute in it, and a larger --lr or --weight-decay overflows
 TESTED = {"net": DATASETS[:2], "cnn": DATASETS, "wideresnet": DATASETS[2:]}  # the pairs the tests train
 
 
@@ -29,6 +31,7 @@ def default_output_dir(script, env=os.environ):
     elif not run and env.get("TORCHELASTIC_RUN_ID", "none") != "none":
         run = "torchrun-" + env["TORCHELASTIC_RUN_ID"]  # the same for every rank, and after a restart
     run = run or time.strftime("local-%Y%m%d-%H%M%S-") + str(os.getpid())
+    run = re.sub(r"[^\w.-]|^\.+", "_", run)  # one folder inside runs/, whatever a variable holds ("../..")
     return script.parent.parent / "runs" / script.parent.name / run
 
 
@@ -104,13 +107,19 @@ def defining(args):
     return values
 
 
+def learning_rate(args):
+    """--lr for this run's global batch: --lr-scaling's rule (common/optim.py says why each)."""
+    ratio = args.batch_size / REFERENCE_BATCH
+    return args.lr * {"none": 1, "linear": ratio, "sqrt": ratio**0.5}[args.lr_scaling]
+
+
 def parser(script):
     p = Parser(description=f"image classification training, {script.parent.name}")
     # fmt: off
     p.add_argument("--batch-size", type=POSITIVE, default=64, help="global batch size, split across all GPUs (default: 64)")
     p.add_argument("--test-batch-size", type=POSITIVE, default=1000, help="evaluation batch size per process (default: 1000)")
     p.add_argument("--epochs", type=POSITIVE, default=14, help="number of epochs to train (default: 14)")
-    p.add_argument("--lr", type=number(float, "(0, inf)"), default=1.0, help="learning rate (default: 1.0)")
+    p.add_argument("--lr", type=number(float, "(0, 3.4e38]"), default=1.0, help="learning rate (default: 1.0)")
     p.add_argument("--gamma", type=number(float, "(0, 1]"), default=0.7, help="learning rate step gamma (default: 0.7)")
     p.add_argument("--seed", type=SEED, default=1, help="random seed (default: 1)")
     p.add_argument("--log-interval", type=POSITIVE, default=100, help="batches between progress lines (default: 100)")
@@ -161,7 +170,7 @@ def more_options(p):
     experiments.add_argument("--val-fraction", type=number(float, "[0, 1)"), default=0.0, help="hold out this share of the training set for validation, seeded by --seed (default: 0)")
     experiments.add_argument("--optimizer", choices=["adadelta", "adam", "rmsprop", "sgd"], default="adadelta", help="(default: adadelta, as pytorch/examples)")
     experiments.add_argument("--momentum", type=number(float, "[0, 1)"), default=0.0, help="for sgd and rmsprop (default: 0)")
-    experiments.add_argument("--weight-decay", type=number(float, "[0, inf)"), default=0.0, help="(default: 0)")
+    experiments.add_argument("--weight-decay", type=number(float, "[0, 3.4e38]"), default=0.0, help="(default: 0)")
     experiments.add_argument("--scheduler", choices=["step", "exponential", "cosine"], default="step",
                              help="step: lr x gamma every --step-size epochs; exponential: x gamma every epoch; cosine: down to 0 over --epochs (default: step)")
     experiments.add_argument("--step-size", type=POSITIVE, default=1, help="epochs between steps of --scheduler step (default: 1, as pytorch/examples)")
@@ -182,6 +191,8 @@ def parse_args(argv=None, warn=True, teaches=()):
     for name in ("grad_accum", "checkpoint_activations", "full_shard"):
         if name not in teaches and getattr(args, name) != p.get_default(name):
             p.error(f"--{name.replace('_', '-')} is taught in stage 05_fsdp, not here: run 05_fsdp/train.py")
+    if learning_rate(args) > FLOAT32_MAX:
+        p.error(f"--lr {args.lr:g} scaled to --batch-size {args.batch_size} ({args.lr_scaling}) overflows float32")
     if args.dataset not in TESTED[args.model]:
         p.error(f"--model {args.model} is tested with --dataset {', '.join(TESTED[args.model])}, not {args.dataset}")
     # rank 0 alone reads the checkpoint, and on nodes that share no filesystem only its node has the file

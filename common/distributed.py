@@ -116,13 +116,16 @@ def mesh(args, world_size, device):
     """Stage 05's DeviceMesh, or None without a process group. On several nodes, 2-D (nodes, ranks per node):
     FSDP2 then replicates the weights across nodes and shards them within each (HSDP), so every block's
     all-gather stays on the node's fast links and only the gradients' all-reduce crosses the network. On one
-    node, or with --full-shard, 1-D: every rank holds 1/world size of everything (FSDP)."""
+    node, on nodes of unequal rank counts, or with --full-shard, 1-D: every rank holds 1/world size of everything
+    (FSDP)."""
     if not dist.is_initialized():
         return None
     from torch.distributed.device_mesh import init_device_mesh  # here: the stages that do not shard skip it
 
-    per_node = ranks_per_node(world_size)
-    if args.full_shard or per_node >= world_size or world_size % per_node:
+    everyone = [None] * world_size  # torchruns with unequal --nproc_per_node: every rank must build one mesh
+    dist.all_gather_object(everyone, ranks_per_node(world_size))
+    per_node = everyone[0]
+    if args.full_shard or len(set(everyone)) > 1 or per_node >= world_size or world_size % per_node:
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
     return init_device_mesh(device.type, (world_size // per_node, per_node), mesh_dim_names=("replicate", "shard"))
 

@@ -9,12 +9,7 @@ rule for adaptive optimizers such as Adam or Adadelta), or `none`.
 
 import torch
 
-from common.cli import REFERENCE_BATCH
-
-
-def learning_rate(args):
-    ratio = args.batch_size / REFERENCE_BATCH
-    return args.lr * {"none": 1, "linear": ratio, "sqrt": ratio**0.5}[args.lr_scaling]
+from common.cli import learning_rate
 
 
 def optimizer(args, parameters):

@@ -19,7 +19,8 @@ def check_launch(launch, args):
     if not (0 <= rank < world_size and 0 <= local_rank <= rank):
         raise SystemExit(f"error: inconsistent launch: rank {rank}, local rank {local_rank}, world size {world_size}")
     if args.batch_size % world_size:  # every rank alike, so rank 0 alone says it; a resume keeps --batch-size
-        sizes = ", ".join(str(n) for n in range(1, args.batch_size + 1) if args.batch_size % n == 0)
+        # up to 1024 ranks: a divisor search over a typo's 10**12 would keep every rank busy for minutes
+        sizes = ", ".join(str(n) for n in range(1, min(args.batch_size, 1024) + 1) if args.batch_size % n == 0)
         raise SystemExit(f"error: --batch-size {args.batch_size} is the global batch: it must divide by the world size "
                          f"{world_size}: run on {sizes} ranks" if rank == 0 else 1)  # fmt: skip
 

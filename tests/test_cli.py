@@ -35,7 +35,8 @@ BAD = [
     ("--gamma", "0"), ("--gamma", "1.01"), ("--gamma", "nan"),
     ("--seed", str(2**70)), ("--seed", str(2**32)), ("--seed", "-1"), ("--seed", "1.5"),
     ("--momentum", "1"), ("--momentum", "-0.1"), ("--momentum", "nan"),
-    ("--weight-decay", "-1e-4"), ("--weight-decay", "inf"), ("--weight-decay", "nan"),
+    ("--weight-decay", "-1e-4"), ("--weight-decay", "inf"), ("--weight-decay", "nan"), ("--weight-decay", "1e39"),
+    ("--lr", "1e39"),  # past float32's range: the optimizer's update would overflow
     ("--target-accuracy", "0"), ("--target-accuracy", "100.5"), ("--target-accuracy", "nan"),
     ("--val-fraction", "1"), ("--val-fraction", "-0.1"), ("--val-fraction", "nan"),
     ("--epochs", "0"), ("--epochs", "1e3"), ("--batch-size", "-64"), ("--test-batch-size", "0"),
@@ -76,7 +77,7 @@ def test_stage_refuses_nan_in_one_line():
     start = time.monotonic()
     out = run([sys.executable, "01_single_gpu/train.py", "--lr", "nan"], env=clean_env(), timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.splitlines() == ["error: argument --lr: must be a number in (0, inf), got nan (see --help)"]
+    assert out.stderr.splitlines() == ["error: argument --lr: must be a number in (0, 3.4e38], got nan (see --help)"]
     assert time.monotonic() - start < 30  # refused before any data is read: the time is torch's import
 
 
@@ -170,3 +171,18 @@ def test_check_validates_a_stages_own_options_from_any_folder(tmp_path):
     assert ok.returncode == 0 and ok.stdout == "" and ok.stderr == "", ok.stderr
     refused = run([sys.executable, REPO / "03_ddp_single_node/train.py", "--check", "--grad-accum", "2"], cwd=tmp_path)
     assert refused.returncode == 2 and refused.stderr.startswith("error: --grad-accum is taught in stage 05_fsdp")
+
+
+def test_a_learning_rate_that_scaling_takes_past_float32_is_refused(capsys):
+    err = refused(["--lr", "1e37", "--lr-scaling", "linear", "--batch-size", "6400"], capsys)
+    assert err == "error: --lr 1e+37 scaled to --batch-size 6400 (linear) overflows float32 (see --help)\n"
+
+
+def test_the_default_output_folder_stays_inside_runs_whatever_the_variables_hold(tmp_path):
+    script = tmp_path / "03_ddp_single_node" / "train.py"
+    runs = tmp_path / "runs" / "03_ddp_single_node"
+    for env in ({"SLURM_JOB_ID": "../../x"}, {"SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "/../../y"},
+                {"TORCHELASTIC_RUN_ID": "../z"}, {"SLURM_JOB_ID": ".."}, {"SLURM_JOB_ID": "."}):  # fmt: skip
+        folder = cli.default_output_dir(script, env)
+        assert folder.parent == runs and folder.name not in (".", "..") and "/" not in folder.name, (env, folder)
+        assert folder.resolve().parent == runs.resolve(), (env, folder)

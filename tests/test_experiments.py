@@ -19,7 +19,7 @@ def args(**kw):
 
 @pytest.mark.parametrize("rule, factor", [("none", 1), ("linear", 4), ("sqrt", 2)])
 def test_learning_rate_follows_the_global_batch(rule, factor):
-    assert optim.learning_rate(args(batch_size=256, lr_scaling=rule, lr=0.5)) == 0.5 * factor
+    assert cli.learning_rate(args(batch_size=256, lr_scaling=rule, lr=0.5)) == 0.5 * factor
 
 
 @pytest.mark.parametrize("name, kind", [("adadelta", torch.optim.Adadelta), ("adam", torch.optim.Adam),

@@ -293,3 +293,23 @@ def test_hsdp_on_two_nodes_and_its_checkpoint_across_mesh_shapes(tiny_data, tmp_
     assert [(r["epoch"], r["world_size"], r["nodes"]) for r in rows] == [
         ("1", "4", "2"), ("2", "2", "1"), ("3", "1", "1"), ("4", "4", "2")
     ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_nodes_of_unequal_rank_counts_share_one_mesh(tiny_data, tmp_path):
+    """Two torchrun agents with --nproc_per_node 3 and 1: every rank must build the same mesh (FSDP over all
+    four), not each its own from its node's count, which waited out --dist-timeout."""
+    port = free_port()
+    agents = [
+        subprocess.Popen(
+            list(map(str, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={n}",
+                           "--rdzv_backend=c10d", "--rdzv_id=1", f"--rdzv_endpoint=127.0.0.1:{port}", S05,
+                           *stage_args(tiny_data, tmp_path, "--epochs", 1, "--dist-timeout", 60)])),
+            env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), cwd=REPO, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )
+        for n in (3, 1)
+    ]  # fmt: skip
+    outputs = "".join(agent.communicate(timeout=240)[0] for agent in agents)
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    assert "mesh: 4 ranks (shard)" in outputs and "done: 1 epochs" in outputs
