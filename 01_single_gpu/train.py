@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stage folders
 if importlib.util.find_spec("common"):
-    from common import versions
+    from common.guards import versions
 
-    versions.require(__file__)  # first, before torch: an older one fails in the imports below, or mid-run
+    versions.require(__file__)  # guard: first, before torch: an older one fails in the imports below, or mid-run
 else:  # this folder was copied without common/
     sys.exit(f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's common/ there, or "
              "`make install` in the repository, or `pip install --no-deps -e <repository>` (conda, modules)")  # fmt: skip
@@ -34,14 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import RandomSampler
 
-from common import amp, checkpoint, cli, data, distributed, errors, metrics, models, optim, preflight, resumable, rundir
+from common import amp, checkpoint, cli, data, distributed, metrics, models, optim
+from common.guards import rails  # the guard rails: each line that uses `guard` says what it guards; skip them
 
 
 @metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
-def train(model, device, loader, optimizer, scaler, epoch, args, run):
+def train(model, device, loader, optimizer, scaler, epoch, args, guard):
     model.train()
     totals = torch.zeros(2, device=device)  # summed on the device: no GPU -> CPU sync per step
-    for batch_idx, (x, y) in enumerate(loader, run.first_step()):  # after a mid-epoch resume, where it stopped
+    for batch_idx, (x, y) in enumerate(loader):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         with amp.autocast(device, args):
@@ -51,9 +52,9 @@ def train(model, device, loader, optimizer, scaler, epoch, args, run):
         scaler.update()
         totals[0] += loss.detach() * len(y)
         totals[1] += len(y)
-        if batch_idx % args.log_interval == 0:  # a progress line, and a diverged run stops here
-            metrics.progress(epoch, batch_idx, len(loader), loss, totals, args)
-        checkpoint.step(run, epoch, batch_idx + 1, totals)  # SIGTERM, SIGUSR1: all ranks save at one step, and end
+        if batch_idx % args.log_interval == 0:
+            metrics.progress(epoch, batch_idx, len(loader), loss)
+        guard.end_of_step(epoch, batch_idx, totals)  # guard: a diverged loss stops; SIGTERM, SIGUSR1 save and end
         if args.dry_run:
             break
     return totals
@@ -72,18 +73,18 @@ def evaluate(model, device, loader):
     return totals
 
 
-def main():
+def main(guard):
     args = cli.parse_args()
-    rundir.claim(args.output_dir)  # first: one run per folder, and a folder it can write
-    rank, local_rank, world_size, device = distributed.setup(args)
+    store = guard.start(args)  # guard: one run per folder, a launch that can work, a rendezvous that cannot hang
+    rank, local_rank, world_size, device = distributed.setup(args, store)
     distributed.banner(args, rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
 
     train_set = data.dataset(args.data_dir, args.dataset, train=True, limit=args.limit)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
     test_set = data.dataset(args.data_dir, args.dataset, train=False, limit=args.limit)
-    preflight.agree(args, train_set, test_set)  # all ranks: the same options and the same data
-    train_sampler = resumable.Sampler(RandomSampler(train_set, generator=torch.Generator()), args.seed)
+    guard.agree(train_set, test_set)  # guard: all ranks train with the same options on the same data
+    train_sampler = guard.resumable(RandomSampler(train_set, generator=torch.Generator()))  # guard: resumes part-way
     train_loader = data.loader(train_set, train_sampler, args.batch_size, args, device)
     val_loader = data.loader(val_set, range(len(val_set)), args.test_batch_size, args, device)
     test_loader = data.loader(test_set, range(len(test_set)), args.test_batch_size, args, device)
@@ -97,19 +98,21 @@ def main():
     scaler = amp.scaler(device, args)
 
     log = metrics.Log(args.output_dir, world_size, args.compile)
-    run = checkpoint.Run(args, model, optimizer, scheduler, scaler, log, train_sampler)
-    start_epoch = checkpoint.resume(run)
+    states = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "log": log,
+              "run": guard}  # guard: the checkpoint records how the run was made, and a resume must match it
+    start_epoch = checkpoint.restore(guard.resume(states), states)  # guard: the checkpoint this run continues
     for epoch in range(start_epoch, args.epochs + 1):
         if log.reached(args.target_accuracy, args.patience):  # the same all-reduced rows on every rank
             break
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one after a resume
         log.start(epoch)
-        train_totals = train(model, device, train_loader, optimizer, scaler, epoch, args, run)
+        train_totals = train(model, device, train_loader, optimizer, scaler, epoch, args, guard)
         seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
         totals = torch.cat([train_totals, evaluate(model, device, val_loader), evaluate(model, device, test_loader)])
+        guard.check_epoch(epoch, totals.tolist())  # guard: nothing non-finite is logged or saved
         log.epoch(epoch, scheduler.get_last_lr()[0], seconds, totals.tolist())
         scheduler.step()
-        checkpoint.save(run, epoch)
+        checkpoint.save(args.output_dir, epoch, states)
     log.summary()
     if args.save_model:
         checkpoint.save_model(model, args.output_dir)
@@ -117,4 +120,4 @@ def main():
 
 
 if __name__ == "__main__":
-    errors.run(main)  # Ctrl-C or a lost DataLoader worker: one line, not a traceback
+    rails.run(main)  # guard: any failure ends the run with one line, not a traceback

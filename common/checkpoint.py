@@ -1,35 +1,35 @@
-"""Checkpoints: every finished epoch survives a kill, a time limit or a requeue.
+"""Checkpoints: a run that is stopped continues where it stopped.
 
-Global rank 0 writes --output-dir/checkpoint.pt at the end of every epoch, atomically: a crash
-mid-write leaves the previous checkpoint intact, and the one before stays as checkpoint-previous.pt.
-Rank 0 also reads it back and hands it to every rank, so the output folder need not be on a filesystem
-that every node sees. Files are loaded with `weights_only=True`: a checkpoint holds tensors and plain
-values, never code to run.
+What a checkpoint holds: the epoch (and, saved mid-epoch, the step), the random generators' states, and the
+state_dict() of every object in `states`, the dict a stage makes of what it trains with: the model, the
+optimizer, the learning-rate schedule, the gradient scaler and the metrics so far.
 
-Stage 05's model is sharded: every rank writes its own shard with torch.distributed.checkpoint into a
-new folder <output-dir>/epoch-N, and rank 0 then points the link <output-dir>/checkpoint at it, which
-is atomic too (the last two folders stay). Such a checkpoint loads at any world size: each rank reads
-the pieces its new shard needs, so every node must see the folder.
+Stages 01-04: global rank 0 writes <output-dir>/checkpoint.pt at the end of every epoch, atomically: a crash
+mid-write leaves the previous checkpoint whole, and the one before stays as checkpoint-previous.pt. Files are
+loaded with `weights_only=True`: a checkpoint holds tensors and plain values, never code to run.
 
-A run resumes by itself when Slurm requeued or restarted its job (SLURM_RESTART_COUNT > 0, same job
-id, same output folder) or torchrun restarted its workers; otherwise only with --resume [PATH], and
-only with the options that define the run unchanged (common.cli.DEFINING). The guard rails of the
-output folder (its lock, atomic and finite writes, damaged files) are in common/rundir.py.
+Stage 05's model is sharded: every rank writes its own shards with torch.distributed.checkpoint into a new
+folder <output-dir>/epoch-N, and rank 0 then points the link <output-dir>/checkpoint at it, which is atomic
+too (the last two folders stay). Such a checkpoint loads at any world size: each rank reads the pieces its new
+shard needs, so every node must see the folder.
+
+Which checkpoint a run continues, and whether it may, is for the guard rails (common/guards/resume.py): they
+read it on rank 0 with read() and hand it to every rank, and restore() loads it.
 """
 
+import contextlib
 import os
 import shutil
-import time
 import warnings
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from common import cli, divergence, preemption, resumable, rundir
-from common.distributed import cleanup, print0, stop
-from common.environment import integer, is_rank0
-from common.resumable import PREVIOUS, SHARDED, WHOLE  # the file names, shared with the resume checks
+from common.environment import is_rank0
+
+WHOLE, SHARDED = "checkpoint.pt", "checkpoint"  # stages 01-04's file; stage 05's link to its newest epoch-N
+PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's
+SPLIT = ("model", "optimizer")  # what stage 05 writes as shards; the rest of `states` goes into state.pt
 
 # stage 05 run by plain `python train.py` saves and loads its sharded checkpoints in one process, as meant
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
@@ -41,170 +41,116 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
-def restarts(env=os.environ):
-    """(Slurm's restart count of this job, torchrun's of its workers)."""
-    return integer("SLURM_RESTART_COUNT", 0, env=env), integer("TORCHELASTIC_RESTART_COUNT", 0, env=env)
+@contextlib.contextmanager
+def atomic(path, mode="wb", keep=None):
+    """Write `path` whole or not at all: into a temporary file of this process, switched in once complete. On
+    any error the temporary file goes and the old `path` stays. With `keep`, the file replaced stays there
+    under that name (a hard link, switched in atomically too)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")  # two writers never share one
+    try:
+        with open(tmp, mode, **({} if "b" in mode else {"newline": ""})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        if keep is not None and path.exists():
+            link = keep.with_name(f"{keep.name}.tmp{os.getpid()}")
+            link.unlink(missing_ok=True)
+            try:
+                os.link(path, link)
+            except OSError:  # a filesystem without hard links (some FUSE mounts): a copy
+                shutil.copyfile(path, link)
+            os.replace(link, keep)
+        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-class Run(NamedTuple):
-    """What a checkpoint saves and restores, passed whole to save(), resume() and step()."""
-
-    args: object
-    model: object
-    optimizer: object
-    scheduler: object
-    scaler: object
-    log: object  # metrics.Log: the rows so far, and the clock of an epoch cut short
-    sampler: object  # resumable.Sampler: where in its epoch a resumed run starts
-    sharded: bool = False  # stage 05: every rank writes its own shards
-
-    def first_step(self):
-        """The step this epoch starts at: 0, or where an interrupted run stopped."""
-        return self.sampler.skipped() // self.args.batch_size
-
-
-def save(run, epoch, step=0, totals=None):
-    """The end of epoch `epoch`, or with `step`, the middle of it: `totals` (this rank's training loss and
-    samples so far) and the time so far go with it, so its row in metrics.csv counts the whole epoch."""
-    started = time.monotonic()
-    partial = run.log.partial(epoch, totals) if step else None  # all-reduced: every rank calls save()
-    (save_sharded if run.sharded else save_whole)(run, run_state(run, epoch, step, partial))
-    preemption.saved(time.monotonic() - started)
-
-
-def step(run, epoch, step, totals):
-    """The end of every training step. Where a signal stops the run (common/preemption.py), save it here and
-    end it; with --checkpoint-minutes, save it here once that much time has passed since the last save."""
-    if preemption.check(epoch * 2**32 + step):  # a step count that grows across epochs
-        save(run, epoch, step, totals)
-        print0(f"saved at epoch {epoch}, step {step}: resume with --resume ({preemption.signalled()})")
-        cleanup()
-        raise SystemExit(preemption.exit_code())
-    if (
-        run.args.checkpoint_minutes
-        and step % run.args.log_interval == 0
-        and preemption.due(run.args.checkpoint_minutes)
-    ):
-        save(run, epoch, step, totals)
-        print0(f"saved at epoch {epoch}, step {step} (--checkpoint-minutes {run.args.checkpoint_minutes})")
-
-
-def save_whole(run, state):
-    """Stages 01-04: rank 0 writes the weights, the optimizer state and the run state to checkpoint.pt."""
-    args, epoch = run.args, state["epoch"]
-    state |= {"model": unwrap(run.model).state_dict(), "optimizer": run.optimizer.state_dict()}
-    divergence.check_weights(state, f"epoch {epoch} left weights that are", args.output_dir)
-    if is_rank0():
-        with rundir.atomic(args.output_dir / WHOLE, keep=args.output_dir / PREVIOUS) as f:  # the last two stay
-            torch.save(state, f)
-    if dist.is_initialized():
-        dist.barrier()  # every rank leaves the epoch with its checkpoint complete on disk
-
-
-def run_state(run, epoch, step, partial):
-    """What a checkpoint holds besides the weights and the optimizer state: plain values and small tensors."""
-    return {
-        "epoch": epoch,
-        "step": step,  # 0: the epoch is complete; else the steps of it done, and the sums and time of them
-        "partial": partial,
-        "scheduler": run.scheduler.state_dict(),
-        "scaler": run.scaler.state_dict(),
-        "rng": {
-            "cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        },
-        "metrics": run.log.rows,
-        "flags": cli.defining(run.args),
+def run_state(epoch, step, states, extra):
+    """What a checkpoint holds besides stage 05's shards: plain values and small tensors."""
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    return {"epoch": epoch, "step": step, "rng": rng, **(extra or {})} | {
+        name: unwrap(thing).state_dict() for name, thing in states.items()
     }
 
 
-def save_sharded(run, state):
+def save(output_dir, epoch, states, step=0, extra=None, sharded=False):
+    """The end of epoch `epoch`, or `step` steps into it. Every rank calls it; `extra`: plain values to keep
+    beside the states (the guard rails record what the run was trained with there)."""
+    if sharded:
+        return save_sharded(output_dir, epoch, states, step, extra)
+    if is_rank0():
+        with atomic(output_dir / WHOLE, keep=output_dir / PREVIOUS) as f:  # the last two stay
+            torch.save(run_state(epoch, step, states, extra), f)
+    if dist.is_initialized():
+        dist.barrier()  # every rank leaves with the checkpoint complete on disk
+
+
+def save_sharded(output_dir, epoch, states, step, extra):
     """Stage 05: each rank writes its shards of the weights and optimizer state into <output-dir>/epoch-N
     (epoch-N-step-S mid-epoch; torch.distributed.checkpoint), rank 0 adds state.pt and then switches the link
     <output-dir>/checkpoint to the new folder: a kill before the switch leaves the previous checkpoint whole."""
     from torch.distributed import checkpoint as dcp  # here: the stages that do not shard skip the import
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    args, epoch = run.args, state["epoch"]
-    weights, optimizer_state = get_state_dict(run.model, run.optimizer)  # this rank's shards, named as in the model
-    device = next(run.model.parameters()).device  # each rank sees its own shards: the verdict is all-reduced there
-    divergence.check_weights(
-        [weights, optimizer_state], f"epoch {epoch} left weights that are", args.output_dir, device
-    )
-    folder = args.output_dir / (f"epoch-{epoch}-step-{state['step']}" if state["step"] else f"epoch-{epoch}")
+    weights, optimizer_state = get_state_dict(states["model"], states["optimizer"])  # this rank's shards
+    folder = output_dir / (f"epoch-{epoch}-step-{step}" if step else f"epoch-{epoch}")
     if is_rank0():
         shutil.rmtree(folder, ignore_errors=True)  # what a save killed half-way left behind
     if dist.is_initialized():
         dist.barrier()
-    try:
-        dcp.save({"model": weights, "optimizer": optimizer_state}, checkpoint_id=folder)
-    except (OSError, dcp.CheckpointException) as err:  # every rank gets the failures of all
-        free = shutil.disk_usage(args.output_dir).free / 2**20
-        stop(f"error: could not write {folder}: {rundir.describe(err)} ({free:.0f} MiB free there): the previous "
-             "checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
+    dcp.save({"model": weights, "optimizer": optimizer_state}, checkpoint_id=folder)
     if is_rank0():
-        with rundir.atomic(folder / "state.pt") as f:
-            torch.save(state, f)
-        link = args.output_dir / "checkpoint.tmp"
+        rest = {name: thing for name, thing in states.items() if name not in SPLIT}
+        with atomic(folder / "state.pt") as f:
+            torch.save(run_state(epoch, step, rest, extra), f)
+        link = output_dir / "checkpoint.tmp"
         link.unlink(missing_ok=True)
         link.symlink_to(folder.name)
-        os.replace(link, args.output_dir / SHARDED)  # atomic: the old checkpoint or the new one
-        for old in resumable.epochs(args.output_dir)[2:]:  # the last two complete checkpoints stay
+        os.replace(link, output_dir / SHARDED)  # atomic: the old checkpoint or the new one
+        for old in epochs(output_dir)[2:]:  # the last two complete checkpoints stay
             shutil.rmtree(old)
     if dist.is_initialized():
         dist.barrier()  # rank 0 has switched the link
-        rundir.check_shared(args.output_dir, folder)  # a resume at another world size reads every rank's shards
 
 
-def resume(run):
-    """Continue from this run's checkpoint (or --resume PATH), if there is one to continue: returns the first
-    epoch to run; part-way through it where the checkpoint was saved mid-epoch. From here on, SIGTERM and
-    SIGUSR1 stop the run at the end of a step (step()). Stages 01-04 resume from checkpoint.pt; stage 05 from
-    its sharded checkpoint, saved at any world size, or with --resume from a checkpoint.pt of stages 01-04."""
-    preemption.catch(run.args.dist_timeout)
-    args, name = run.args, SHARDED if run.sharded else WHOLE
-    restarted = any(restarts())
-    if dist.is_initialized():  # torch does not count a restart on a node whose own workers had not failed:
-        everyone = [None] * dist.get_world_size()  # one for any rank is one for all, so that every rank resumes
-        dist.all_gather_object(everyone, restarted)
-        restarted = any(everyone)
-    box = [None, None]
-    if is_rank0():
-        try:
-            box[0] = resumable.find(args, name, restarted)  # or why this run cannot continue
-        except SystemExit as verdict:  # for every rank: they end together, rank 0 says why
-            box[1] = verdict.code
-    if dist.is_initialized():
-        dist.broadcast_object_list(box)
-    state, verdict = box
-    if verdict:
-        stop(verdict)
+def epochs(output_dir):
+    """The sharded checkpoint folders in output_dir, newest first: epoch-N (the end of epoch N) and
+    epoch-N-step-S (S steps into it)."""
+
+    def position(folder):
+        epoch, _, step = folder.name.removeprefix("epoch-").partition("-step-")
+        return (int(epoch), int(step) if step else float("inf")) if (epoch + step).isdigit() else (-1, 0)
+
+    return sorted(output_dir.glob("epoch-*"), key=position, reverse=True)
+
+
+def read(path):
+    """The checkpoint at `path`, a checkpoint.pt or a stage 05 folder (then its state.pt, with "folder" added
+    for restore() to read the shards from)."""
+    folder = path.resolve() if path.is_dir() else None
+    state = torch.load(folder / "state.pt" if folder else path, map_location="cpu", weights_only=True)
+    return state | {"folder": folder} if isinstance(state, dict) else state
+
+
+def restore(state, states):
+    """Load `state` (read() on rank 0, handed to every rank) into `states`: returns the first epoch to run,
+    the one it was saved in if that was mid-epoch. None: nothing to restore, epoch 1."""
     if state is None:
         return 1
-    try:
-        (load_sharded if run.sharded else load_whole)(state, run.model, run.optimizer)
-    except (RuntimeError, ValueError, KeyError) as err:
-        stop(f"error: the checkpoint does not match this model: {str(err).splitlines()[0][:300]}")
-    run.scheduler.load_state_dict(state["scheduler"])
-    run.scaler.load_state_dict(state["scaler"])
+    model, optimizer = states["model"], states["optimizer"]
+    if state["folder"] or any(hasattr(w, "to_local") for w in model.state_dict().values()):  # stage 05's DTensors
+        load_sharded(state, model, optimizer)
+    else:
+        unwrap(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    for name, thing in states.items():
+        if name not in SPLIT:
+            thing.load_state_dict(state[name])
     torch.set_rng_state(state["rng"]["cpu"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng"]["cuda"])
-    run.log.restore(state["metrics"], state["epoch"], state.get("partial"))
-    slurm, torchrun = restarts()
-    how = f"(Slurm restart {slurm}, torchrun restart {torchrun})"
-    epoch, step = state["epoch"], state.get("step", 0)
-    if not step:
-        print0(f"resumed after epoch {epoch} {how}")
-        return epoch + 1
-    run.sampler.resume_at(epoch, step * args.batch_size)  # the samples of those steps, over all ranks
-    print0(f"resumed at epoch {epoch}, step {step} {how}")
-    return epoch
-
-
-def load_whole(state, model, optimizer):
-    unwrap(model).load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    return state["epoch"] + (0 if state["step"] else 1)
 
 
 def load_sharded(state, model, optimizer):
@@ -216,12 +162,7 @@ def load_sharded(state, model, optimizer):
     if state["folder"]:
         weights, optimizer_state = get_state_dict(model, optimizer)  # the shapes to fill, this rank's shards
         pieces = {"model": weights, "optimizer": optimizer_state}
-        try:
-            dcp.load(pieces, checkpoint_id=state["folder"])
-        except dcp.CheckpointException as err:  # a shard missing (a folder not shared), or of another model
-            stop(
-                f"error: cannot load the checkpoint {state['folder']}: {rundir.describe(err)}: resume from a complete one"
-            )
+        dcp.load(pieces, checkpoint_id=state["folder"])
         set_state_dict(model, optimizer, model_state_dict=pieces["model"], optim_state_dict=pieces["optimizer"])
         return
     names = [name for name, _ in model.named_parameters()]  # optimizer.state_dict() numbers them in this order
@@ -241,8 +182,6 @@ def save_model(model, output_dir):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    # every rank's own weights, or rank 0's whole ones (the others then have none)
-    divergence.check_weights(weights, "the trained weights are", output_dir)
     if is_rank0():
-        with rundir.atomic(output_dir / "model.pt") as f:
+        with atomic(output_dir / "model.pt") as f:
             torch.save(weights, f)

@@ -1,6 +1,6 @@
 """The command line, identical in every stage: pytorch/examples' mnist flags plus what Slurm runs and
-the workshops' experiments need. A usage error is one line on stderr and exit status 2; `python -m
-common.cli ARGS...` checks ARGS as a stage would, without importing torch."""
+the workshops' experiments need; stage 05 adds its own (large_models()). A usage error is one line on
+stderr and exit status 2."""
 
 import argparse
 import os
@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-from common import versions
 from common.environment import cpus_per_rank, is_rank0
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,9 +62,15 @@ def number(kind, interval):
     return check
 
 
+LARGE = ("--grad-accum", "--checkpoint-activations", "--full-shard")  # stage 05's own options (large_models())
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):
         """One line instead of a usage block, and from one rank: a job's log shows a usage error once."""
+        taught = [flag for flag in LARGE if message.startswith("unrecognized arguments") and flag in message]
+        if taught:  # silently ignored, it would mislead
+            message = f"{taught[0]} is taught in stage 05_fsdp, not here: run 05_fsdp/train.py"
         say(f"error: {message} (see --help)")
         self.exit(2)
 
@@ -98,22 +103,14 @@ FREE = (
 )  # fmt: skip
 
 
-def defining(args):
-    """{dest: value} of the options that define what a run computes: plain values, for a checkpoint
-    loaded with weights_only=True. A cosine schedule is defined by --epochs too: it decays to 0 over them."""
-    values = {name: getattr(args, name) for name in DEFINING}
-    if args.scheduler == "cosine":
-        values["epochs"] = args.epochs
-    return values
-
-
 def learning_rate(args):
     """--lr for this run's global batch: --lr-scaling's rule (common/optim.py says why each)."""
     ratio = args.batch_size / REFERENCE_BATCH
     return args.lr * {"none": 1, "linear": ratio, "sqrt": ratio**0.5}[args.lr_scaling]
 
 
-def parser(script):
+def parser(script, options=()):
+    """The options of every stage, then those of `options` (functions that add a group: large_models())."""
     p = Parser(description=f"image classification training, {script.parent.name}")
     # fmt: off
     p.add_argument("--batch-size", type=POSITIVE, default=64, help="global batch size, split across all GPUs (default: 64)")
@@ -148,19 +145,28 @@ def parser(script):
     p.add_argument("--dist-timeout", type=number(int, "[1, 86400]"), default=300,
                    help="seconds a collective may wait for the other ranks (default: 300)")
     # fmt: on
-    return more_options(p)
+    experiments(p)
+    for add in options:
+        add(p)
+    return p
 
 
-def more_options(p):
-    """The options of stage 05 and the workshops' experiments, in groups of their own in --help."""
+def large_models(p):
+    """Stage 05's options: the memory savers and the mesh."""
     # fmt: off
-    large = p.add_argument_group("large models (stage 05 only: refused in the stages that do not teach them)")
+    large = p.add_argument_group("large models")
     large.add_argument("--grad-accum", type=POSITIVE, default=1, metavar="N",
                        help="split each rank's share of --batch-size into N micro-batches, one backward each, gradients reduced once after the last (default: 1)")
     large.add_argument("--full-shard", action="store_true",
                        help="on several nodes, shard across all ranks (FSDP) instead of within each node and replicate across nodes (HSDP, the default)")
     large.add_argument("--checkpoint-activations", action="store_true",
                        help="keep only each block's input for the backward pass and recompute the rest: less memory, about one more forward pass of time")
+    # fmt: on
+
+
+def experiments(p):
+    """The workshops' experiments, in a group of their own in --help."""
+    # fmt: off
     experiments = p.add_argument_group("experiments")
     experiments.add_argument("--dataset", choices=DATASETS, default="mnist", help="in torchvision's layout under --data-dir; `make data DATASET=...` (default: mnist)")
     experiments.add_argument("--model", choices=list(TESTED), default="net", help="net: pytorch/examples' CNN for 28x28; cnn: a small CNN for any size; wideresnet: for 32x32 (default: net)")
@@ -180,17 +186,13 @@ def more_options(p):
                              help="stop once the last --patience evaluations (validation if any, else test) all reach this accuracy, in %%")
     experiments.add_argument("--patience", type=POSITIVE, default=1, help="see --target-accuracy (default: 1)")
     # fmt: on
-    return p
 
 
-def parse_args(argv=None, warn=True, teaches=()):
-    """The options of the stage that runs (sys.argv[0]), checked; usage errors exit 2 with one line. A
-    large-model option is refused unless the stage `teaches` it: silently ignored, it would mislead."""
-    p = parser(Path(sys.argv[0]).resolve())
+def parse_args(argv=None, options=(), warn=True):
+    """The options of the stage that runs (sys.argv[0]) and its own `options`, checked; usage errors exit 2
+    with one line."""
+    p = parser(Path(sys.argv[0]).resolve(), options)
     args = p.parse_args(argv)
-    for name in ("grad_accum", "checkpoint_activations", "full_shard"):
-        if name not in teaches and getattr(args, name) != p.get_default(name):
-            p.error(f"--{name.replace('_', '-')} is taught in stage 05_fsdp, not here: run 05_fsdp/train.py")
     if learning_rate(args) > FLOAT32_MAX:
         p.error(f"--lr {args.lr:g} scaled to --batch-size {args.batch_size} ({args.lr_scaling}) overflows float32")
     if args.dataset not in TESTED[args.model]:
@@ -210,10 +212,3 @@ def parse_args(argv=None, warn=True, teaches=()):
     if args.check:  # the options hold for this stage: nothing else to do
         raise SystemExit(0)
     return args
-
-
-if __name__ == "__main__":
-    # a job script's check before torchrun starts its workers: a usage error ends the job once, not once per
-    # worker and restart; silent on success (the workers print any warning themselves)
-    versions.require(Path("train.py"))  # and a torch too old for the stage in this folder, where job scripts run
-    parse_args(sys.argv[1:], warn=False)

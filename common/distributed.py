@@ -6,9 +6,9 @@ branches on how it was launched. A process group exists whenever a launcher star
 
 The launchers say who is who in environment variables: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT; srun sets SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS, and the address
-and port follow from the job (its first node, and a port from its id). The guard rails beside this
-lesson: common/preflight.py checks the launch before any wait, common/watchdog.py bounds every wait
-and names the rank that went silent.
+and port follow from the job (its first node, and a port from its id). The guard rails attach from
+outside (common/guards/): they check the launch before any wait and hand setup() a rendezvous store
+that bounds every wait and names the rank that went silent.
 """
 
 import datetime
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from common import data, preflight, watchdog
+from common import data
 from common.environment import integer, is_rank0, ranks_per_node
 
 
@@ -88,27 +88,22 @@ def launcher(env=os.environ):
     return Launch(0, 0, 1)
 
 
-def setup(args):
-    """Pick the device, join the process group: returns rank, local_rank, world_size, device."""
+def setup(args, store=None):
+    """Pick the device, join the process group: returns rank, local_rank, world_size, device. The ranks meet
+    in `store` (the guard rails hand in one that bounds every wait and names who did not come), else at
+    MASTER_ADDR:MASTER_PORT, where rank 0 serves torch's own."""
     launch = launcher()
-    preflight.check_launch(launch, args)  # numbers that fit together, before anyone waits for anyone
     device = use_device(launch.local_rank, args)
-    if launch.addr:
-        backend = "nccl" if device.type == "cuda" else "gloo"  # NCCL between GPUs, gloo between CPUs
-        preflight.check_interfaces(backend)
-        store = watchdog.rendezvous(launch, args.dist_timeout)  # meet at rank 0's address: bounded, and named
-        with watchdog.deadline(args.dist_timeout + 5, launch.rank, "the process group did not form although every "
-                               "rank arrived: the ranks cannot reach each other's addresses; set GLOO_SOCKET_IFNAME / "
-                               "NCCL_SOCKET_IFNAME to the network the nodes share"):  # fmt: skip
-            dist.init_process_group(
-                backend,
-                store=store,
-                rank=launch.rank,
-                world_size=launch.world_size,
-                timeout=datetime.timedelta(seconds=args.dist_timeout),  # how long a collective may wait
-                device_id=device if device.type == "cuda" else None,
-            )
-        watchdog.watch()  # heartbeats: a failed collective names the rank that went silent
+    if launch.addr:  # a launcher started this process: meet the others
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",  # NCCL between GPUs, gloo between CPUs
+            init_method=None if store else f"tcp://{launch.addr}:{launch.port}",
+            store=store,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=datetime.timedelta(seconds=args.dist_timeout),  # how long a collective may wait
+            device_id=device if device.type == "cuda" else None,
+        )
     return launch.rank, launch.local_rank, launch.world_size, device
 
 
@@ -133,27 +128,16 @@ def mesh(args, world_size, device):
 def use_device(local_rank, args):
     """This rank's device, made the current one: GPU `local_rank` of the node, or the CPU."""
     if not torch.cuda.is_available() or args.no_cuda:
-        preflight.check_cpu_options(args)
-        preflight.check_compile(args, torch.device("cpu"))
         return torch.device("cpu")
-    visible = torch.cuda.device_count()
-    preflight.check_gpus(local_rank, visible)
-    device = torch.device("cuda", local_rank if visible > 1 else 0)  # one visible GPU per task: it is 0
-    preflight.check_compile(args, device)
+    device = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0)  # one GPU per task: it is 0
     torch.cuda.set_device(device)
     return device
 
 
 def cleanup():
-    """Leave the process group (rank 0 last: its process serves the rendezvous store)."""
-    watchdog.leave()
+    """Leave the process group."""
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def stop(message):
-    """End every rank, which all reached the same verdict; rank 0 alone says why."""
-    raise SystemExit(message if is_rank0() else 1)
 
 
 def print0(*args):

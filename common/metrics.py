@@ -7,10 +7,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import divergence, optim
+from common import optim
+from common.checkpoint import atomic
 from common.distributed import print0
 from common.environment import is_rank0, ranks_per_node
-from common.rundir import atomic
 
 try:
     from line_profiler import profile  # the stages' train(): timed per line under kernprof -l or LINE_PROFILE=1
@@ -27,10 +27,9 @@ FIELDS = [
 ]  # fmt: skip
 
 
-def progress(epoch, batch, batches, loss, totals, args):
-    """The progress line every --log-interval batches; a diverged run stops here (common/divergence.py)."""
-    loss = divergence.check_loss(epoch, batch, loss, totals, args.output_dir)
-    print0(f"  epoch {epoch} batch {batch}/{batches} loss {loss:.4f}")
+def progress(epoch, batch, batches, loss):
+    """Print the progress line (every --log-interval batches: reading the loss waits for the GPU)."""
+    print0(f"  epoch {epoch} batch {batch}/{batches} loss {loss.item():.4f}")
 
 
 def memory(model, args, world_size, mesh):
@@ -70,16 +69,18 @@ class Log:
         self.nodes = max(world_size // ranks_per_node(world_size), 1)
         self.rows = []
         self.cut = (0, [0.0, 0.0], 0.0)  # an epoch cut short by a signal: (epoch, [loss sum, samples], seconds)
+        self.so_far = None  # this run's part of the epoch in progress, with the cut's, for a mid-epoch checkpoint
         self.clock = (0, 0.0)  # (epoch, start) of the epoch in progress
         self.compiling = CompileClock(compiled)  # --compile: the seconds it takes, apart
 
-    def restore(self, rows, epoch, partial):
-        """The rows of the epochs a checkpoint holds: a resumed run rewrites the CSV from them, so an
-        epoch that was logged but not checkpointed before a crash is not counted twice. `partial`: the
-        sums and time of the steps of `epoch` done before the checkpoint, saved mid-epoch, or None."""
-        self.rows = list(rows)
-        if partial:
-            self.cut = (epoch, partial["totals"], partial["seconds"])
+    def state_dict(self):
+        """For a checkpoint: the rows so far, and the part of an epoch cut short (all_reduce_so_far())."""
+        return {"rows": self.rows, "cut": self.so_far or (0, [0.0, 0.0], 0.0)}
+
+    def load_state_dict(self, state):
+        """A resumed run rewrites the CSV from the checkpoint's rows, so an epoch that was logged but not
+        checkpointed before a crash is not counted twice."""
+        self.rows, self.cut = list(state["rows"]), tuple(state["cut"])
         self.write()
 
     def start(self, epoch):
@@ -91,17 +92,14 @@ class Log:
         epoch, start = self.clock
         return elapsed(start, device) + (self.cut[2] if self.cut[0] == epoch else 0.0)
 
-    def partial(self, epoch, totals):
-        """For a checkpoint saved mid-epoch: the training loss and samples so far over all ranks (every rank
-        calls this), and the time so far."""
+    def all_reduce_so_far(self, epoch, totals):
+        """Before a checkpoint mid-epoch (every rank calls it: an all-reduce): keep the training loss and
+        samples of `epoch` so far over all ranks, and its time so far, for the resumed run's row."""
         totals = totals.clone()
         if dist.is_initialized():
             dist.all_reduce(totals)
         earlier = self.cut[1] if self.cut[0] == epoch else [0.0, 0.0]
-        return {
-            "totals": [a + b for a, b in zip(totals.tolist(), earlier, strict=True)],
-            "seconds": self.seconds(totals.device),
-        }
+        self.so_far = (epoch, [a + b for a, b in zip(totals.tolist(), earlier, strict=True)], self.seconds(totals.device))
 
     def write(self):
         if is_rank0():
@@ -116,9 +114,6 @@ class Log:
         train_loss, seen, val_loss, val_correct, validated, test_loss, correct, tested = totals
         if self.cut[0] == epoch:  # the steps before an interruption count too
             train_loss, seen = train_loss + self.cut[1][0], seen + self.cut[1][1]
-        divergence.check_epoch(
-            epoch, {"training": train_loss, "validation": val_loss, "test": test_loss}, self.path.parent
-        )
         row = dict(
             epoch=epoch, lr=lr, train_loss=train_loss / seen, test_loss=test_loss / tested,
             val_loss=val_loss / validated if validated else "", val_accuracy=100 * val_correct / validated if validated else "",
@@ -130,6 +125,7 @@ class Log:
         if torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()  # each epoch's own peak
         self.rows.append(row)
+        self.so_far = None
         val = f"| val loss {row['val_loss']:.4f} ({row['val_accuracy']:.2f}%) " if validated else ""
         print0(
             f"epoch {epoch:3d} | lr {lr:.4f} | train loss {row['train_loss']:.4f} {val}| test loss {row['test_loss']:.4f} "

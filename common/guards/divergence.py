@@ -1,44 +1,53 @@
 """Guard rail: a run that diverges stops, every rank at the same point, and never saves what diverged.
-A non-finite loss is seen where the loop already waits for the loss (the progress line: no extra sync
-per step), a non-finite epoch result before its checkpoint, non-finite weights before any write. The
-last good checkpoint then survives, to resume with a lower --lr."""
+A non-finite loss is seen at the progress lines (every --log-interval steps: no extra sync per step), a
+non-finite epoch result or non-finite weights before the epoch's checkpoint. The last good checkpoint then
+survives, to resume with a lower --lr."""
 
 import math
 
 import torch
 import torch.distributed as dist
 
-from common.distributed import stop
-from common.rundir import finite
+from common.guards.ending import stop
 
 ADVICE = "the run diverged; the checkpoint in {0} keeps the last good epoch: try a lower --lr (or --amp off)"
 
 
-def check_loss(epoch, batch, loss, totals, output_dir):
+def finite(state):
+    """Are all the floating-point tensors in `state` (nested dicts and lists) finite? Of a sharded tensor,
+    the shard this rank holds."""
+    if hasattr(state, "to_local"):  # a DTensor (not imported: it costs every stage 0.4 s)
+        state = state.to_local()
+    if isinstance(state, torch.Tensor):
+        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+    if isinstance(state, (dict, list, tuple)):
+        return all(finite(v) for v in (state.values() if isinstance(state, dict) else state))
+    return True
+
+
+def check_loss(epoch, batch, totals, output_dir):
     """At a progress line: stop every rank if the summed loss `totals[0]` is not finite on any of them (it
-    turns so with the first non-finite loss and stays so). Returns rank 0's `loss`, read in the same sync."""
-    bad = torch.isfinite(totals[:1]).logical_not().to(loss.dtype)
+    turns so with the first non-finite loss and stays so). One all-reduce of one number."""
+    bad = torch.isfinite(totals[:1]).logical_not().float()
     if dist.is_initialized():
         dist.all_reduce(bad)  # every rank stops at the same batch
-    loss, bad = torch.cat([loss.detach().reshape(1), bad]).tolist()
-    if bad:
-        stop(f"error: the training loss is not finite by epoch {epoch}, batch {batch} (rank 0's: {loss}): "
-             + ADVICE.format(output_dir))  # fmt: skip
-    return loss
+    if bad.item():
+        stop(f"error: the training loss is not finite by epoch {epoch}, batch {batch}: " + ADVICE.format(output_dir))
 
 
-def check_epoch(epoch, losses, output_dir):
-    """The all-reduced losses of an epoch ({"training": ..., "test": ...}), the same on every rank."""
-    for name, value in losses.items():
+def check_epoch(epoch, totals, output_dir):
+    """The all-reduced sums of an epoch (training loss, samples, then loss, correct and samples of the
+    validation and test sets), the same on every rank."""
+    for name, value in {"training": totals[0], "validation": totals[2], "test": totals[5]}.items():
         if not math.isfinite(value):
             stop(f"error: epoch {epoch} ended with a non-finite {name} loss ({value}): " + ADVICE.format(output_dir))
 
 
-def check_weights(state, what, output_dir, device=None):
-    """Before a save: stop if `state` holds a non-finite tensor. With `device`, each rank holds only its
+def check_weights(states, what, output_dir, device=None):
+    """Before a save: stop if `states` holds a non-finite tensor. With `device`, each rank holds only its
     shards, and the verdict is all-reduced there (NCCL reduces GPU tensors only); else every rank holds
     the same weights and decides alike, with no collective."""
-    bad = not finite(state)
+    bad = not finite(states)
     if device is not None and dist.is_initialized():
         flag = torch.tensor([float(bad)], device=device)
         dist.all_reduce(flag)

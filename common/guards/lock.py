@@ -1,23 +1,14 @@
-"""Guard rail: the output folder. One run per folder (claim: a lock naming its holder), and every file a
-run writes there either whole or not at all (atomic), never holding a non-finite number (finite), and
-a sharded checkpoint checked whole before a resume reads it (damage). The checkpoint and metrics
-modules call these at the one line where they write or read."""
+"""Guard rail: one run per output folder. A lock naming its holder, taken before anything else: a second run
+into the same folder exits at once naming the first, instead of both overwriting one checkpoint."""
 
-import contextlib
 import errno
 import fcntl
 import json
 import os
-import shutil
 import socket
 import time
 
-import torch
-import torch.distributed as dist
-
 from common.environment import integer, is_rank0
-
-_lock = []  # the open lock file: the folder stays claimed for as long as this process lives
 
 
 def claim(output_dir, env=os.environ):
@@ -25,9 +16,10 @@ def claim(output_dir, env=os.environ):
     (flock) on output_dir/.lock, released by the kernel when its process ends, however it ends: a lock
     left by a dead run is free. A live holder is never displaced, with one exception: this same Slurm job
     before its requeue (a higher SLURM_RESTART_COUNT now), whose processes Slurm has ended although on a
-    network filesystem a dead node's lock lingers. Rank 0 alone claims: only its node needs the folder."""
+    network filesystem a dead node's lock lingers. Rank 0 alone claims: only its node needs the folder.
+    Returns the open lock file, which the guard rails keep for as long as the run lasts."""
     if not is_rank0(env):
-        return
+        return None
     me = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.get("SLURM_JOB_ID"),
           "restart": integer("SLURM_RESTART_COUNT", 0, env=env), "since": time.ctime()}  # fmt: skip
     try:
@@ -58,89 +50,4 @@ def claim(output_dir, env=os.environ):
         print(f"warning: {output_dir} cannot be locked ({err.strerror}): make sure no other run uses it", flush=True)
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode(), 0)
-    _lock.append(fd)
-
-
-def finite(state):
-    """Are all the floating-point tensors in `state` (nested dicts and lists) finite? Once an epoch. Of a
-    sharded tensor, the shard this rank holds."""
-    if hasattr(state, "to_local"):  # a DTensor (not imported: it costs every stage 0.4 s)
-        state = state.to_local()
-    if isinstance(state, torch.Tensor):
-        return not state.is_floating_point() or bool(torch.isfinite(state).all())
-    if isinstance(state, (dict, list, tuple)):
-        return all(finite(v) for v in (state.values() if isinstance(state, dict) else state))
-    return True
-
-
-@contextlib.contextmanager
-def atomic(path, mode="wb", keep=None):
-    """Write `path` through a temporary file switched in once complete: a kill, a full disk or any write
-    error leaves the previous file whole, and no partial file behind. With `keep`, the file replaced stays
-    there under that name (a hard link, switched in atomically too)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, mode, **({} if "b" in mode else {"newline": ""})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        if keep is not None and path.exists():
-            link = keep.with_name(keep.name + ".tmp")
-            link.unlink(missing_ok=True)
-            try:
-                os.link(path, link)
-            except OSError:  # a filesystem without hard links (some FUSE mounts): a copy
-                shutil.copyfile(path, link)
-            os.replace(link, keep)
-        os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        free = shutil.disk_usage(path.parent).free / 2**20
-        raise SystemExit(
-            f"error: could not write {path}: {err.strerror} ({free:.0f} MiB free there): the previous "
-            f"{path.name} is kept; free some space or choose another --output-dir, then resume"
-        ) from None
-
-
-def check_shared(output_dir, folder):
-    """Stage 05, after a save: a resume at another world size reads every rank's shards, so every node must
-    see the folder rank 0 wrote; one line naming the hosts that cannot."""
-    blind = [None] * dist.get_world_size()
-    dist.all_gather_object(blind, None if (folder / "state.pt").exists() else socket.gethostname())
-    if any(blind):
-        message = (f"error: {output_dir} is not shared: {', '.join(sorted(set(filter(None, blind))))} cannot see "
-                   "rank 0's checkpoint: in stage 05 every rank writes and reads shards there: choose an "
-                   "--output-dir that every node sees")  # fmt: skip
-        raise SystemExit(message if is_rank0() else 1)
-
-
-def describe(err):
-    """The first failure of a torch.distributed.checkpoint save or load, in a few words: which rank, what."""
-    rank, (cause, _) = next(iter(err.failures.items())) if hasattr(err, "failures") else ("?", (err, None))
-    if isinstance(cause, OSError) and cause.strerror:
-        return f"rank {rank}: {cause.strerror}" + (f" ({cause.filename})" if cause.filename else "")
-    return f"rank {rank}: {str(cause).splitlines()[0][:200]}"
-
-
-def damage(folder):
-    """What is wrong with the sharded checkpoint `folder`, in a few words naming the file, or None."""
-    from torch.distributed.checkpoint import FileSystemReader  # here: the stages that do not shard skip the import
-
-    index = folder / ".metadata"
-    if not index.is_file():
-        return f"{index} is missing"
-    try:
-        pieces = FileSystemReader(folder).read_metadata().storage_data.values()
-    except Exception as err:  # truncated or foreign: unpickling raises a dozen kinds of error
-        return f"{index} cannot be read ({type(err).__name__})"
-    ends = {}
-    for piece in pieces:  # each piece of a tensor lies in one file, at an offset, with a length
-        ends[piece.relative_path] = max(ends.get(piece.relative_path, 0), piece.offset + piece.length)
-    for name, end in sorted(ends.items()):
-        file = folder / name
-        if not file.is_file():
-            return f"{file} is missing"
-        if file.stat().st_size < end:
-            return f"{file} is truncated ({file.stat().st_size} of at least {end} bytes)"
-    return None
+    return fd

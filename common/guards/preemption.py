@@ -7,8 +7,8 @@ the ranks agree, through the rendezvous store, on one step at which all of them 
 the step after the one it is in; the others propose theirs when they hear of it (their own signal, or
 the store, polled with every heartbeat); each rank waits for every proposal at its next step
 boundary and stops at the largest. No rank can be past it (DDP keeps the ranks within a step of each
-other) and no collective is added to a step. common/checkpoint.py then saves the run mid-epoch and ends
-it. A second signal while that happens is noted and ignored."""
+other) and no collective is added to a step. The guard rails then save the run mid-epoch and end it. A
+second signal while that happens is noted and ignored."""
 
 import datetime
 import math
@@ -21,105 +21,104 @@ import time
 
 import torch.distributed as dist
 
-from common import watchdog
-from common.distributed import print0, stop
+from common.distributed import print0
 from common.environment import is_rank0
+from common.guards.ending import stop
 
-_stop = {"signal": None, "at": None, "step": 0, "saved": time.monotonic(), "warned": False}  # this process's alone
-_once = threading.RLock()  # re-entrant: a second signal can interrupt the handler of the first
 MARGIN = 30  # seconds beyond a save: the step in flight, the requeue, a save slower than the last
 
 
-def catch(timeout):
-    """From here on, SIGTERM and SIGUSR1 stop the run at a step boundary that every rank agrees on (check());
-    `timeout`: the longest wait for the other ranks' proposals."""
-    for signum in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(signum, received)
-    _stop["timeout"] = timeout
-    if watchdog.peers():  # a rank may hear of the stop from the store before its own signal arrives
-        watchdog.listen(poll)
+class Preemption:
+    """This process's stop: the signal that came, the step it proposed, the step all ranks agreed on. `peers`:
+    (store, rank, world size) of the process group's rendezvous, or None without one; `timeout`: the longest
+    wait for the other ranks' proposals."""
 
+    def __init__(self, peers, timeout):
+        self.peers, self.timeout = peers, timeout
+        self.signal, self.proposal, self.at, self.step = None, None, None, 0
+        self.saved_at, self.warned = time.monotonic(), False
+        self.once = threading.RLock()  # re-entrant: a second signal can interrupt the handler of the first
 
-def received(signum, frame):
-    """The signal handler: note the first signal and propose a step; a second one changes nothing."""
-    note(signal.Signals(signum).name)
+    def catch(self):
+        """From here on, SIGTERM and SIGUSR1 stop the run at a step boundary that every rank agrees on."""
+        for signum in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(signum, self.received)
 
+    def received(self, signum, frame):
+        """The signal handler: note the first signal and propose a step; a second one changes nothing."""
+        self.note(signal.Signals(signum).name)
 
-def note(name):
-    """Note the signal that stops the run and propose this rank's step, once: the handler (main thread) and
-    the listener (its own) may both try; a proposal once read by another rank must never change."""
-    with _once:
-        if _stop["signal"] is None:
-            _stop["signal"] = name
-            propose()
+    def note(self, name):
+        """Note the signal that stops the run and propose this rank's step, once: the handler (main thread) and
+        the listener (the heartbeat's) may both try; a proposal once read by another rank must never change."""
+        with self.once:
+            if self.signal is None:
+                self.signal = name
+                self.propose()
 
+    def poll(self, store):
+        """With every heartbeat: a rank whose signal is late (or never comes: a signal sent to one rank by hand)
+        proposes its step as soon as another rank's proposal is in the store."""
+        if self.signal is None and store.check(["stop"]):
+            self.note(store.get("stop").decode())  # another rank's signal: this one stops alike
 
-def poll(store):
-    """With every heartbeat: a rank whose signal is late (or never comes: a signal sent to one rank by hand)
-    proposes its step as soon as another rank's proposal is in the store."""
-    if _stop["signal"] is None and store.check(["stop"]):
-        note(store.get("stop").decode())  # another rank's signal: this one stops alike
+    def propose(self):
+        """This rank's stop step, after the signal is noted: the step after the last one it finished. The
+        order (signal noted, then step read) makes it no earlier than the boundary where check() sees it."""
+        self.proposal = self.step + 1
+        if self.peers:
+            store, rank, _ = self.peers
+            store.set(f"stop/{rank}", str(self.proposal))
+            store.set("stop", self.signal)
 
+    def check(self, step):
+        """At a step boundary, with `step` steps done (counted over the whole run): True where the run must stop
+        and save. Two attribute reads per step while no signal has come."""
+        self.step = step
+        if self.signal is None:
+            return False
+        if self.at is None:
+            self.at = self.agree()
+        return step >= self.at
 
-def propose():
-    """This rank's stop step, after the signal is noted: the step after the last one it finished. The
-    order (signal noted, then step read) makes it no earlier than the boundary where check() sees it."""
-    _stop["proposal"] = _stop["step"] + 1
-    if peers := watchdog.peers():
-        store, rank, _ = peers
-        store.set(f"stop/{rank}", str(_stop["proposal"]))
-        store.set("stop", _stop["signal"])
+    def agree(self):
+        """The stop step: the largest of every rank's proposals, waited for at most the timeout."""
+        if not self.peers:
+            return self.proposal
+        store, rank, world_size = self.peers
+        keys = [f"stop/{r}" for r in range(world_size)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except dist.DistError:
+            missing = [k[5:] for k in keys if not store.check([k])]
+            stop(f"error: rank {rank}: {self.signal} came, but rank {', '.join(missing)} did not agree on a step to "
+                 f"stop at within --dist-timeout {self.timeout} s: the last checkpoint stays")  # fmt: skip
+        return max(int(store.get(key)) for key in keys)
 
+    def exit_code(self):
+        """A run stopped by a signal exits as the shell reports a process that signal ended: 128 + its number."""
+        return 128 + signal.Signals[self.signal].value
 
-def check(step):
-    """At a step boundary, with `step` steps done (counted over the whole run): True where the run must stop
-    and save. Two dictionary reads per step while no signal has come."""
-    _stop["step"] = step
-    if _stop["signal"] is None:
-        return False
-    if _stop["at"] is None:
-        _stop["at"] = agree()
-    return step >= _stop["at"]
+    def saved(self, seconds):
+        """Note a checkpoint just written: --checkpoint-minutes counts from here. Under Slurm, warn once if the
+        job's signal comes too late for a save that takes `seconds` (the job scripts' --signal=B:USR1@90)."""
+        self.saved_at = time.monotonic()
+        if self.warned or not is_rank0() or "SLURM_JOB_ID" not in os.environ:
+            return
+        self.warned = True
+        spec = job_signal(os.environ["SLURM_JOB_ID"])
+        if spec and lead(spec) < lead_needed(seconds):
+            print0(f"warning: a checkpoint takes {seconds:.0f} s here, and this job's signal (--signal={spec}) comes "
+                   f"{lead(spec)} s before its time limit: set #SBATCH --signal=B:USR1@{lead_needed(seconds)} or "
+                   "more, or the time limit may cut the last save short")  # fmt: skip
 
-
-def agree():
-    """The stop step: the largest of every rank's proposals, waited for at most the timeout."""
-    peers = watchdog.peers()
-    if not peers:
-        return _stop["proposal"]
-    store, rank, world_size = peers
-    keys = [f"stop/{r}" for r in range(world_size)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=_stop["timeout"]))
-    except dist.DistError:
-        missing = [k[5:] for k in keys if not store.check([k])]
-        stop(f"error: rank {rank}: {_stop['signal']} came, but rank {', '.join(missing)} did not agree on a step to "
-             f"stop at within --dist-timeout {_stop['timeout']} s: the last checkpoint stays")  # fmt: skip
-    return max(int(store.get(key)) for key in keys)
-
-
-def signalled():
-    """The name of the signal that stops this run, or None."""
-    return _stop["signal"]
-
-
-def exit_code():
-    """A run stopped by a signal exits as the shell reports a process that signal ended: 128 + its number."""
-    return 128 + signal.Signals[_stop["signal"]].value
-
-
-def saved(seconds):
-    """Note a checkpoint just written: --checkpoint-minutes counts from here. Under Slurm, warn once if the
-    job's signal comes too late for a save that takes `seconds` (the job scripts' --signal=B:USR1@90)."""
-    _stop["saved"] = time.monotonic()
-    if _stop["warned"] or not is_rank0() or "SLURM_JOB_ID" not in os.environ:
-        return
-    _stop["warned"] = True
-    spec = job_signal(os.environ["SLURM_JOB_ID"])
-    if spec and lead(spec) < lead_needed(seconds):
-        print0(f"warning: a checkpoint takes {seconds:.0f} s here, and this job's signal (--signal={spec}) comes "
-               f"{lead(spec)} s before its time limit: set #SBATCH --signal=B:USR1@{lead_needed(seconds)} or more, "
-               "or the time limit may cut the last save short")  # fmt: skip
+    def due(self, minutes):
+        """--checkpoint-minutes: has rank 0's clock run `minutes` since the last save? Rank 0 decides for all
+        (one small broadcast, at the progress lines only), so that every rank saves at the same step."""
+        verdict = [time.monotonic() - self.saved_at >= 60 * minutes]
+        if dist.is_initialized():
+            dist.broadcast_object_list(verdict, src=0)
+        return verdict[0]
 
 
 def job_signal(job):
@@ -142,12 +141,3 @@ def lead(spec):
 def lead_needed(save_seconds):
     """The signal's lead a job needs, for a save that took `save_seconds`: the rule of the run and the doctor."""
     return math.ceil(save_seconds) + MARGIN
-
-
-def due(minutes):
-    """--checkpoint-minutes: has rank 0's clock run `minutes` since the last save? Rank 0 decides for all (one
-    small broadcast, at the progress lines only), so that every rank saves at the same step."""
-    verdict = [time.monotonic() - _stop["saved"] >= 60 * minutes]
-    if dist.is_initialized():
-        dist.broadcast_object_list(verdict, src=0)
-    return verdict[0]

@@ -2,16 +2,42 @@
 naming the fix, instead of a hang or an error deep in torch: numbers that fit together, a device and a
 network interface that exist, and ranks that train the same run on the same data."""
 
+import hashlib
 import importlib.util
+import math
 import os
 import shutil
 import socket
 import sys
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
-from common import cli, data
+from common import cli
 from common.environment import is_rank0
+from common.guards.ending import stop
+
+
+def check_args(args):
+    """Rank 0 alone reads a checkpoint, and on nodes that share no filesystem only its node has the file: a
+    --resume PATH that is no checkpoint is one line before anything starts (a FIFO would hang torch.load, a
+    directory make it fail with a traceback)."""
+    path = args.resume
+    if isinstance(path, Path) and is_rank0() and not (path.is_file() or (path / "state.pt").is_file()):
+        what = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
+        cli.say(f"error: argument --resume: {path} {what}: give a checkpoint file (<output-dir>/checkpoint.pt) "
+                "or, from stage 05, a checkpoint folder (<output-dir>/checkpoint) (see --help)")  # fmt: skip
+        raise SystemExit(2)
+
+
+def check_device(args, local_rank):
+    """The device setup() will pick must exist and suit the options."""
+    if not torch.cuda.is_available() or args.no_cuda:
+        check_cpu_options(args)
+        return check_compile(args, torch.device("cpu"))
+    check_gpus(local_rank, torch.cuda.device_count())
+    check_compile(args, torch.device("cuda"))
 
 
 def check_launch(launch, args):
@@ -78,18 +104,56 @@ def check_interfaces(backend):
         )
 
 
+def defining(args):
+    """{dest: value} of the options that define what a run computes (cli.DEFINING): plain values, for a
+    checkpoint loaded with weights_only=True. A cosine schedule is defined by --epochs too: it decays to 0
+    over them."""
+    values = {name: getattr(args, name) for name in cli.DEFINING if hasattr(args, name)}
+    if args.scheduler == "cosine":
+        values["epochs"] = args.epochs
+    return values
+
+
+def fingerprint(dataset, samples=1000):
+    """A short string that differs when two ranks read different data: the image count and shape, and a hash
+    of every label and of at most `samples` images evenly strided through the set. Sampled to be cheap: hashing
+    all of CIFAR-100's 150 MB takes each rank a quarter of a second at every start, 1,000 images a few
+    milliseconds; the sizes and labels, which a truncated, reordered or different file changes, go in whole."""
+    digest = hashlib.blake2b(str(tuple(dataset.images.shape)).encode(), digest_size=8)
+    digest.update(dataset.labels.numpy().tobytes())
+    digest.update(dataset.images[:: max(math.ceil(len(dataset) / samples), 1)].numpy().tobytes())
+    return f"{len(dataset)}-{digest.hexdigest()}"
+
+
 def agree(args, *datasets):
     """Before the first step: every rank must train the same run on the same data. A difference in the
     options that define the run, or in the data sets' sizes or fingerprints, ends every rank with the
     option (or data set) and the ranks that differ, instead of a collective mismatch deep in torch."""
     if not dist.is_initialized():
         return
-    mine = {f"--{k.replace('_', '-')}": v for k, v in cli.defining(args).items()}
-    mine.update({f"the {s.name} data ({len(s)} images here)": data.fingerprint(s) for s in datasets})
+    mine = {f"--{k.replace('_', '-')}": v for k, v in defining(args).items()}
+    mine.update({f"the {s.name} data ({len(s)} images here)": fingerprint(s) for s in datasets})
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for key, value in everyone[0].items():
         differ = [f"rank {r}: {theirs.get(key)}" for r, theirs in enumerate(everyone) if theirs.get(key) != value]
         if differ:  # the same verdict on every rank; rank 0 says it
-            message = f"error: the ranks differ in {key}: rank 0: {value}, {', '.join(differ)}: give every rank the same options and data"
-            raise SystemExit(message if is_rank0() else 1)
+            stop(f"error: the ranks differ in {key}: rank 0: {value}, {', '.join(differ)}: give every rank the same "
+                 "options and data")  # fmt: skip
+
+
+def check_shared(output_dir):
+    """Stage 05, before the first step: every rank writes and reads shards in the output folder, so every node
+    must see the folder rank 0 writes in; one line naming the hosts that cannot."""
+    probe = output_dir / ".shared"  # the folder's lock keeps other runs out of it
+    if is_rank0():
+        probe.touch()
+    dist.barrier()
+    blind = [None] * dist.get_world_size()
+    dist.all_gather_object(blind, None if probe.exists() else socket.gethostname())
+    if is_rank0():
+        probe.unlink()
+    if any(blind):
+        stop(f"error: {output_dir} is not shared: {', '.join(sorted(set(filter(None, blind))))} cannot see rank 0's "
+             "checkpoint: in stage 05 every rank writes and reads shards there: choose an --output-dir that every "
+             "node sees")  # fmt: skip

@@ -1,59 +1,184 @@
-"""Guard rail: how a run ends. `run(main)` is the last line of every stage: Ctrl-C, and a DataLoader worker
-killed under it (most often by the out-of-memory killer), each end the run with one line that says what
-happened and what to do, instead of a traceback. Nothing is lost that a checkpoint holds: the last finished
-epoch stays in --output-dir. A rank of a process group then ends without the interpreter's teardown (end())."""
+"""The guard rails of a run, attached to the lesson where they act. A stage hands its main() to run(), which
+makes one Guard and passes it in; every line of the stage that uses it names what it guards, and a learner
+may skip each of them: the training reads the same without. What each one holds off is in tests/FAILURES.md.
 
-import atexit
-import os
+  start()         before the process group: one run per output folder, a launch that can work, and a bounded
+                  rendezvous that names who did not come (the store setup() meets in)
+  agree()         before the first step: every rank trains the same run on the same data
+  resumable()     an epoch that can be resumed part-way, at the sample where it stopped
+  resume()        which checkpoint this run continues, if any, and whether it may; signals are caught from here
+  end_of_step()   a diverged loss stops the run; a signal (SIGTERM, SIGUSR1) or --checkpoint-minutes saves here
+  check_epoch()   nothing non-finite is ever saved
+  run(main)       any failure ends the run with one line instead of a traceback
+"""
+
 import re
+import shutil
 import sys
+import time
 
-from common import watchdog
+import torch
+import torch.distributed as dist
+
+from common import checkpoint, distributed
 from common.environment import is_rank0
+from common.guards import divergence, lock, preflight, resume
+from common.guards.ending import end
+from common.guards.preemption import Preemption
+from common.guards.watchdog import Watchdog
+
+
+class Guard:
+    def __init__(self):
+        self.args, self.lock, self.watchdog, self.preemption = None, None, None, None
+        self.sampler, self.states, self.sharded, self.epoch_done = None, None, False, None
+
+    def start(self, args):
+        """Claim --output-dir, check the launch, and meet the other ranks: returns the rendezvous store for
+        distributed.setup(), or None without a launcher."""
+        self.args = args
+        preflight.check_args(args)
+        self.lock = lock.claim(args.output_dir)  # first: one run per folder, and a folder it can write
+        launch = distributed.launcher()
+        preflight.check_launch(launch, args)  # numbers that fit together, before anyone waits for anyone
+        preflight.check_device(args, launch.local_rank)
+        if not launch.addr:
+            return None
+        preflight.check_interfaces("nccl" if torch.cuda.is_available() and not args.no_cuda else "gloo")
+        self.watchdog = Watchdog()
+        store = self.watchdog.rendezvous(launch, args.dist_timeout)  # bounded, and naming who did not come
+        self.watchdog.watch()  # heartbeats: a failed collective names the rank that went silent
+        return store
+
+    def agree(self, *datasets):
+        preflight.agree(self.args, *datasets)
+
+    def resumable(self, sampler):
+        """`sampler`, made able to start an epoch part-way (resume.Sampler)."""
+        self.sampler = resume.Sampler(sampler, self.args.seed)
+        return self.sampler
+
+    def resume(self, states, sharded=False):
+        """The checkpoint this run continues (or None), for checkpoint.restore(): the one of this folder after a
+        requeue or a torchrun restart, or --resume's, refused in one line where it is not this run's. From here
+        on SIGTERM and SIGUSR1 stop the run at a step all ranks agree on, and end_of_step() saves it."""
+        self.states, self.sharded = states, sharded
+        if sharded and dist.is_initialized():
+            preflight.check_shared(self.args.output_dir)
+        peers = self.watchdog.peers() if self.watchdog else None
+        self.preemption = Preemption(peers, self.args.dist_timeout)
+        self.preemption.catch()
+        if peers:  # a rank may hear of the stop from the store before its own signal arrives
+            self.watchdog.listen(self.preemption.poll)
+        state = resume.state_to_resume(self.args, sharded)
+        if state is not None and state["step"]:
+            self.sampler.resume_at(state["epoch"], state["step"] * self.args.batch_size)
+        return state
+
+    def end_of_step(self, epoch, batch, totals):
+        """After training step `batch` (counted from 0 in this run's part of the epoch): every --log-interval
+        steps, stop if the loss went non-finite on any rank; on a signal, save at the step all ranks agreed on
+        and end the run; with --checkpoint-minutes, save when they have passed."""
+        args, step = self.args, self.sampler.skipped() // self.args.batch_size + batch + 1
+        if self.epoch_done is not None:  # the time since check_epoch(): the epoch's checkpoint, an upper bound
+            self.preemption.saved(time.monotonic() - self.epoch_done)
+            self.epoch_done = None
+        if batch % args.log_interval == 0:
+            divergence.check_loss(epoch, step - 1, totals, args.output_dir)
+        if self.preemption.check(epoch * 2**32 + step):  # a step count that grows across epochs
+            self.save(epoch, step, totals)
+            distributed.print0(f"saved at epoch {epoch}, step {step}: resume with --resume ({self.preemption.signal})")
+            raise SystemExit(self.preemption.exit_code())
+        if args.checkpoint_minutes and batch % args.log_interval == 0 and self.preemption.due(args.checkpoint_minutes):
+            self.save(epoch, step, totals)
+            distributed.print0(f"saved at epoch {epoch}, step {step} (--checkpoint-minutes {args.checkpoint_minutes})")
+
+    def save(self, epoch, step, totals):
+        """A checkpoint `step` steps into `epoch`: the sums and time so far go with it, so that the resumed
+        run's row in metrics.csv counts the whole epoch."""
+        started = time.monotonic()
+        self.states["log"].all_reduce_so_far(epoch, totals)
+        self.check_weights(f"epoch {epoch} left weights that are")
+        checkpoint.save(self.args.output_dir, epoch, self.states, step, sharded=self.sharded)
+        self.preemption.saved(time.monotonic() - started)
+
+    def check_epoch(self, epoch, totals):
+        """Before the epoch's row and checkpoint: its all-reduced losses and the weights must be finite."""
+        divergence.check_epoch(epoch, totals, self.args.output_dir)
+        self.check_weights(f"epoch {epoch} left weights that are")
+        self.epoch_done = time.monotonic()
+
+    def check_weights(self, what):
+        model, optimizer = self.states["model"], self.states["optimizer"]
+        if self.sharded:  # each rank sees its own shards: the verdict is all-reduced on the model's device
+            device = next(model.parameters()).device
+            divergence.check_weights([model.state_dict(), optimizer.state_dict()], what, self.args.output_dir, device)
+        else:
+            divergence.check_weights(checkpoint.unwrap(model).state_dict(), what, self.args.output_dir)
+
+    def state_dict(self):
+        """What a checkpoint keeps of how the run was made (the stage puts the guard among its states), to
+        refuse a resume that would change it (resume.find())."""
+        return {"flags": preflight.defining(self.args)}
+
+    def load_state_dict(self, state):
+        """Nothing to load: resume() compared the checkpoint with this run before anything was loaded."""
+
+    def close(self):
+        if self.watchdog:
+            self.watchdog.leave()
 
 
 def run(main):
+    """main(guard), the last line of every stage: any way it ends, the run ends with one line that says what
+    happened and what to do, instead of a traceback; nothing is lost that a checkpoint holds."""
+    guard = Guard()
     try:
-        main()
+        main(guard)
+        code = 0
     except KeyboardInterrupt:
         if is_rank0():  # Ctrl-C reaches every rank of the terminal's launch: one says it
             print("error: interrupted (Ctrl-C): the checkpoint of the last finished epoch is kept in --output-dir: "
                   "continue with --resume", file=sys.stderr, flush=True)  # fmt: skip
-        end(130)  # the shell's code for a run ended by SIGINT
-    except RuntimeError as err:
-        # "DataLoader worker (pid(s) 812) exited unexpectedly", caused by "... (pid 812) is killed by signal: Killed."
-        lost = re.match(
-            r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is )?(.*?)\.?\s*$", str(err.__cause__ or err)
-        )
-        if not lost:
-            raise
-        end(
-            f"error: a DataLoader worker of this rank (pid {lost[1]}) ended ({lost[2]}), most likely killed by the "
-            "out-of-memory killer: use fewer --num-workers, or ask for more memory (#SBATCH --mem); then continue "
-            "with --resume"
-        )
+        code = 130  # the shell's code for a run ended by SIGINT
     except SystemExit as stop:
-        end(stop.code)
-    end(0)
+        code = stop.code
+    except Exception as err:  # each kind explain() knows becomes one line; any other is re-raised as it was
+        code = explain(err, guard)
+        if code is None:
+            raise
+    guard.close()
+    end(code, joined=guard.watchdog is not None)
 
 
-def end(code):
-    """End the process with `code`, an exit status or a message for stderr (then status 1), as SystemExit does.
-    A rank of a process group skips the interpreter's teardown: there, a thread that returns from C++ into
-    Python is stopped inside C++, which aborts the process (SIGABRT, "terminate called without an active
-    exception") after a run that succeeded. gloo's threads do that when they release a finished collective's
-    tensor. Without a process group, Python ends the run as usual (kernprof writes its profile after it)."""
-    if not watchdog.joined():
-        if code:
-            raise SystemExit(code) from None
-        return
-    if not isinstance(code, int | None):
-        print(code, file=sys.stderr)
-        code = 1
-    atexit._run_exitfuncs()  # what the teardown runs first: line_profiler's report under LINE_PROFILE=1
-    for stream in (sys.stdout, sys.stderr):  # None when started with the descriptor closed (>&-)
-        try:
-            stream and stream.flush()
-        except (OSError, ValueError):  # a pipe whose reader left (| head): the run's own files are whole
-            pass
-    os._exit(code or 0)
+def explain(err, guard):
+    """One line for the errors a run meets from outside its code, or None."""
+    if guard.watchdog and (message := guard.watchdog.explain(err)):  # a failed collective: who went silent
+        return message
+    # "DataLoader worker (pid(s) 812) exited unexpectedly", caused by "... (pid 812) is killed by signal: Killed."
+    lost = re.match(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is )?(.*?)\.?\s*$", str(err.__cause__ or err))
+    if isinstance(err, RuntimeError) and lost:
+        return (f"error: a DataLoader worker of this rank (pid {lost[1]}) ended ({lost[2]}), most likely killed by the "
+                "out-of-memory killer: use fewer --num-workers, or ask for more memory (#SBATCH --mem); then continue "
+                "with --resume")  # fmt: skip
+    if isinstance(err, OSError) and err.filename:  # a write: checkpoint.atomic() removed its temporary file
+        folder = guard.args.output_dir if guard.args else "."
+        return (f"error: could not write {err.filename}: {err.strerror} ({free_mib(folder):.0f} MiB free there): the "
+                "previous checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
+    if type(err).__name__ == "CheckpointException":  # torch.distributed.checkpoint: every rank gets all failures
+        return f"error: stage 05's checkpoint could not be written or read: {describe(err)}: the previous one is kept"
+    if isinstance(err, RuntimeError) and str(err).startswith("Error(s) in loading state_dict"):
+        return f"error: the checkpoint does not match this model: {str(err).splitlines()[0][:300]}"
+    return None
+
+
+def free_mib(folder):
+    return shutil.disk_usage(folder).free / 2**20
+
+
+def describe(err):
+    """The first failure of a torch.distributed.checkpoint save or load, in a few words: which rank, what."""
+    rank, (cause, _) = next(iter(err.failures.items())) if hasattr(err, "failures") else ("?", (err, None))
+    if isinstance(cause, OSError) and cause.strerror:
+        return f"rank {rank}: {cause.strerror}" + (f" ({cause.filename})" if cause.filename else "")
+    return f"rank {rank}: {str(cause).splitlines()[0][:200]}"

@@ -2,34 +2,58 @@
 checkpoint, rank 0 decides which one this run continues, or ends it with one line saying why not: a
 fresh run into a folder that holds a checkpoint; a changed option that defines the run; a checkpoint of
 the other kind (whole, sharded); a damaged one, with the complete one before it to resume from instead.
-common/checkpoint.py calls find() at the one line where it resumes. Sampler lets the stages resume an epoch
-part-way, at the sample where it stopped."""
+A run resumes by itself when Slurm requeued or restarted its job (SLURM_RESTART_COUNT > 0, same job id,
+same output folder) or torchrun restarted its workers; otherwise only with --resume [PATH]. Sampler lets the
+stages resume an epoch part-way, at the sample where it stopped."""
 
 import math
-import re
+import os
 
 import torch
+import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
-from common import cli, rundir
-
-WHOLE, SHARDED = "checkpoint.pt", "checkpoint"  # stages 01-04's file; stage 05's link to its newest epoch-N
-PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
+from common.checkpoint import PREVIOUS, SHARDED, WHOLE, epochs, read
+from common.distributed import print0
+from common.environment import integer, is_rank0
+from common.guards.ending import stop
+from common.guards.preflight import defining
 
 
 class Unusable(Exception):
     """A checkpoint that cannot be resumed from, and why."""
 
 
-def epochs(output_dir):
-    """The sharded checkpoint folders in output_dir, newest first: epoch-N (the end of epoch N) and
-    epoch-N-step-S (S steps into it)."""
+def restarts(env=os.environ):
+    """(Slurm's restart count of this job, torchrun's of its workers)."""
+    return integer("SLURM_RESTART_COUNT", 0, env=env), integer("TORCHELASTIC_RESTART_COUNT", 0, env=env)
 
-    def position(folder):
-        found = re.fullmatch(r"epoch-(\d+)(?:-step-(\d+))?", folder.name)
-        return (int(found[1]), int(found[2]) if found[2] else math.inf) if found else (-1, 0)
 
-    return sorted(output_dir.glob("epoch-*"), key=position, reverse=True)
+def state_to_resume(args, sharded):
+    """Every rank: the checkpoint this run continues, read by rank 0 and handed to all (only its node needs the
+    folder, except in stage 05), or None to start afresh; where it cannot continue, every rank ends with rank
+    0's reason."""
+    restarted = any(restarts())
+    if dist.is_initialized():  # torch does not count a restart on a node whose own workers had not failed:
+        everyone = [None] * dist.get_world_size()  # one for any rank is one for all, so that every rank resumes
+        dist.all_gather_object(everyone, restarted)
+        restarted = any(everyone)
+    box = [None, None]
+    if is_rank0():
+        try:
+            box[0] = find(args, SHARDED if sharded else WHOLE, restarted)
+        except SystemExit as verdict:  # for every rank: they end together, rank 0 says why
+            box[1] = verdict.code
+    if dist.is_initialized():
+        dist.broadcast_object_list(box)
+    state, verdict = box
+    if verdict:
+        stop(verdict)
+    if state is not None:
+        slurm, torchrun = restarts()
+        at = f"epoch {state['epoch']}, step {state['step']}" if state["step"] else f"after epoch {state['epoch']}"
+        print0(f"resumed {at} (Slurm restart {slurm}, torchrun restart {torchrun})")
+    return state
 
 
 def find(args, name, restarted):
@@ -58,8 +82,8 @@ def find(args, name, restarted):
         raise SystemExit(f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
                          "weights with its --save-model")  # fmt: skip
     # a checkpoint from before an option existed does not record it: what it records must match
-    now = cli.defining(args)
-    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in state["flags"].items() if now.get(k) != v]
+    now = defining(args)
+    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in state["run"]["flags"].items() if now.get(k) != v]
     if differ:
         raise SystemExit(f"error: {path} was written with {', '.join(differ)}: resume with the same options, or "
                          "use another --output-dir")  # fmt: skip
@@ -71,15 +95,38 @@ def load(path):
     "folder" added; Unusable if it is damaged or no training checkpoint."""
     folder = path.resolve() if path.is_dir() else None
     try:
-        state = torch.load(folder / "state.pt" if folder else path, map_location="cpu", weights_only=True)
+        state = read(path)
     except Exception as err:  # a truncated file, or a pickle that would run code
         raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged ({type(err).__name__})") from None
-    if not (isinstance(state, dict) and {"epoch", "flags"} <= state.keys() and ("model" in state or folder)):
+    if not (isinstance(state, dict) and {"epoch", "run"} <= state.keys() and ("model" in state or folder)):
         raise Unusable(f"{path} is not a training checkpoint (a --save-model file holds weights only): give "
                        "<output-dir>/checkpoint.pt")  # fmt: skip
-    if folder and (problem := rundir.damage(folder)):
+    if folder and (problem := damage(folder)):
         raise Unusable(f"{path} is damaged: {problem}")
     return state | {"folder": folder}
+
+
+def damage(folder):
+    """What is wrong with the sharded checkpoint `folder`, in a few words naming the file, or None."""
+    from torch.distributed.checkpoint import FileSystemReader  # here: the stages that do not shard skip the import
+
+    index = folder / ".metadata"
+    if not index.is_file():
+        return f"{index} is missing"
+    try:
+        pieces = FileSystemReader(folder).read_metadata().storage_data.values()
+    except Exception as err:  # truncated or foreign: unpickling raises a dozen kinds of error
+        return f"{index} cannot be read ({type(err).__name__})"
+    ends = {}
+    for piece in pieces:  # each piece of a tensor lies in one file, at an offset, with a length
+        ends[piece.relative_path] = max(ends.get(piece.relative_path, 0), piece.offset + piece.length)
+    for name, end in sorted(ends.items()):
+        file = folder / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size < end:
+            return f"{file} is truncated ({file.stat().st_size} of at least {end} bytes)"
+    return None
 
 
 def fallback(output_dir, damaged):
@@ -119,7 +166,10 @@ class Sampler(torch.utils.data.Sampler):
         return self.skip[1] if self.skip[0] == self.epoch else 0
 
     def __len__(self):
-        return len(self.sampler)
+        """The samples this rank draws in this epoch: after a resume part-way, the rest."""
+        if isinstance(self.sampler, DistributedSampler):
+            return math.ceil((len(self.sampler.dataset) - self.skipped()) / self.sampler.num_replicas)
+        return len(self.sampler) - self.skipped()
 
     def __iter__(self):
         skip, sampler = self.skipped(), self.sampler

@@ -1,0 +1,36 @@
+"""Guard rail: how a process ends. A verdict every rank reached alike is said once, by rank 0 (stop());
+a rank of a process group ends without the interpreter's teardown (end())."""
+
+import atexit
+import os
+import sys
+
+from common.environment import is_rank0
+
+
+def stop(message):
+    """End every rank, which all reached the same verdict; rank 0 alone says why."""
+    raise SystemExit(message if is_rank0() else 1)
+
+
+def end(code, joined):
+    """End the process with `code`, an exit status or a message for stderr (then status 1), as SystemExit does.
+    A rank that `joined` a process group skips the interpreter's teardown: there, a thread that returns from
+    C++ into Python is stopped inside C++, which aborts the process (SIGABRT, "terminate called without an
+    active exception") after a run that succeeded. gloo's threads do that when they release a finished
+    collective's tensor. Without a process group, Python ends the run as usual (kernprof writes its profile
+    after it)."""
+    if not joined:
+        if code:
+            raise SystemExit(code) from None
+        return
+    if not isinstance(code, int | None):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()  # what the teardown runs first: line_profiler's report under LINE_PROFILE=1
+    for stream in (sys.stdout, sys.stderr):  # None when started with the descriptor closed (>&-)
+        try:
+            stream and stream.flush()
+        except (OSError, ValueError):  # a pipe whose reader left (| head): the run's own files are whole
+            pass
+    os._exit(code or 0)
