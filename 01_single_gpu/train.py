@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import RandomSampler
 
-from common import amp, checkpoint, cli, data, distributed, metrics, models, optim
+from common import amp, checkpoint, cli, data, distributed, metrics, optim
 from common.guards import rails  # the guard rails: each line that uses `guard` says what it guards; skip them
 
 
@@ -74,23 +74,21 @@ def evaluate(model, device, loader):
 
 
 def main(guard):
-    args = cli.parse_args()
+    args, task = cli.parse_args()  # task: the model and data to train (--task FILE; MNIST by default)
     store = guard.start(args)  # guard: one run per folder, a launch that can work, a rendezvous that cannot hang
     rank, local_rank, world_size, device = distributed.setup(args, store)
     distributed.banner(args, rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
 
-    train_set = data.dataset(args.data_dir, args.dataset, train=True, limit=args.limit)
+    train_set, test_set = task.datasets(args)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
-    test_set = data.dataset(args.data_dir, args.dataset, train=False, limit=args.limit)
     guard.agree(train_set, test_set)  # guard: all ranks train with the same options on the same data
     train_sampler = guard.resumable(RandomSampler(train_set, generator=torch.Generator()))  # guard: resumes part-way
     train_loader = data.loader(train_set, train_sampler, args.batch_size, args, device)
     val_loader = data.loader(val_set, range(len(val_set)), args.test_batch_size, args, device)
     test_loader = data.loader(test_set, range(len(test_set)), args.test_batch_size, args, device)
 
-    shape = train_set.in_channels, train_set.classes, train_set.image_size
-    model = models.build(args.model, *shape, args.depth, args.width).to(device)
+    model = task.model(args).to(device)
     if args.compile:  # fused kernels for this model; the first step of each shape waits for the compiler
         model.compile()  # in place: the state dict keeps its names, so checkpoints do not change
     optimizer = optim.optimizer(args, model.parameters())

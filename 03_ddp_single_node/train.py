@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, checkpoint, cli, data, distributed, metrics, models, optim
+from common import amp, checkpoint, cli, data, distributed, metrics, optim
 from common.guards import rails  # the guard rails: each line that uses `guard` says what it guards; skip them
 
 
@@ -78,15 +78,14 @@ def evaluate(model, device, loader):
 
 
 def main(guard):
-    args = cli.parse_args()
+    args, task = cli.parse_args()  # task: the model and data to train (--task FILE; MNIST by default)
     store = guard.start(args)  # guard: one run per folder, a launch that can work, a rendezvous that cannot hang
     rank, local_rank, world_size, device = distributed.setup(args, store)
     distributed.banner(args, rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
 
-    train_set = data.dataset(args.data_dir, args.dataset, train=True, limit=args.limit)
+    train_set, test_set = task.datasets(args)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
-    test_set = data.dataset(args.data_dir, args.dataset, train=False, limit=args.limit)
     guard.agree(train_set, test_set)  # guard: all ranks train with the same options on the same data
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
@@ -97,8 +96,7 @@ def main(guard):
     val_loader = data.loader(val_set, data.shard(len(val_set), rank, world_size), args.test_batch_size, args, device)
     test_loader = data.loader(test_set, data.shard(len(test_set), rank, world_size), args.test_batch_size, args, device)
 
-    shape = train_set.in_channels, train_set.classes, train_set.image_size
-    model = models.build(args.model, *shape, args.depth, args.width).to(device)
+    model = task.model(args).to(device)
     if dist.is_initialized():  # a plain `python train.py` has no process group and needs no DDP
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)

@@ -14,7 +14,7 @@ Launch (from 05_fsdp/):
 Changes from stage 04:
   - sharding: fully_shard on each BatchNorm layer, each block and the root, instead of DDP;
   - mixed precision: FSDP's policies (amp.policies) instead of autocast;
-  - sharded checkpoints: checkpoint.save(..., sharded=True), each rank writing its own shards;
+  - sharded checkpoints: checkpoint.save_sharded(), each rank writing its own shards;
   - --compile: per block, before fully_shard, instead of the whole DDP model;
   - memory: the memory line, and two memory savers, which the other stages refuse: micro-batches
     (--grad-accum, the loop in train()) and recomputed activations (--checkpoint-activations).
@@ -87,15 +87,14 @@ def evaluate(model, device, loader):
 
 
 def main(guard):
-    args = cli.parse_args(options=[cli.large_models])
+    args, task = cli.parse_args(options=[cli.large_models])  # task: the model and data (--task FILE)
     store = guard.start(args)  # guard: one run per folder, a launch that can work, a rendezvous that cannot hang
     rank, local_rank, world_size, device = distributed.setup(args, store)
     distributed.banner(args, rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
 
-    train_set = data.dataset(args.data_dir, args.dataset, train=True, limit=args.limit)
+    train_set, test_set = task.datasets(args)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
-    test_set = data.dataset(args.data_dir, args.dataset, train=False, limit=args.limit)
     guard.agree(train_set, test_set)  # guard: all ranks train with the same options on the same data
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
@@ -106,8 +105,7 @@ def main(guard):
     val_loader = data.loader(val_set, data.shard(len(val_set), rank, world_size), args.test_batch_size, args, device)
     test_loader = data.loader(test_set, data.shard(len(test_set), rank, world_size), args.test_batch_size, args, device)
 
-    shape = train_set.in_channels, train_set.classes, train_set.image_size
-    model = models.build(args.model, *shape, args.depth, args.width).to(device)
+    model = task.model(args).to(device)
     mesh = distributed.mesh(args, world_size, device)  # several nodes: shard within each, replicate across (HSDP)
     metrics.memory(model, args, world_size, mesh)
     if args.checkpoint_activations:  # a memory saver: keep each block's input only, rerun its forward in backward()
@@ -133,7 +131,7 @@ def main(guard):
     log = metrics.Log(args.output_dir, world_size, args.compile)
     states = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "log": log,
               "run": guard}  # guard: the checkpoint records how the run was made, and a resume must match it
-    start_epoch = checkpoint.restore(guard.resume(states, sharded=True), states)  # guard: the one this run continues
+    start_epoch = checkpoint.restore_sharded(guard.resume(states, sharded=True), states)  # guard: the one it continues
     for epoch in range(start_epoch, args.epochs + 1):
         if log.reached(args.target_accuracy, args.patience):  # the same all-reduced rows on every rank
             break
@@ -147,7 +145,7 @@ def main(guard):
         guard.check_epoch(epoch, totals.tolist())  # guard: nothing non-finite is logged or saved
         log.epoch(epoch, scheduler.get_last_lr()[0], seconds, totals.tolist())
         scheduler.step()
-        checkpoint.save(args.output_dir, epoch, states, sharded=True)  # every rank writes its shards
+        checkpoint.save_sharded(args.output_dir, epoch, states)  # every rank writes its shards
     log.summary()
     if args.save_model:
         checkpoint.save_model(model, args.output_dir)

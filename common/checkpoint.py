@@ -5,8 +5,8 @@ state_dict() of every object in `states`, the dict a stage makes of what it trai
 optimizer, the learning-rate schedule, the gradient scaler and the metrics so far.
 
 Stages 01-04: global rank 0 writes <output-dir>/checkpoint.pt at the end of every epoch, atomically: a crash
-mid-write leaves the previous checkpoint whole, and the one before stays as checkpoint-previous.pt. Files are
-loaded with `weights_only=True`: a checkpoint holds tensors and plain values, never code to run.
+mid-write leaves the previous checkpoint whole. Files are loaded with `weights_only=True`: a checkpoint holds
+tensors and plain values, never code to run.
 
 Stage 05's model is sharded: every rank writes its own shards with torch.distributed.checkpoint into a new
 folder <output-dir>/epoch-N, and rank 0 then points the link <output-dir>/checkpoint at it, which is atomic
@@ -28,7 +28,6 @@ import torch.distributed as dist
 from common.environment import is_rank0
 
 WHOLE, SHARDED = "checkpoint.pt", "checkpoint"  # stages 01-04's file; stage 05's link to its newest epoch-N
-PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's
 SPLIT = ("model", "optimizer")  # what stage 05 writes as shards; the rest of `states` goes into state.pt
 
 # stage 05 run by plain `python train.py` saves and loads its sharded checkpoints in one process, as meant
@@ -42,10 +41,9 @@ def unwrap(model):
 
 
 @contextlib.contextmanager
-def atomic(path, mode="wb", keep=None):
+def atomic(path, mode="wb"):
     """Write `path` whole or not at all: into a temporary file of this process, switched in once complete. On
-    any error the temporary file goes and the old `path` stays. With `keep`, the file replaced stays there
-    under that name (a hard link, switched in atomically too)."""
+    any error the temporary file goes and the old `path` stays."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")  # two writers never share one
     try:
@@ -53,40 +51,30 @@ def atomic(path, mode="wb", keep=None):
             yield f
             f.flush()
             os.fsync(f.fileno())
-        if keep is not None and path.exists():
-            link = keep.with_name(f"{keep.name}.tmp{os.getpid()}")
-            link.unlink(missing_ok=True)
-            try:
-                os.link(path, link)
-            except OSError:  # a filesystem without hard links (some FUSE mounts): a copy
-                shutil.copyfile(path, link)
-            os.replace(link, keep)
         os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def run_state(epoch, step, states, extra):
+def run_state(epoch, step, states):
     """What a checkpoint holds besides stage 05's shards: plain values and small tensors."""
     rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    return {"epoch": epoch, "step": step, "rng": rng, **(extra or {})} | {
+    return {"epoch": epoch, "step": step, "rng": rng} | {
         name: unwrap(thing).state_dict() for name, thing in states.items()
     }
 
 
-def save(output_dir, epoch, states, step=0, extra=None, sharded=False):
-    """The end of epoch `epoch`, or `step` steps into it. Every rank calls it; `extra`: plain values to keep
-    beside the states (the guard rails record what the run was trained with there)."""
-    if sharded:
-        return save_sharded(output_dir, epoch, states, step, extra)
+def save(output_dir, epoch, states, step=0):
+    """Stages 01-04, the end of epoch `epoch` (or `step` steps into it): rank 0 writes checkpoint.pt; every
+    rank calls it."""
     if is_rank0():
-        with atomic(output_dir / WHOLE, keep=output_dir / PREVIOUS) as f:  # the last two stay
-            torch.save(run_state(epoch, step, states, extra), f)
+        with atomic(output_dir / WHOLE) as f:
+            torch.save(run_state(epoch, step, states), f)
     if dist.is_initialized():
         dist.barrier()  # every rank leaves with the checkpoint complete on disk
 
 
-def save_sharded(output_dir, epoch, states, step, extra):
+def save_sharded(output_dir, epoch, states, step=0):
     """Stage 05: each rank writes its shards of the weights and optimizer state into <output-dir>/epoch-N
     (epoch-N-step-S mid-epoch; torch.distributed.checkpoint), rank 0 adds state.pt and then switches the link
     <output-dir>/checkpoint to the new folder: a kill before the switch leaves the previous checkpoint whole."""
@@ -103,7 +91,7 @@ def save_sharded(output_dir, epoch, states, step, extra):
     if is_rank0():
         rest = {name: thing for name, thing in states.items() if name not in SPLIT}
         with atomic(folder / "state.pt") as f:
-            torch.save(run_state(epoch, step, rest, extra), f)
+            torch.save(run_state(epoch, step, rest), f)
         link = output_dir / "checkpoint.tmp"
         link.unlink(missing_ok=True)
         link.symlink_to(folder.name)
@@ -138,12 +126,13 @@ def restore(state, states):
     the one it was saved in if that was mid-epoch. None: nothing to restore, epoch 1."""
     if state is None:
         return 1
-    model, optimizer = states["model"], states["optimizer"]
-    if state["folder"] or any(hasattr(w, "to_local") for w in model.state_dict().values()):  # stage 05's DTensors
-        load_sharded(state, model, optimizer)
-    else:
-        unwrap(model).load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+    unwrap(states["model"]).load_state_dict(state["model"])
+    states["optimizer"].load_state_dict(state["optimizer"])
+    return restore_rest(state, states)
+
+
+def restore_rest(state, states):
+    """Everything but the model and the optimizer, and the random generators."""
     for name, thing in states.items():
         if name not in SPLIT:
             thing.load_state_dict(state[name])
@@ -153,14 +142,21 @@ def restore(state, states):
     return state["epoch"] + (0 if state["step"] else 1)
 
 
+def restore_sharded(state, states):
+    """Stage 05's restore(): each rank reads from the folder the pieces of its own shards (at any world size:
+    the checkpoint records where each piece lies), or takes its shards of a whole checkpoint.pt."""
+    if state is None:
+        return 1
+    load_sharded(state, states["model"], states["optimizer"])
+    return restore_rest(state, states)
+
+
 def load_sharded(state, model, optimizer):
-    """Into a sharded model: each rank reads from the folder the pieces of its own shards (at any world
-    size: the checkpoint records where each piece lies), or takes its shards of a whole checkpoint.pt."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    if state["folder"]:
-        weights, optimizer_state = get_state_dict(model, optimizer)  # the shapes to fill, this rank's shards
+    if state["folder"]:  # the shapes to fill are this rank's shards
+        weights, optimizer_state = get_state_dict(model, optimizer)
         pieces = {"model": weights, "optimizer": optimizer_state}
         dcp.load(pieces, checkpoint_id=state["folder"])
         set_state_dict(model, optimizer, model_state_dict=pieces["model"], optim_state_dict=pieces["optimizer"])

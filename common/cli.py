@@ -3,25 +3,25 @@ the workshops' experiments need; stage 05 adds its own (large_models()). A usage
 stderr and exit status 2."""
 
 import argparse
+import importlib.util
+import math
 import os
 import re
 import sys
 import time
 from pathlib import Path
 
-from common.environment import cpus_per_rank, is_rank0
+from common.environment import is_rank0
 
 REPO = Path(__file__).resolve().parent.parent
-DATASETS = ["mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic"]
 REFERENCE_BATCH = 64  # the global batch --lr is given for (--lr-scaling)
 FLOAT32_MAX = 3.4e38  # about float32's largest: optimizers compute in it, and a larger --lr or --weight-decay overflows
-TESTED = {"net": DATASETS[:2], "cnn": DATASETS, "wideresnet": DATASETS[2:]}  # the pairs the tests train
+TASK = REPO / "common" / "tasks" / "images.py"  # the built-in task: pytorch/examples' MNIST CNN, and more
 
 
 def default_output_dir(script, env=os.environ):
-    """runs/<stage>/<job id>.<step id>: a requeued job finds its own folder again (its steps count from 0
-    again), and two runs in one job (an salloc shell, several srun steps) get their own; outside Slurm and
-    torchrun, the time and the process id, so that two runs started in the same second do not share one."""
+    """runs/<stage>/<job id>.<step id>: a requeued job finds its own folder again, and two runs in one job
+    (several srun steps) get their own; else torchrun's run id, or the time and the process id."""
     run = env.get("SLURM_JOB_ID")
     if run and "SLURM_ARRAY_TASK_ID" in env:
         run += "_" + env["SLURM_ARRAY_TASK_ID"]
@@ -35,8 +35,7 @@ def default_output_dir(script, env=os.environ):
 
 
 def say(message):
-    """A usage error, from rank 0 only where a launcher gives every rank the same arguments (torchrun, srun):
-    one reports what is wrong. Ranks started by hand may each have their own, and each reports."""
+    """A usage error, once: from rank 0 where a launcher gives every rank the same arguments (torchrun, srun)."""
     by_hand = "TORCHELASTIC_RUN_ID" not in os.environ and "SLURM_STEP_ID" not in os.environ
     if is_rank0() or by_hand:
         print(message, file=sys.stderr)
@@ -48,15 +47,12 @@ def number(kind, interval):
     low, high = (float(end.strip("([]) ")) for end in interval.split(","))
 
     def check(text):
-        noun = "an integer" if kind is int else "a number"
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {noun} in {interval}, got {text}") from None
-        above = low < value if interval[0] == "(" else low <= value
-        below = value < high if interval[-1] == ")" else value <= high
-        if not (above and below):
-            raise argparse.ArgumentTypeError(f"must be {noun} in {interval}, got {text}")
+            value = math.nan
+        if not ((low < value if interval[0] == "(" else low <= value) and (value < high if interval[-1] == ")" else value <= high)):  # fmt: skip
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'} in {interval}, got {text}")  # fmt: skip
         return value
 
     return check
@@ -81,7 +77,7 @@ SEED = number(int, "[0, 4294967295]")  # 2**32 - 1, numpy.random.seed's limit; p
 # What a run computes: stored in its checkpoint, compared on resume and across the ranks. (--epochs too
 # under --scheduler cosine: see defining().)
 DEFINING = (
-    "dataset", "model", "depth", "width", "sync_bn",  # the network and what it learns
+    "task", "dataset", "model", "depth", "width", "sync_bn",  # the network and what it learns
     "batch_size", "val_fraction", "limit", "seed",  # the global batch, the training set and its shuffles
     "optimizer", "lr", "lr_scaling", "momentum", "weight_decay", "scheduler", "gamma", "step_size",  # the updates
     "amp",  # the precision, and the scaler state a checkpoint holds
@@ -113,6 +109,7 @@ def parser(script, options=()):
     """The options of every stage, then those of `options` (functions that add a group: large_models())."""
     p = Parser(description=f"image classification training, {script.parent.name}")
     # fmt: off
+    p.add_argument("--task", type=Path, default=TASK, help="a Python file: the model and data to train, and their options (default: common/tasks/images.py, MNIST)")
     p.add_argument("--batch-size", type=POSITIVE, default=64, help="global batch size, split across all GPUs (default: 64)")
     p.add_argument("--test-batch-size", type=POSITIVE, default=1000, help="evaluation batch size per process (default: 1000)")
     p.add_argument("--epochs", type=POSITIVE, default=14, help="number of epochs to train (default: 14)")
@@ -125,27 +122,29 @@ def parser(script, options=()):
     p.add_argument("--save-model", action="store_true", help="save the trained model to --output-dir/model.pt")
     p.add_argument("--no-cuda", action="store_true", help="train on the CPU even if a GPU is visible")
     p.add_argument("--data-dir", type=Path, default=REPO / "data", help="the data sets, in torchvision's layout: MNIST/raw/, cifar-10-batches-py/, ... (default: the repository's data/)")
-    p.add_argument("--num-workers", type=number(int, "[0, inf)"),
-                   help="DataLoader workers per process, at most the CPUs per rank (default: none for --loader batched, where they measurably slow it down; for classic, the task's CPUs per rank minus one)")
-    p.add_argument("--loader", choices=["batched", "classic", "device"], default="batched",
-                   help="input pipeline: whole batches from decoded tensors (default), pytorch/examples' per-sample one, or the data set held on the GPU")
+    p.add_argument("--num-workers", type=number(int, "[0, inf)"), help="DataLoader workers per process, at most the CPUs per rank (default: none for --loader batched, where they measurably slow it down; for classic, the task's CPUs per rank minus one)")
+    p.add_argument("--loader", choices=["batched", "classic", "device"], default="batched", help="input pipeline: whole batches from decoded tensors (default), pytorch/examples' per-sample one, or the data set held on the GPU")
     p.add_argument("--amp", action="store_true", help="mixed precision: bf16 autocast where supported, else fp16 with loss scaling")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (per block in stage 05): fused kernels; the first steps of each shape wait for the compiler, whose time metrics.csv keeps apart")
-    p.add_argument("--output-dir", type=Path, default=default_output_dir(script),
-                   help="metrics, checkpoint and model (default: runs/<stage>/<job id>.<step id>, torchrun-<id> or local-<time>-<pid>)")
-    p.add_argument("--resume", nargs="?", const=True, type=Path, metavar="PATH",
-                   help="continue from --output-dir's checkpoint, or from the checkpoint file PATH (automatic after a Slurm requeue)")
-    p.add_argument("--check", action="store_true",
-                   help="check the options and exit (0, or 2 with one line): `python train.py --check ARGS && torchrun ... train.py ARGS` keeps a typo from reaching every worker")
-    p.add_argument("--checkpoint-minutes", type=number(float, "(0, inf)"), metavar="M",
-                   help="also save mid-epoch every M minutes, for what sends no signal (a node lost, SIGKILL); SIGTERM and SIGUSR1 always save (default: off)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (per block in stage 05): fused kernels; the first steps of each shape wait for the compiler, whose time metrics.csv keeps apart")
+    p.add_argument("--output-dir", type=Path, default=default_output_dir(script), help="metrics, checkpoint and model (default: runs/<stage>/<job id>.<step id>, torchrun-<id> or local-<time>-<pid>)")
+    p.add_argument("--resume", nargs="?", const=True, type=Path, metavar="PATH", help="continue from --output-dir's checkpoint, or from the checkpoint file PATH (automatic after a Slurm requeue)")
+    p.add_argument("--check", action="store_true", help="check the options and exit (0, or 2 with one line): `python train.py --check ARGS && torchrun ... train.py ARGS` keeps a typo from reaching every worker")
+    p.add_argument("--checkpoint-minutes", type=number(float, "(0, inf)"), metavar="M", help="also save mid-epoch every M minutes, for what sends no signal (a node lost, SIGKILL); SIGTERM and SIGUSR1 always save (default: off)")
     # a collective that waits a day is a hang: a larger value is a typo (milliseconds?), and past
     # datetime.timedelta's range it would crash the process group's setup
-    p.add_argument("--dist-timeout", type=number(int, "[1, 86400]"), default=300,
-                   help="seconds a collective may wait for the other ranks (default: 300)")
+    p.add_argument("--dist-timeout", type=number(int, "[1, 86400]"), default=300, help="seconds a collective may wait for the other ranks (default: 300)")
+    # the workshops' experiments
+    p.add_argument("--sync-bn", action="store_true", help="DDP stages: BatchNorm statistics over the global batch, not each rank's share")
+    p.add_argument("--val-fraction", type=number(float, "[0, 1)"), default=0.0, help="hold out this share of the training set for validation, seeded by --seed (default: 0)")
+    p.add_argument("--optimizer", choices=["adadelta", "adam", "rmsprop", "sgd"], default="adadelta", help="(default: adadelta, as pytorch/examples)")
+    p.add_argument("--momentum", type=number(float, "[0, 1)"), default=0.0, help="for sgd and rmsprop (default: 0)")
+    p.add_argument("--weight-decay", type=number(float, "[0, 3.4e38]"), default=0.0, help="(default: 0)")
+    p.add_argument("--scheduler", choices=["step", "exponential", "cosine"], default="step", help="step: lr x gamma every --step-size epochs; exponential: x gamma every epoch; cosine: down to 0 over --epochs (default: step)")
+    p.add_argument("--step-size", type=POSITIVE, default=1, help="epochs between steps of --scheduler step (default: 1, as pytorch/examples)")
+    p.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none", help=f"--lr is for a global batch of {REFERENCE_BATCH}: scale it with --batch-size linearly, by the square root, or not (default: none)")
+    p.add_argument("--target-accuracy", type=number(float, "(0, 100]"), help="stop once the last --patience evaluations (validation if any, else test) all reach this accuracy, in %%")
+    p.add_argument("--patience", type=POSITIVE, default=1, help="see --target-accuracy (default: 1)")
     # fmt: on
-    experiments(p)
     for add in options:
         add(p)
     return p
@@ -155,60 +154,31 @@ def large_models(p):
     """Stage 05's options: the memory savers and the mesh."""
     # fmt: off
     large = p.add_argument_group("large models")
-    large.add_argument("--grad-accum", type=POSITIVE, default=1, metavar="N",
-                       help="split each rank's share of --batch-size into N micro-batches, one backward each, gradients reduced once after the last (default: 1)")
-    large.add_argument("--full-shard", action="store_true",
-                       help="on several nodes, shard across all ranks (FSDP) instead of within each node and replicate across nodes (HSDP, the default)")
-    large.add_argument("--checkpoint-activations", action="store_true",
-                       help="keep only each block's input for the backward pass and recompute the rest: less memory, about one more forward pass of time")
+    large.add_argument("--grad-accum", type=POSITIVE, default=1, metavar="N", help="split each rank's share of --batch-size into N micro-batches, one backward each, gradients reduced once after the last (default: 1)")
+    large.add_argument("--full-shard", action="store_true", help="on several nodes, shard across all ranks (FSDP) instead of within each node and replicate across nodes (HSDP, the default)")
+    large.add_argument("--checkpoint-activations", action="store_true", help="keep only each block's input for the backward pass and recompute the rest: less memory, about one more forward pass of time")
     # fmt: on
 
 
-def experiments(p):
-    """The workshops' experiments, in a group of their own in --help."""
-    # fmt: off
-    experiments = p.add_argument_group("experiments")
-    experiments.add_argument("--dataset", choices=DATASETS, default="mnist", help="in torchvision's layout under --data-dir; `make data DATASET=...` (default: mnist)")
-    experiments.add_argument("--model", choices=list(TESTED), default="net", help="net: pytorch/examples' CNN for 28x28; cnn: a small CNN for any size; wideresnet: for 32x32 (default: net)")
-    experiments.add_argument("--depth", type=POSITIVE, default=16, help="WideResNet depth, 6n+4 (default: 16)")
-    experiments.add_argument("--width", type=POSITIVE, default=4, help="WideResNet width factor (default: 4)")
-    experiments.add_argument("--sync-bn", action="store_true", help="DDP stages: BatchNorm statistics over the global batch, not each rank's share")
-    experiments.add_argument("--val-fraction", type=number(float, "[0, 1)"), default=0.0, help="hold out this share of the training set for validation, seeded by --seed (default: 0)")
-    experiments.add_argument("--optimizer", choices=["adadelta", "adam", "rmsprop", "sgd"], default="adadelta", help="(default: adadelta, as pytorch/examples)")
-    experiments.add_argument("--momentum", type=number(float, "[0, 1)"), default=0.0, help="for sgd and rmsprop (default: 0)")
-    experiments.add_argument("--weight-decay", type=number(float, "[0, 3.4e38]"), default=0.0, help="(default: 0)")
-    experiments.add_argument("--scheduler", choices=["step", "exponential", "cosine"], default="step",
-                             help="step: lr x gamma every --step-size epochs; exponential: x gamma every epoch; cosine: down to 0 over --epochs (default: step)")
-    experiments.add_argument("--step-size", type=POSITIVE, default=1, help="epochs between steps of --scheduler step (default: 1, as pytorch/examples)")
-    experiments.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none",
-                             help=f"--lr is for a global batch of {REFERENCE_BATCH}: scale it with --batch-size linearly, by the square root, or not (default: none)")
-    experiments.add_argument("--target-accuracy", type=number(float, "(0, 100]"),
-                             help="stop once the last --patience evaluations (validation if any, else test) all reach this accuracy, in %%")
-    experiments.add_argument("--patience", type=POSITIVE, default=1, help="see --target-accuracy (default: 1)")
-    # fmt: on
+def load_task(path):
+    """The task file `path` as a module: its model(), datasets() and options (common/tasks/images.py)."""
+    spec = importlib.util.spec_from_file_location(f"task_{path.stem}", path)
+    task = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(task)
+    return task
 
 
-def parse_args(argv=None, options=(), warn=True):
-    """The options of the stage that runs (sys.argv[0]) and its own `options`, checked; usage errors exit 2
-    with one line."""
+def parse_args(argv=None, options=()):
+    """The options of the stage that runs (sys.argv[0]), its own `options` and those of its task (--task):
+    returns (args, the task). Usage errors exit 2 with one line."""
+    first = argparse.ArgumentParser(add_help=False)  # --task first: the task file adds options of its own
+    first.add_argument("--task", type=Path, default=TASK)
+    path = first.parse_known_args(argv)[0].task
+    task = load_task(path)
     p = parser(Path(sys.argv[0]).resolve(), options)
+    if hasattr(task, "add_arguments"):
+        task.add_arguments(p.add_argument_group(f"the task's options ({path.name})"))
     args = p.parse_args(argv)
-    if learning_rate(args) > FLOAT32_MAX:
-        p.error(f"--lr {args.lr:g} scaled to --batch-size {args.batch_size} ({args.lr_scaling}) overflows float32")
-    if args.dataset not in TESTED[args.model]:
-        p.error(f"--model {args.model} is tested with --dataset {', '.join(TESTED[args.model])}, not {args.dataset}")
-    # rank 0 alone reads the checkpoint, and on nodes that share no filesystem only its node has the file
-    path = args.resume
-    if isinstance(path, Path) and is_rank0() and not (path.is_file() or (path / "state.pt").is_file()):
-        # a FIFO would hang torch.load, a directory make it fail with a traceback
-        what = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
-        p.error(f"argument --resume: {path} {what}: give a checkpoint file (<output-dir>/checkpoint.pt) or, "
-                "from stage 05, a checkpoint folder (<output-dir>/checkpoint)")  # fmt: skip
-    cpus = cpus_per_rank()
-    if args.num_workers is not None and args.num_workers > cpus:
-        if warn:
-            say(f"warning: --num-workers {args.num_workers} is more than the {cpus} CPUs per rank here: using {cpus}")
-        args.num_workers = cpus
-    if args.check:  # the options hold for this stage: nothing else to do
-        raise SystemExit(0)
-    return args
+    if hasattr(task, "check") and (problem := task.check(args)):
+        p.error(problem)
+    return args, task

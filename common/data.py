@@ -13,7 +13,6 @@ benchmarks. The training scripts never download: `make data DATASET=...` (tools/
 prepares the folder once. Every file is checked as it is read (common/datafiles.py).
 """
 
-import hashlib
 import math
 import os
 from pathlib import Path
@@ -137,21 +136,9 @@ def synthetic(count, classes, seed):
     return pixels.view(torch.uint8).view(count, 3, 32, 32), labels
 
 
-def fingerprint(dataset, samples=1000):
-    """A short string that differs when two ranks read different data: the image count and shape, and a hash
-    of every label and of at most `samples` images evenly strided through the set. Sampled to be cheap: hashing
-    all of CIFAR-100's 150 MB takes each rank a quarter of a second at every start, 1,000 images a few
-    milliseconds; the sizes and labels, which a truncated, reordered or different file changes, go in whole."""
-    digest = hashlib.blake2b(str(tuple(dataset.images.shape)).encode(), digest_size=8)
-    digest.update(dataset.labels.numpy().tobytes())
-    digest.update(dataset.images[:: max(math.ceil(len(dataset) / samples), 1)].numpy().tobytes())
-    return f"{len(dataset)}-{digest.hexdigest()}"
-
-
 def split(dataset, fraction, seed):
-    """(training part, validation part): `fraction` of the images, drawn at random with `seed`, held out
-    for validation; both keep their images in the order of `dataset`. For fraction 0 the validation part
-    is empty: evaluating it yields nothing, so the stages need no special case."""
+    """(training part, validation part): `fraction` of the images, drawn with `seed`, held out for validation,
+    both in the order of `dataset`. For 0 the validation part is empty: the stages evaluate it all the same."""
     if not fraction:
         return dataset, dataset.subset([])
     held = round(len(dataset) * fraction)
@@ -166,9 +153,7 @@ class PerSample(Dataset):
     The DataLoader collates the samples into batches."""
 
     def __init__(self, dataset):
-        # imported here, not at the top: torchvision doubles the time torch takes to import, which every rank
-        # of the default (batched) loader and every --help would otherwise pay
-        from torchvision import transforms
+        from torchvision import transforms  # here: it doubles the time `import torch` takes, for every loader
 
         self.images, self.labels = dataset.images, dataset.labels
         self.transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(dataset.mean, dataset.std)])
@@ -200,17 +185,13 @@ class OnDevice:
             yield self.images[batch.clamp(min=0)], label(self.labels, batch)
 
 
-def default_num_workers(env=os.environ):
-    """DataLoader workers per process: the CPUs of this rank, but one for the process itself."""
-    return cpus_per_rank(env) - 1
-
-
-def num_workers(args):
-    """The DataLoader workers of each rank: --num-workers, else the CPUs for the classic pipeline and none
-    for the batched one, where a batch is one indexing operation and passing it from a worker costs more."""
+def num_workers(args, env=os.environ):
+    """The DataLoader workers of each rank: --num-workers, else for the classic pipeline the CPUs of this rank
+    but one for the process itself, and none for the batched one, where a batch is one indexing operation and
+    passing it from a worker costs more."""
     if args.loader == "device":
         return 0
-    return default_num_workers() if args.num_workers is None and args.loader == "classic" else args.num_workers or 0
+    return cpus_per_rank(env) - 1 if args.num_workers is None and args.loader == "classic" else args.num_workers or 0
 
 
 def loader(dataset, sampler, batch_size, args, device):
@@ -218,14 +199,10 @@ def loader(dataset, sampler, batch_size, args, device):
     if args.loader == "device":
         return OnDevice(dataset, sampler, batch_size, device)
     workers = num_workers(args)
-    options = dict(
-        num_workers=workers,
-        pin_memory=device.type == "cuda",  # page-locked batches: the copy to the GPU can be asynchronous
-        persistent_workers=workers > 0,
-        # worker seeds from a generator of their own: the global RNG, which checkpoints save, then
-        # advances the same in a resumed run (a new loader) as in an uninterrupted one
-        generator=torch.Generator(),
-    )
+    # pinned (page-locked) batches: the copy to the GPU can be asynchronous. Worker seeds from a generator of their
+    # own: the global RNG, which checkpoints save, then advances the same in a resumed run as in an uninterrupted one
+    options = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+                   generator=torch.Generator())  # fmt: skip
     if args.loader == "classic":
         return DataLoader(PerSample(dataset), batch_size=batch_size, sampler=sampler, **options)
     # batched: the sampler's indices come in lists of batch_size, and the dataset builds each batch

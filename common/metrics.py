@@ -5,7 +5,6 @@ import csv
 import time
 
 import torch
-import torch.distributed as dist
 
 from common import optim
 from common.checkpoint import atomic
@@ -63,43 +62,37 @@ def elapsed(start, device):
 
 
 class Log:
+    """The rows of metrics.csv (the same all-reduced numbers on every rank; rank 0 writes them) and the epoch
+    lines."""
+
     def __init__(self, output_dir, world_size, compiled=False):
-        self.path = output_dir / "metrics.csv"
-        self.world_size = world_size
+        self.path, self.world_size = output_dir / "metrics.csv", world_size
         self.nodes = max(world_size // ranks_per_node(world_size), 1)
-        self.rows = []
-        self.cut = (0, [0.0, 0.0], 0.0)  # an epoch cut short by a signal: (epoch, [loss sum, samples], seconds)
-        self.so_far = None  # this run's part of the epoch in progress, with the cut's, for a mid-epoch checkpoint
-        self.clock = (0, 0.0)  # (epoch, start) of the epoch in progress
-        self.compiling = CompileClock(compiled)  # --compile: the seconds it takes, apart
+        self.rows, self.clock = [], (0, 0.0)  # (epoch, start) of the epoch in progress
+        self.cut = (0, [0.0, 0.0], 0.0)  # an epoch resumed part-way: its (epoch, [loss sum, samples], seconds) before
+        self.compiled = 0.0  # --compile: the seconds torch.compile spent, from its own callbacks, apart in the CSV
+        if compiled:  # torch._dynamo takes a second and a half to import: only where it compiles anyway
+            from torch._dynamo import callback
+
+            callback.on_compile_start(lambda *_: setattr(self, "compile_start", time.perf_counter()))
+            callback.on_compile_end(lambda *_: setattr(self, "compiled", self.compiled + time.perf_counter() - self.compile_start))  # fmt: skip
 
     def state_dict(self):
-        """For a checkpoint: the rows so far, and the part of an epoch cut short (all_reduce_so_far())."""
-        return {"rows": self.rows, "cut": self.so_far or (0, [0.0, 0.0], 0.0)}
+        return {"rows": self.rows}
 
     def load_state_dict(self, state):
         """A resumed run rewrites the CSV from the checkpoint's rows, so an epoch that was logged but not
         checkpointed before a crash is not counted twice."""
-        self.rows, self.cut = list(state["rows"]), tuple(state["cut"])
+        self.rows = list(state["rows"])
         self.write()
 
     def start(self, epoch):
-        """Start the clock of `epoch` (an interrupted epoch's time so far is added by seconds())."""
         self.clock = (epoch, time.perf_counter())
 
     def seconds(self, device):
         """The time of the epoch in progress, its part before an interruption included."""
         epoch, start = self.clock
         return elapsed(start, device) + (self.cut[2] if self.cut[0] == epoch else 0.0)
-
-    def all_reduce_so_far(self, epoch, totals):
-        """Before a checkpoint mid-epoch (every rank calls it: an all-reduce): keep the training loss and
-        samples of `epoch` so far over all ranks, and its time so far, for the resumed run's row."""
-        totals = totals.clone()
-        if dist.is_initialized():
-            dist.all_reduce(totals)
-        earlier = self.cut[1] if self.cut[0] == epoch else [0.0, 0.0]
-        self.so_far = (epoch, [a + b for a, b in zip(totals.tolist(), earlier, strict=True)], self.seconds(totals.device))
 
     def write(self):
         if is_rank0():
@@ -120,12 +113,12 @@ class Log:
             test_accuracy=100 * correct / tested, epoch_seconds=seconds, images_per_s=seen / seconds,
             images_per_s_per_process=seen / seconds / self.world_size, world_size=self.world_size, nodes=self.nodes,
             peak_memory_mib=torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else "",
-            compile_seconds=self.compiling.take(),  # inside epoch_seconds: the steps that waited for it
+            compile_seconds=self.compiled,  # inside epoch_seconds: the first steps of each shape wait for it
         )  # fmt: skip
         if torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()  # each epoch's own peak
         self.rows.append(row)
-        self.so_far = None
+        self.compiled = 0.0
         val = f"| val loss {row['val_loss']:.4f} ({row['val_accuracy']:.2f}%) " if validated else ""
         print0(
             f"epoch {epoch:3d} | lr {lr:.4f} | train loss {row['train_loss']:.4f} {val}| test loss {row['test_loss']:.4f} "
@@ -137,51 +130,15 @@ class Log:
         self.write()
 
     def reached(self, target, patience):
-        """--target-accuracy: have the last `patience` evaluations (validation if any, else test) all
-        reached `target`? Every rank logs the same all-reduced rows, so every rank stops together; the
-        rows are in the checkpoint, so a resumed run keeps counting."""
-        last = [
-            r["test_accuracy"] if r.get("val_accuracy", "") == "" else r["val_accuracy"] for r in self.rows[-patience:]
-        ]
+        """--target-accuracy: have the last `patience` evaluations (validation if any, else test) all reached it?
+        The rows are the same on every rank, and in the checkpoint: all stop together, after a resume too."""
+        last = [r["test_accuracy"] if r["val_accuracy"] == "" else r["val_accuracy"] for r in self.rows[-patience:]]
         if target is None or len(last) < patience or min(last) < target:
             return False
         print0(f"stopping: the last {patience} evaluations reached --target-accuracy {target}%")
         return True
 
     def summary(self):
-        seconds = sum(r["epoch_seconds"] for r in self.rows)
-        images = sum(r["images_per_s"] * r["epoch_seconds"] for r in self.rows)
-        print0(
-            f"done: {len(self.rows)} epochs, {seconds:.1f} s of training, {images / seconds:.0f} img/s, "
-            f"test accuracy {self.rows[-1]['test_accuracy']:.2f}% | metrics in {self.path}"
-        )
-
-
-class CompileClock:
-    """The seconds torch.compile spends compiling (--compile), from its own start and end callbacks: the
-    first step of each new shape (and evaluation's first batch) waits for it, so that epoch's time includes
-    it, and metrics.csv keeps it apart (compile_seconds)."""
-
-    def __init__(self, compiled):
-        self.total, self.started = 0.0, None
-        if not compiled:  # torch._dynamo takes a second and a half to import: only where it compiles anyway
-            return
-        try:
-            from torch._dynamo import callback  # the callbacks PyTorch documents for compile events
-        except ImportError:
-            return
-        callback.on_compile_start(self.start)
-        callback.on_compile_end(self.end)
-
-    def start(self, *args):
-        self.started = time.perf_counter()
-
-    def end(self, *args):
-        if self.started is not None:
-            self.total += time.perf_counter() - self.started
-            self.started = None
-
-    def take(self):
-        """The seconds compiled since the last take()."""
-        seconds, self.total = self.total, 0.0
-        return seconds
+        seconds, images = sum(r["epoch_seconds"] for r in self.rows), sum(r["images_per_s"] * r["epoch_seconds"] for r in self.rows)  # fmt: skip
+        print0(f"done: {len(self.rows)} epochs, {seconds:.1f} s of training, {images / seconds:.0f} img/s, "
+               f"test accuracy {self.rows[-1]['test_accuracy']:.2f}% | metrics in {self.path}")  # fmt: skip

@@ -100,8 +100,13 @@ class WideResNet(nn.Module):
 
 def blocks(model):
     """The pieces stage 05 shards one at a time and, with --checkpoint-activations, recomputes in the
-    backward pass: a WideResNet's residual blocks; in the plain CNNs, each layer with weights."""
-    found = [m for m in model.modules() if isinstance(m, Block)]
+    backward pass: the layers with weights that a model lists in order (the children of its nn.Sequential and
+    nn.ModuleList: a WideResNet's residual blocks, a transformer's layers), but its norms; in a model that
+    lists none, each layer with weights."""
+    found = []
+    for seq in model.modules():  # outermost first; a list inside a block found already is part of it
+        if isinstance(seq, (nn.Sequential, nn.ModuleList)) and not any(seq in b.modules() for b in found):
+            found += [m for m in seq.children() if list(m.parameters()) and m not in norms(seq)]
     return found or [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
 
 

@@ -148,7 +148,7 @@ def facts(args, local_rank, device):
     return {
         "host": os.environ.get("SLURMD_NODENAME", socket.gethostname()), "gpus": gpus, "gpu": gpu, "gpu_numa": gpu_numa,
         "cpus": len(cpus), "cpu_numa": numa_nodes(cpus), "cpus_per_rank": cpus_per_rank(),
-        "workers": data.default_num_workers() if args.num_workers is None else args.num_workers,
+        "workers": cpus_per_rank() - 1 if args.num_workers is None else args.num_workers,
         "versions": {
             "python": platform.python_version(), "torch": torch.__version__, "CUDA": str(torch.version.cuda),
             "NCCL": ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "none",

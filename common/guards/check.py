@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from common import cli
-from common.guards import versions
+from common.guards import preflight, versions
 
 if __name__ == "__main__":
     versions.require(Path("train.py"))  # job scripts run in the stage's folder
-    cli.parse_args(sys.argv[1:], warn=False)
+    preflight.check_args(cli.parse_args(sys.argv[1:])[0], warn=False)

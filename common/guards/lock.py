@@ -8,7 +8,8 @@ import os
 import socket
 import time
 
-from common.environment import integer, is_rank0
+from common.environment import is_rank0
+from common.guards.preflight import integer
 
 
 def claim(output_dir, env=os.environ):

@@ -31,12 +31,13 @@ from common.guards.watchdog import Watchdog
 class Guard:
     def __init__(self):
         self.args, self.lock, self.watchdog, self.preemption = None, None, None, None
-        self.sampler, self.states, self.sharded, self.epoch_done = None, None, False, None
+        self.sampler, self.states, self.sharded, self.epoch_done, self.so_far = None, None, False, None, None
 
     def start(self, args):
         """Claim --output-dir, check the launch, and meet the other ranks: returns the rendezvous store for
         distributed.setup(), or None without a launcher."""
         self.args = args
+        preflight.check_environment()  # every launcher variable, before the lesson reads it
         preflight.check_args(args)
         self.lock = lock.claim(args.output_dir)  # first: one run per folder, and a folder it can write
         launch = distributed.launcher()
@@ -71,8 +72,9 @@ class Guard:
         if peers:  # a rank may hear of the stop from the store before its own signal arrives
             self.watchdog.listen(self.preemption.poll)
         state = resume.state_to_resume(self.args, sharded)
-        if state is not None and state["step"]:
+        if state is not None and state["step"]:  # saved mid-epoch: the rest of it, and its sums and time so far
             self.sampler.resume_at(state["epoch"], state["step"] * self.args.batch_size)
+            states["log"].cut = state["run"]["cut"]
         return state
 
     def end_of_step(self, epoch, batch, totals):
@@ -96,16 +98,30 @@ class Guard:
     def save(self, epoch, step, totals):
         """A checkpoint `step` steps into `epoch`: the sums and time so far go with it, so that the resumed
         run's row in metrics.csv counts the whole epoch."""
-        started = time.monotonic()
-        self.states["log"].all_reduce_so_far(epoch, totals)
+        started, log = time.monotonic(), self.states["log"]
+        totals = totals.clone()
+        if dist.is_initialized():
+            dist.all_reduce(totals)
+        earlier = log.cut[1] if log.cut[0] == epoch else [0.0, 0.0]
+        self.so_far = (
+            epoch,
+            [a + b for a, b in zip(totals.tolist(), earlier, strict=True)],
+            log.seconds(totals.device),
+        )
         self.check_weights(f"epoch {epoch} left weights that are")
-        checkpoint.save(self.args.output_dir, epoch, self.states, step, sharded=self.sharded)
+        if not self.sharded:
+            resume.keep_previous(self.args.output_dir)
+        (checkpoint.save_sharded if self.sharded else checkpoint.save)(self.args.output_dir, epoch, self.states, step)
         self.preemption.saved(time.monotonic() - started)
+        self.so_far = None
 
     def check_epoch(self, epoch, totals):
-        """Before the epoch's row and checkpoint: its all-reduced losses and the weights must be finite."""
+        """Before the epoch's row and checkpoint: its all-reduced losses and the weights must be finite; the
+        checkpoint the epoch's replaces stays as checkpoint-previous.pt."""
         divergence.check_epoch(epoch, totals, self.args.output_dir)
         self.check_weights(f"epoch {epoch} left weights that are")
+        if not self.sharded:
+            resume.keep_previous(self.args.output_dir)
         self.epoch_done = time.monotonic()
 
     def check_weights(self, what):
@@ -119,7 +135,7 @@ class Guard:
     def state_dict(self):
         """What a checkpoint keeps of how the run was made (the stage puts the guard among its states), to
         refuse a resume that would change it (resume.find())."""
-        return {"flags": preflight.defining(self.args)}
+        return {"flags": preflight.defining(self.args), "cut": self.so_far}
 
     def load_state_dict(self, state):
         """Nothing to load: resume() compared the checkpoint with this run before anything was loaded."""

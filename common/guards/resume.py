@@ -8,16 +8,33 @@ stages resume an epoch part-way, at the sample where it stopped."""
 
 import math
 import os
+import shutil
 
 import torch
 import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
-from common.checkpoint import PREVIOUS, SHARDED, WHOLE, epochs, read
+from common.checkpoint import SHARDED, WHOLE, epochs, read
 from common.distributed import print0
-from common.environment import integer, is_rank0
+from common.environment import is_rank0
 from common.guards.ending import stop
-from common.guards.preflight import defining
+from common.guards.preflight import defining, integer
+
+PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
+
+
+def keep_previous(output_dir):
+    """Rank 0, before checkpoint.pt is replaced: the one it replaces stays as checkpoint-previous.pt (a hard
+    link, switched in atomically; a copy on a filesystem without hard links)."""
+    if not is_rank0() or not (output_dir / WHOLE).is_file():
+        return
+    link = output_dir / f"{PREVIOUS}.tmp{os.getpid()}"
+    link.unlink(missing_ok=True)
+    try:
+        os.link(output_dir / WHOLE, link)
+    except OSError:
+        shutil.copyfile(output_dir / WHOLE, link)
+    os.replace(link, output_dir / PREVIOUS)
 
 
 class Unusable(Exception):
@@ -83,7 +100,9 @@ def find(args, name, restarted):
                          "weights with its --save-model")  # fmt: skip
     # a checkpoint from before an option existed does not record it: what it records must match
     now = defining(args)
-    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in state["run"]["flags"].items() if now.get(k) != v]
+    differ = [
+        f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in state["run"]["flags"].items() if now.get(k) != v
+    ]
     if differ:
         raise SystemExit(f"error: {path} was written with {', '.join(differ)}: resume with the same options, or "
                          "use another --output-dir")  # fmt: skip

@@ -79,7 +79,12 @@ class Watchdog:
         """Meet the other ranks in a key-value store at rank 0's address and port (torchrun's own store under
         torchrun), each step bounded by `timeout` and, if it fails, named: returns the store for the process
         group."""
-        rank, world_size, where, host = launch.rank, launch.world_size, f"{launch.addr}:{launch.port}", socket.gethostname()
+        rank, world_size, where, host = (
+            launch.rank,
+            launch.world_size,
+            f"{launch.addr}:{launch.port}",
+            socket.gethostname(),
+        )
         try:
             ip = socket.getaddrinfo(launch.addr, launch.port, type=socket.SOCK_STREAM)[0][4][0]
         except socket.gaierror as err:
@@ -118,7 +123,9 @@ class Watchdog:
             raise SystemExit(
                 f"error: rank {rank} could not reach the rendezvous store at {where}: {str(err).splitlines()[0]}"
             ) from None
-        if agent:  # torchrun's own store outlives a restart: fresh keys for each (torch's own keys are kept apart alike)
+        if (
+            agent
+        ):  # torchrun's own store outlives a restart: fresh keys for each (torch's own keys are kept apart alike)
             store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
         arrive(store, launch, where, end, timeout)
         self.store, self.where, self.rank, self.world_size, self.timeout = store, where, rank, world_size, timeout
@@ -154,12 +161,10 @@ class Watchdog:
         self.beat = threading.Thread(target=beat, daemon=True)
         self.beat.start()
 
-
     def listen(self, fn):
         """Call fn(store) with every heartbeat, in the heartbeat's thread, which leave() stops before the store
         closes (the preemption guard hears there of a stop another rank proposed)."""
         self.listeners.append(fn)
-
 
     def peers(self):
         """(store, rank, world size) of this process's process group, for the guard rails that talk through the
@@ -169,7 +174,9 @@ class Watchdog:
     def explain(self, error):
         """A failed collective, as one line naming the ranks that stopped answering; None for any other error."""
         # inside backward(), DDP's reducer turns a failed collective into a RuntimeError from the backend
-        backend = isinstance(error, RuntimeError) and any(name in str(error) for name in ("gloo", "NCCL", "ProcessGroup"))
+        backend = isinstance(error, RuntimeError) and any(
+            name in str(error) for name in ("gloo", "NCCL", "ProcessGroup")
+        )
         if not self.store or not (isinstance(error, dist.DistError) or backend):
             return None
         rank, store, timeout = self.rank, self.store, self.timeout

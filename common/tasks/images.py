@@ -1,0 +1,46 @@
+"""The built-in task: classifying images. A task is what is learned; a stage is how it scales. Every stage
+takes one with --task FILE (this file by default), a Python file that defines:
+
+  model(args)           the nn.Module to train
+  datasets(args)        (training set, test set) of (input, label) pairs, the label a class number
+  add_arguments(group)  optional: the task's own options
+  check(args)           optional: what is wrong with them, in a few words, or None
+
+This one trains pytorch/examples' MNIST CNN by default; its options choose another data set of
+common/data.py and another model of common/models.py.
+"""
+
+from common import cli, data, models
+
+TESTED = {  # the pairs the tests train: net fits 28x28 images, wideresnet 32x32, cnn any size
+    "net": ["mnist", "fashion-mnist"],
+    "cnn": list(data.SETS),
+    "wideresnet": ["cifar10", "cifar100", "synthetic"],
+}
+
+
+def add_arguments(group):
+    # fmt: off
+    group.add_argument("--dataset", choices=list(data.SETS), default="mnist", help="in torchvision's layout under --data-dir; `make data DATASET=...` (default: mnist)")
+    group.add_argument("--model", choices=list(TESTED), default="net", help="net: pytorch/examples' CNN for 28x28; cnn: a small CNN for any size; wideresnet: for 32x32 (default: net)")
+    group.add_argument("--depth", type=cli.POSITIVE, default=16, help="WideResNet depth, 6n+4 (default: 16)")
+    group.add_argument("--width", type=cli.POSITIVE, default=4, help="WideResNet width factor (default: 4)")
+    # fmt: on
+
+
+def check(args):
+    if args.dataset not in TESTED[args.model]:
+        return f"--model {args.model} is tested with --dataset {', '.join(TESTED[args.model])}, not {args.dataset}"
+    return None
+
+
+def model(args):
+    spec = data.SETS[args.dataset]
+    return models.build(args.model, len(spec.mean), spec.classes, spec.size, args.depth, args.width)
+
+
+def datasets(args):
+    return (
+        data.dataset(args.data_dir, args.dataset, train=True, limit=args.limit),
+        data.dataset(args.data_dir, args.dataset, train=False, limit=args.limit),
+    )
