@@ -52,6 +52,8 @@ def atomic(path, mode="wb"):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
+    except OSError as err:  # a full disk names the file it could not write
+        raise OSError(err.errno, err.strerror, str(path)) from None
     finally:
         tmp.unlink(missing_ok=True)
 

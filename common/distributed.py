@@ -128,10 +128,13 @@ def print0(*args):
 def banner(args, rank, local_rank, world_size, device):
     """The start of every log: what ran, where and how, so that two logs of a sweep tell themselves apart;
     then the rank <-> host <-> device map, the first thing to read when a job hangs."""
-    gpu = f"CUDA {torch.version.cuda}, NCCL {torch.cuda.nccl.version()}" if device.type == "cuda" else "CPU"
-    print0(f"torch {torch.__version__} | {gpu} | world size {world_size} | job {os.environ.get('SLURM_JOB_ID', 'none')} "
-           f"| {time.strftime('%Y-%m-%d %H:%M:%S')} | loader {args.loader}, {data.num_workers(args)} workers, "
-           f"{torch.get_num_threads()} threads per rank | output {args.output_dir} | options: {' '.join(sys.argv[1:])}")  # fmt: skip
+    gpu = device.type == "cuda"
+    cuda, nccl = (torch.version.cuda, ".".join(map(str, torch.cuda.nccl.version()))) if gpu else ("none", "none")
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
+    print0(f"torch {torch.__version__} | CUDA {cuda} | NCCL {nccl} | device {device.type} | world size {world_size}")
+    print0(f"started {time.strftime('%Y-%m-%d %H:%M:%S')} | job {job} | loader {args.loader}, {data.num_workers(args)} "
+           f"workers and {torch.get_num_threads()} OMP threads per rank | output {args.output_dir}")  # fmt: skip
+    print0(f"options: {' '.join(sys.argv[1:]) or '(the defaults)'}")
     here = (rank, local_rank, os.environ.get("SLURMD_NODENAME", socket.gethostname()), str(device))  # Slurm's name
     everyone = [here] * world_size
     if dist.is_initialized():

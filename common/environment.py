@@ -5,9 +5,8 @@ import os
 
 
 def is_rank0(env=os.environ):
-    """Is this global rank 0, the one that prints, writes and reads? torchrun (and a launch by hand) says so
-    in RANK, srun in SLURM_PROCID; a process no launcher started is rank 0 of 1. Known before any process
-    group exists, so that a usage error is printed once per job, not once per rank."""
+    """Is this global rank 0, the one that prints, writes and reads? Known from the launcher's variables before
+    any process group exists, so that a usage error is printed once per job; no launcher: rank 0 of 1."""
     if "RANK" in env:  # torchrun; wins under `srun torchrun`, where SLURM_PROCID numbers the torchruns
         return env["RANK"] == "0"
     if "SLURM_STEP_ID" in env:  # an srun task (the batch shell has no step)
@@ -16,15 +15,13 @@ def is_rank0(env=os.environ):
 
 
 def cpus_per_rank(env=os.environ):
-    """The CPUs of this process: its Slurm task's (or those it may run on), shared by the ranks torchrun
-    started beside it."""
+    """The CPUs of this process: its Slurm task's (or those it may use), shared with torchrun's other ranks."""
     cpus = int(env.get("SLURM_CPUS_PER_TASK") or len(os.sched_getaffinity(0)))
     return max(cpus // int(env.get("LOCAL_WORLD_SIZE") or 1), 1)
 
 
 def ranks_per_node(world_size, env=os.environ):
-    """The ranks on each node: torchrun's LOCAL_WORLD_SIZE, else this srun step's ranks over its nodes; all of
-    them on one node, or without a launcher."""
+    """The ranks on each node: torchrun's LOCAL_WORLD_SIZE, else this srun step's ranks over its nodes."""
     if env.get("LOCAL_WORLD_SIZE"):
         return int(env["LOCAL_WORLD_SIZE"])
     return max(world_size // int(env.get("SLURM_STEP_NUM_NODES") or 1), 1)

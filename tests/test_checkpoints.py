@@ -29,7 +29,8 @@ from helpers import (
     wait_for,
 )  # fmt: skip
 
-from common import resumable, rundir
+from common import checkpoint
+from common.guards import resume
 from common.models import Net
 
 
@@ -39,7 +40,7 @@ def small(script, data_dir, out, *extra):
 
 def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(tiny_data, tmp_path):
     assert small(S01, tiny_data, tmp_path, "--epochs", 2).returncode == 0
-    previous = tmp_path / resumable.PREVIOUS
+    previous = tmp_path / resume.PREVIOUS
     assert torch.load(previous, weights_only=True)["epoch"] == 1  # the epoch before checkpoint.pt's
     latest = tmp_path / "checkpoint.pt"
     latest.write_bytes(latest.read_bytes()[:1000])  # truncated by a failing disk, or by hand
@@ -59,7 +60,7 @@ def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(tiny_dat
 def test_a_damaged_shard_or_missing_metadata_is_named_by_file(tiny_data, tmp_path):
     """Stage 05 keeps its last two sharded checkpoints (one process: the shards of one rank)."""
     assert small(S05, tiny_data, tmp_path, "--epochs", 2).returncode == 0
-    assert [f.name for f in resumable.epochs(tmp_path)] == ["epoch-2", "epoch-1"]
+    assert [f.name for f in checkpoint.epochs(tmp_path)] == ["epoch-2", "epoch-1"]
     shard = next((tmp_path / "epoch-2").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     out = small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume")
@@ -70,7 +71,7 @@ def test_a_damaged_shard_or_missing_metadata_is_named_by_file(tiny_data, tmp_pat
     )
     out = small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume", tmp_path / "epoch-1")
     assert out.returncode == 0, out.stderr
-    assert [f.name for f in resumable.epochs(tmp_path)] == ["epoch-3", "epoch-2"]
+    assert [f.name for f in checkpoint.epochs(tmp_path)] == ["epoch-3", "epoch-2"]
 
 
 def test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint(tiny_data, tmp_path):
@@ -88,11 +89,12 @@ def test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint(tiny_data, tmp_
 
 def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeypatch):
     """Some FUSE filesystems refuse hard links: the previous checkpoint is then a copy, switched in alike."""
-    latest, previous = tmp_path / "checkpoint.pt", tmp_path / resumable.PREVIOUS
+    latest, previous = tmp_path / "checkpoint.pt", tmp_path / resume.PREVIOUS
     for epoch in (1, 2):
-        with rundir.atomic(latest, keep=previous) as f:
+        resume.keep_previous(tmp_path)
+        with checkpoint.atomic(latest) as f:
             torch.save({"epoch": epoch}, f)
-        monkeypatch.setattr(rundir.os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no links")))
+        monkeypatch.setattr(resume.os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no links")))
     assert torch.load(previous)["epoch"] == 1 and torch.load(latest)["epoch"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-previous.pt", "checkpoint.pt"]
 

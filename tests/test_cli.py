@@ -1,5 +1,5 @@
 """The command line: bounds on every option, one-line usage errors from one rank, the options a run is
-defined by, and `python -m common.cli` as the job scripts' check before torchrun."""
+defined by, and `python -m common.guards.check` as the job scripts' check before torchrun."""
 
 import os
 import subprocess
@@ -11,6 +11,7 @@ import pytest
 from helpers import REPO, clean_env, run
 
 from common import cli
+from common.guards import check, preflight
 
 LAUNCHER = ("RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_JOB_ID")
 
@@ -22,10 +23,17 @@ def no_launcher(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+def parse(argv, warn=True):
+    """The options as a stage takes them: the parser (common/cli.py), then the guard rails' own checks."""
+    args, _ = cli.parse_args(argv)
+    check.check_args(args, warn)
+    return args
+
+
 def refused(argv, capsys):
     """stderr of a parse that must fail as a usage error: exit status 2."""
     with pytest.raises(SystemExit) as stop:
-        cli.parse_args(argv)
+        parse(argv)
     assert stop.value.code == 2
     return capsys.readouterr().err
 
@@ -59,7 +67,7 @@ def test_bad_value_is_one_line_naming_the_flag(flag, value, capsys):
      ("--dist-timeout", "86400", 86400), ("--num-workers", "0", 0)],
 )  # fmt: skip
 def test_edge_values_are_accepted(flag, value, parsed):
-    assert getattr(cli.parse_args([flag, value]), flag[2:].replace("-", "_")) == parsed
+    assert getattr(parse([flag, value]), flag[2:].replace("-", "_")) == parsed
 
 
 @pytest.mark.parametrize(
@@ -94,33 +102,36 @@ def test_only_rank_0_of_a_launcher_reports(env, prints, monkeypatch, capsys):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert bool(refused(["--lr", "nan"], capsys)) == prints
-    assert cli.parse_args(["--num-workers", "1000"]).num_workers <= len(os.sched_getaffinity(0))
+    assert parse(["--num-workers", "1000"]).num_workers <= len(os.sched_getaffinity(0))
     assert bool(capsys.readouterr().err) == prints
 
 
 def test_num_workers_capped_by_cpus_per_rank(monkeypatch, capsys):
-    assert cli.parse_args(["--num-workers", "1000"]).num_workers == len(os.sched_getaffinity(0))  # this machine
+    assert parse(["--num-workers", "1000"]).num_workers == len(os.sched_getaffinity(0))  # this machine
     assert capsys.readouterr().err.startswith("warning: --num-workers 1000 is more than")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two ranks share the eight CPUs
-    assert cli.parse_args(["--num-workers", "1000"]).num_workers == 4
+    assert parse(["--num-workers", "1000"]).num_workers == 4
     assert capsys.readouterr().err.count("\n") == 1
-    assert cli.parse_args(["--num-workers", "4"]).num_workers == 4
-    assert cli.parse_args([]).num_workers is None  # the loader's own default
+    assert parse(["--num-workers", "4"]).num_workers == 4
+    assert parse([]).num_workers is None  # the loader's own default
     assert capsys.readouterr().err == ""
 
 
 def test_every_option_is_classified():
-    dests = [action.dest for action in cli.parser(REPO / "01_single_gpu/train.py")._actions if action.dest != "help"]
+    p = cli.parser(REPO / "05_fsdp/train.py", [cli.large_models])
+    cli.load_task(cli.TASK).add_arguments(p)  # the built-in task's own options
+    dests = [action.dest for action in p._actions if action.dest != "help"]
     assert not set(cli.DEFINING) & set(cli.FREE)
     assert len(cli.DEFINING + cli.FREE) == len(set(cli.DEFINING + cli.FREE))
     assert set(dests) == set(cli.DEFINING) | set(cli.FREE)
 
 
 def test_defining_values_and_the_cosine_rule():
-    step = cli.defining(cli.parse_args(["--epochs", "3"]))
-    assert list(step) == list(cli.DEFINING) and step["lr"] == 1.0 and step["dataset"] == "mnist"
-    cosine = cli.defining(cli.parse_args(["--epochs", "3", "--scheduler", "cosine"]))
+    step = preflight.defining(parse(["--epochs", "3"]))
+    assert step["lr"] == 1.0 and step["dataset"] == "mnist" and step["task"] == "images.py"
+    assert list(step) == list(cli.DEFINING)
+    cosine = preflight.defining(parse(["--epochs", "3", "--scheduler", "cosine"]))
     assert cosine == step | {"scheduler": "cosine", "epochs": 3}
     assert all(type(value) in (str, int, float, bool, type(None)) for value in cosine.values())  # weights_only loads
 
@@ -146,21 +157,21 @@ def test_resume_needs_a_regular_file(tmp_path, monkeypatch, capsys):
         err = refused(["--resume", str(path)], capsys)
         assert err.startswith(f"error: argument --resume: {path} {what}") and err.count("\n") == 1
     (tmp_path / "checkpoint.pt").touch()
-    assert cli.parse_args(["--resume", str(tmp_path / "checkpoint.pt")]).resume == tmp_path / "checkpoint.pt"
-    assert cli.parse_args(["--resume"]).resume is True
+    assert parse(["--resume", str(tmp_path / "checkpoint.pt")]).resume == tmp_path / "checkpoint.pt"
+    assert parse(["--resume"]).resume is True
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("RANK", "1")  # rank 0 reads the file: another node need not have it
-    assert cli.parse_args(["--resume", str(tmp_path / "none.pt")]).resume == tmp_path / "none.pt"
+    assert parse(["--resume", str(tmp_path / "none.pt")]).resume == tmp_path / "none.pt"
 
 
 def test_module_checks_arguments_fast_without_torch():
     start = time.monotonic()
-    bad = run([sys.executable, "-m", "common.cli", "--lr", "nan"], timeout=30)
+    bad = run([sys.executable, "-m", "common.guards.check", "--lr", "nan"], timeout=30)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--lr" in bad.stderr and not bad.stdout
-    good = run([sys.executable, "-m", "common.cli", "--epochs", "1", "--num-workers", "1000"], timeout=30)
+    good = run([sys.executable, "-m", "common.guards.check", "--epochs", "1", "--num-workers", "1000"], timeout=30)
     assert (good.returncode, good.stdout, good.stderr) == (0, "", "")  # silent: the workers warn themselves
     assert time.monotonic() - start < 10
-    code = "import sys, common.cli; sys.exit('torch' in sys.modules)"
+    code = "import sys, common.guards.check; sys.exit('torch' in sys.modules)"
     assert run([sys.executable, "-c", code], timeout=30).returncode == 0
 
 

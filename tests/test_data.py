@@ -15,6 +15,7 @@ from helpers import INJECT, REPO, TRAIN_SIZE, clean_env, run, stage_args, torchr
 from torch.utils.data.distributed import DistributedSampler
 
 from common import data
+from common.guards import preflight
 
 S03 = REPO / "03_ddp_single_node" / "train.py"
 
@@ -161,7 +162,7 @@ def test_the_fingerprint_follows_labels_and_sampled_images():
     labels = torch.arange(count) % 10
 
     def fingerprint(images, labels):
-        return data.fingerprint(data.Images("numbers", images, labels, (0.5,), (0.25,), 10))
+        return preflight.fingerprint(data.Images("numbers", images, labels, (0.5,), (0.25,), 10))
 
     reference = fingerprint(images, labels)
     assert fingerprint(images.clone(), labels.clone()) == reference  # equal data, equal fingerprints
@@ -177,8 +178,8 @@ def test_ranks_reading_the_same_files_agree_on_the_fingerprint(tiny_sets):
     """What the stages compare: every set read twice, whole and split, gives the same fingerprints."""
     for name in ("mnist", "fashion-mnist", "cifar10", "cifar100"):
         first, second = (data.split(data.dataset(tiny_sets, name, train=True), 0.25, seed=1) for _ in range(2))
-        assert [data.fingerprint(part) for part in first] == [data.fingerprint(part) for part in second]
-        assert data.fingerprint(first[0]) != data.fingerprint(first[1])
+        assert [preflight.fingerprint(part) for part in first] == [preflight.fingerprint(part) for part in second]
+        assert preflight.fingerprint(first[0]) != preflight.fingerprint(first[1])
 
 
 def test_split_is_seeded_disjoint_and_complete():

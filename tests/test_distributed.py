@@ -9,6 +9,7 @@ import torch
 
 from common import cli, data, distributed
 from common.distributed import Launch, expand_hostlist, launcher, master_port
+from common.guards import check, preflight
 
 
 @pytest.mark.parametrize(
@@ -30,12 +31,12 @@ def test_expand_hostlist(hostlist, hosts):
 
 def test_an_unreadable_hostlist_is_an_error():
     with pytest.raises(SystemExit, match="cannot read the Slurm hostlist"):
-        expand_hostlist("node[a-b]")
+        check.check_hostlist("node[a-b]")
 
 
 def test_sync_bn_on_cpus_is_refused():
     with pytest.raises(SystemExit, match="--sync-bn needs GPUs"):
-        distributed.setup(SimpleNamespace(batch_size=64, no_cuda=True, dist_timeout=30, sync_bn=True))
+        preflight.check_device(SimpleNamespace(no_cuda=True, sync_bn=True, compile=False), 0)
 
 
 def test_plain_python_is_rank_0_of_1():
@@ -65,7 +66,7 @@ def test_srun_keeps_a_given_rendezvous():
 def test_batch_step_is_not_a_rank():
     env = {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_JOB_ID": "6"}
     with pytest.raises(SystemExit, match="srun"):
-        launcher(env)
+        check.check_environment(env)
 
 
 SRUN = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "6", "SLURM_NTASKS": "2"}
@@ -87,7 +88,7 @@ SRUN = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0", "SLURM_
 )
 def test_a_missing_or_malformed_launcher_variable_is_named(env, named):
     with pytest.raises(SystemExit, match=re.escape(named)):
-        launcher(dict(env))
+        check.check_environment(dict(env))  # the guard rails, before the lesson reads the variables
 
 
 @pytest.mark.parametrize("port", ["http", "0", "70000"])
@@ -96,17 +97,17 @@ def test_a_master_port_out_of_range_is_named(monkeypatch, port):
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("MASTER_PORT", port)
     with pytest.raises(SystemExit, match=re.escape(f"MASTER_PORT='{port}' is not an integer in [1, 65535]")):
-        distributed.setup(args())
+        start(args())
 
 
 def test_a_world_size_that_does_not_divide_the_batch_names_those_that_do(monkeypatch):
     for k, v in ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3"} | NOWHERE).items():
         monkeypatch.setenv(k, v)
     with pytest.raises(SystemExit, match=re.escape("run on 1, 2, 4, 8, 16, 32, 64 ranks")):
-        distributed.setup(args())
+        start(args())
     monkeypatch.setenv("RANK", "1")  # the same verdict on every rank: rank 0 alone says it
     with pytest.raises(SystemExit) as exit:
-        distributed.setup(args())
+        start(args())
     assert exit.value.code == 1
 
 
@@ -115,7 +116,7 @@ def test_a_huge_batch_that_the_world_size_does_not_divide_is_named_at_once(monke
         monkeypatch.setenv(k, v)
     started = time.monotonic()
     with pytest.raises(SystemExit, match=re.escape("--batch-size 1000000000001 is the global batch")) as stop:
-        distributed.setup(SimpleNamespace(**vars(args()) | {"batch_size": 1000000000001}))
+        start(SimpleNamespace(**vars(args()) | {"batch_size": 1000000000001}))
     assert time.monotonic() - started < 5 and "run on 1, 73, 137 ranks" in stop.value.code
 
 
@@ -132,7 +133,17 @@ NOWHERE = {
 
 
 def args(**kw):
-    return SimpleNamespace(batch_size=64, no_cuda=False, dist_timeout=30, sync_bn=False, **kw)
+    return SimpleNamespace(batch_size=64, no_cuda=False, dist_timeout=30, sync_bn=False, compile=False, **kw)
+
+
+def start(args):
+    """What a stage runs before setup(): the guard rails' checks of the launch, then the rendezvous (which
+    none of these tests must reach: NOWHERE is no address)."""
+    check.check_environment()
+    launch = launcher()
+    preflight.check_launch(launch, args)
+    preflight.check_device(args, launch.local_rank)
+    return distributed.setup(args)
 
 
 @pytest.mark.parametrize(
@@ -147,7 +158,7 @@ def test_setup_refuses_before_any_rendezvous(monkeypatch, env, message):
     for k, v in (env | NOWHERE).items():
         monkeypatch.setenv(k, v)
     with pytest.raises(SystemExit, match=message):
-        distributed.setup(args())
+        start(args())
 
 
 def test_local_rank_beyond_visible_gpus_is_refused(monkeypatch):
@@ -156,7 +167,7 @@ def test_local_rank_beyond_visible_gpus_is_refused(monkeypatch):
     for k, v in ({"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "4"} | NOWHERE).items():
         monkeypatch.setenv(k, v)
     with pytest.raises(SystemExit, match="local rank 2 but only 2 GPUs"):
-        distributed.setup(args())
+        start(args())
 
 
 def test_one_visible_gpu_per_task_is_device_0(monkeypatch):
@@ -182,7 +193,7 @@ def test_fake_gpus_fall_back_to_cpu(monkeypatch):
     ],
 )
 def test_default_num_workers(env, workers):
-    assert data.default_num_workers(env) == workers
+    assert data.num_workers(SimpleNamespace(loader="classic", num_workers=None), env) == workers
 
 
 def test_default_output_dir(tmp_path):
@@ -196,5 +207,5 @@ def test_default_output_dir(tmp_path):
 @pytest.mark.parametrize("flag", ["--batch-size=0", "--epochs=-1", "--lr=0", "--num-workers=-2", "--dist-timeout=0"])
 def test_parser_refuses_zero_and_negative(flag, capsys):
     with pytest.raises(SystemExit):
-        cli.parse_args([flag])
+        check.check_args(cli.parse_args([flag])[0])
     assert flag.split("=")[0] in capsys.readouterr().err

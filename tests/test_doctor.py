@@ -10,7 +10,7 @@ import time
 import pytest
 from helpers import REPO, clean_env, free_port, one_error, srun_like
 
-from common import preflight
+from common.guards import preflight
 
 DOCTOR = REPO / "tools" / "doctor.py"
 CHECKS = ["ranks", "ranks per node", "GPU per rank", "NUMA", "CPUs per rank", "python version", "torch version",

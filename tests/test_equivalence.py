@@ -12,7 +12,9 @@ from helpers import REPO, TEST_SIZE, free_port, stage_args, torchrun
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, checkpoint, data, resumable
+from common import amp, data
+from common.guards import rails, resume
+from common.guards.preemption import Preemption
 from common.models import Net
 
 BATCH, STEPS = 32, 6
@@ -21,7 +23,16 @@ ARGS = SimpleNamespace(
     checkpoint_minutes=None, batch_size=BATCH,
 )  # fmt: skip
 CPU = torch.device("cpu")
-RUN = checkpoint.Run(ARGS, *[None] * 5, resumable.Sampler(range(0), 0))  # train()'s: no signal, from step 0
+
+
+def idle_guard():
+    """train()'s guard where nothing goes wrong: no signal, from step 0 of the epoch."""
+    guard = rails.Guard()
+    guard.args, guard.sampler, guard.preemption = ARGS, resume.Sampler(range(0), 0), Preemption(None, 30)
+    return guard
+
+
+RUN = idle_guard()
 
 
 def stage(name):

@@ -45,7 +45,7 @@ def test_schedules(name, lrs):
 @pytest.mark.parametrize("pair", [("net", "cifar10"), ("net", "synthetic"), ("wideresnet", "mnist")])
 def test_parser_refuses_untested_pairs(pair, capsys):
     with pytest.raises(SystemExit):
-        cli.parse_args(["--model", pair[0], "--dataset", pair[1]])
+        cli.parse_args(["--model", pair[0], "--dataset", pair[1]])  # the built-in task's check()
     assert f"--model {pair[0]} is tested with" in capsys.readouterr().err
 
 

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 import time
 import uuid
 from pathlib import Path
@@ -38,7 +39,8 @@ from helpers import (
     wait_for,
 )  # fmt: skip
 
-from common import checkpoint, cli, rundir
+from common import checkpoint, cli
+from common.guards import divergence, lock, rails
 
 S01, S03, S04 = (REPO / s / "train.py" for s in ("01_single_gpu", "03_ddp_single_node", "04_ddp_multi_node"))
 STEPS = 4  # optimizer steps per epoch: 256 training images, batch 64
@@ -47,10 +49,10 @@ STEPS = 4  # optimizer steps per epoch: 256 training images, batch 64
 def kept(folder, epochs):
     """The run's first `epochs` epochs survive: the checkpoint loads, holds them, and is finite; so are the metrics."""
     state = torch.load(folder / "checkpoint.pt", weights_only=True)
-    assert state["epoch"] == epochs and rundir.finite(state)
+    assert state["epoch"] == epochs and divergence.finite(state)
     rows = list(csv.DictReader(open(folder / "metrics.csv")))
     assert len(rows) == epochs and all(math.isfinite(float(r["train_loss"])) for r in rows)
-    assert not list(folder.glob("*.tmp"))
+    assert not list(folder.glob("*.tmp*"))
 
 
 def ranks(args_per_rank, port=None, addr="127.0.0.1", **env):
@@ -110,12 +112,14 @@ def test_a_huge_learning_rate_stops_in_the_first_epoch(tiny_data, tmp_path):
 
 def test_a_non_finite_tensor_is_never_written(tmp_path):
     model = torch.nn.Linear(2, 2)
-    assert rundir.finite([model.state_dict(), {"state": {0: {"step": torch.tensor(3.0)}}}])
+    assert divergence.finite([model.state_dict(), {"state": {0: {"step": torch.tensor(3.0)}}}])
     with torch.no_grad():
         model.bias[1] = float("inf")
-    assert not rundir.finite({"nested": [model.state_dict()]})
+    assert not divergence.finite({"nested": [model.state_dict()]})
+    guard = rails.Guard()  # what a stage checks before every save (the end of an epoch, a signal)
+    guard.args, guard.states = SimpleNamespace(output_dir=tmp_path), {"model": model, "optimizer": torch.optim.SGD(model.parameters())}
     with pytest.raises(SystemExit, match="not finite"):
-        checkpoint.save_model(model, tmp_path)
+        guard.check_epoch(1, [0.0] * 8)
     assert not list(tmp_path.iterdir())
 
 
@@ -160,12 +164,12 @@ def test_a_requeued_job_takes_over_its_own_lock_only(tmp_path):
     os.write(holder, json.dumps({"host": "node7", "pid": 99, "job": "77", "restart": 0}).encode())
     for env in ({"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "1"}, {"SLURM_JOB_ID": "77"}):
         with pytest.raises(SystemExit, match="in use by another run .host node7, pid 99, Slurm job 77"):
-            rundir.claim(tmp_path, env=env)
-    rundir.claim(tmp_path, env={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})  # the same job, requeued
+            lock.claim(tmp_path, env=env)
+    lock.claim(tmp_path, env={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})  # the same job, requeued
     assert json.loads((tmp_path / ".lock").read_text())["restart"] == 1
     os.pwrite(holder, b"[1, 2]" + b" " * 100, 0)  # a lock file some other program wrote
     with pytest.raises(SystemExit, match=r"in use by another run \(host \?, pid \?, since \?\)"):
-        rundir.claim(tmp_path, env={})
+        lock.claim(tmp_path, env={})
 
 
 def test_two_runs_in_one_job_get_their_own_folders_and_a_requeue_finds_its_own(tmp_path):
@@ -224,7 +228,7 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tiny_data, tmp_p
                  PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_ENOSPC=2)  # fmt: skip
     one_error(out, f"could not write {tmp_path / 'checkpoint.pt'}", "No space left", "MiB free", "kept")
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
-    assert state["epoch"] == 1 and rundir.finite(state) and not list(tmp_path.glob("*.tmp"))
+    assert state["epoch"] == 1 and divergence.finite(state) and not list(tmp_path.glob("*.tmp*"))
 
 
 # --- ranks agree before the first step ----------------------------------------------------------------

@@ -139,7 +139,7 @@ def test_fsdp_micro_batches_and_recompute_equal_ddp(tiny_data, tmp_path):
 
 def test_the_large_model_flags_are_refused_where_not_taught(tiny_data, tmp_path):
     for flag in (["--grad-accum", "2"], ["--checkpoint-activations"]):
-        out = run([sys.executable, "-m", "common.cli", *flag])
+        out = run([sys.executable, "-m", "common.guards.check", *flag])
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert f"error: {flag[0]} is taught in stage 05_fsdp, not here" in out.stderr
 

@@ -1,4 +1,4 @@
-"""Every model with every data set it is offered for (cli.TESTED): one training step and one evaluation on
+"""Every model with every data set it is offered for (the built-in task's TESTED): one training step and one evaluation on
 tiny copies of the sets in their real on-disk formats, read by the real readers; what `build` refuses."""
 
 from types import SimpleNamespace
@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import cli, data, models
+from common import data, models
+from common.tasks import images
 
 CPU = torch.device("cpu")
 ARGS = SimpleNamespace(loader="batched", num_workers=0)
@@ -18,7 +19,7 @@ SHAPES = {  # in_channels, image_size, classes
     "cifar100": (3, 32, 100),
     "synthetic": (3, 32, 10),
 }
-PAIRS = [(model, name) for model, names in cli.TESTED.items() for name in names]
+PAIRS = [(model, name) for model, names in images.TESTED.items() for name in names]
 
 
 def one_batch(dataset, size):

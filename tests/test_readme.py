@@ -15,7 +15,7 @@ def printed():
     """Every string literal of the stages, common/ and tools/, f-string fields replaced by a NUL: what the
     code can print, with what varies cut out (adjacent literals are joined by the parser)."""
     texts = []
-    for path in [*REPO.glob("0*/train.py"), *REPO.glob("common/*.py"), *REPO.glob("tools/*.py")]:
+    for path in [*REPO.glob("0*/train.py"), *REPO.glob("common/**/*.py"), *REPO.glob("tools/*.py")]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.JoinedStr):
                 texts.append("".join(v.value if isinstance(v, ast.Constant) else "\0" for v in node.values))

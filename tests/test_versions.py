@@ -1,4 +1,4 @@
-"""The oldest torch each stage and the doctor run on (common/versions.py): below it, one line naming both
+"""The oldest torch each stage and the doctor run on (common/guards/versions.py): below it, one line naming both
 versions and the fix, before torch is imported. `make test-min` runs this file on each of those versions:
 there each script runs on its own minimum, and meets a torch really older than it needs."""
 
@@ -9,7 +9,7 @@ import pytest
 from helpers import REPO, STAGES, clean_env, run, srun_like, stage_args, torchrun
 from test_failures import one_error
 
-from common import versions
+from common.guards import versions
 
 FOUND = versions.installed()
 SCRIPTS = [f"{stage}/train.py" for stage in STAGES] + ["tools/doctor.py"]
@@ -38,7 +38,7 @@ def test_a_torch_older_than_the_stage_needs_is_one_line_before_torch_is_imported
 
 def test_the_job_scripts_check_and_the_doctor_refuse_an_older_torch(tmp_path):
     env = fake_torch(tmp_path, "2.6.0")
-    out = run([sys.executable, "-m", "common.cli", "--epochs", "1"], env=env, cwd=REPO / "03_ddp_single_node")
+    out = run([sys.executable, "-m", "common.guards.check", "--epochs", "1"], env=env, cwd=REPO / "03_ddp_single_node")
     one_error(out, "03_ddp_single_node/train.py needs torch ≥ 2.7 (this is 2.6.0)")  # the stage the job runs
     assert out.returncode == 1
     out = run([sys.executable, "tools/doctor.py"], env=env, timeout=60)

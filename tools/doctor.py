@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
-from common import cli, data, distributed, preemption, versions  # noqa: E402
+from common import cli, data, distributed  # noqa: E402
 from common.environment import cpus_per_rank  # noqa: E402
+from common.guards import preemption, rails, versions  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]  # every dtype the stages all-reduce or train in
 FLOOR_GBPS = {"within nodes": 5, "across nodes": 1}  # busbw below PCIe 3 x16 / 10 GbE: the fast links are not used
@@ -431,7 +432,7 @@ def judge(args, everyone, device):
     return [row for check in CHECKS for row in check(run)]
 
 
-def main():
+def main(guard):
     versions.require(__file__)
     args = parse_args()
     nccl_log = None
@@ -440,7 +441,7 @@ def main():
         nccl_log = args.output_dir / f"nccl-{socket.gethostname().split('.')[0]}-{os.getpid()}.log"
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_FILE=str(args.output_dir / "nccl-%h-%p.log"))
         args.output_dir.mkdir(parents=True, exist_ok=True)
-    rank, local_rank, world_size, device = distributed.setup(args)
+    rank, local_rank, world_size, device = distributed.setup(args, guard.meet(args))  # bounded, and named
     mine = {"rank": rank, **facts(args, local_rank, device), **file_facts(args, rank, world_size)}
     hosts = gather(mine["host"])
     mine.update(all_reduce=[], bandwidth={}, compute_s=compute_time(device), requeue=None)
@@ -480,4 +481,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    rails.run(main)  # a failed collective names the rank that went silent

@@ -1,13 +1,104 @@
-"""A job script's check before torchrun starts its workers: `python -m common.guards.check ARGS...` checks ARGS
-as the stage in this folder would, without importing torch, and a torch too old for that stage: a usage error
-ends the job once, not once per worker and restart. Silent on success (the workers print any warning)."""
+"""Guard rail: the checks that need no torch, of the options and of the launcher's variables, before anything
+starts. Run as `python -m common.guards.check ARGS...` it is a job script's check before torchrun starts its
+workers: ARGS as the stage in this folder takes them, and a torch too old for that stage, in a tenth of a
+second; a usage error ends the job once, not once per worker and restart. Silent on success."""
 
+import os
+import re
 import sys
 from pathlib import Path
 
 from common import cli
-from common.guards import preflight, versions
+from common.environment import cpus_per_rank, is_rank0
+from common.guards import versions
+
+REQUIRED = object()
+
+
+def integer(name, default=REQUIRED, env=os.environ, low=0, high=None):
+    """env[name] as an integer in [low, high]; `default` if it is unset or empty, or an error if required. A
+    variable missing where the launch needs it, or set but not a number in range (a typo in a launch by hand,
+    a wrapper exporting garbage), is one line naming it and its value instead of a ValueError or KeyError."""
+    value = env.get(name, "").strip()
+    if not value:
+        if default is REQUIRED:
+            raise SystemExit(
+                f"error: {name} is not set, and this launch needs it: start the ranks with torchrun or srun (or, "
+                "by hand, set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every rank)"
+            )
+        return default
+    if not value.isdigit() or int(value) < low or (high is not None and int(value) > high):
+        within = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise SystemExit(
+            f"error: {name}={env[name]!r} is not an integer {within}: the launcher (torchrun, srun) sets it; "
+            "if you set it yourself, correct or unset it"
+        )
+    return int(value)
+
+
+def check_environment(env=os.environ):
+    """Every launcher variable the lesson reads (common/distributed.py launcher(), common/environment.py), before
+    it reads them; and a launch that has none although the job has several tasks."""
+    for name in ("SLURM_CPUS_PER_TASK", "LOCAL_WORLD_SIZE", "SLURM_STEP_NUM_NODES"):
+        integer(name, None, env=env, low=1)
+    if "RANK" in env:  # torchrun, or by hand
+        integer("RANK", env=env), integer("LOCAL_RANK", env=env), integer("WORLD_SIZE", env=env, low=1)
+        if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+            raise SystemExit("error: RANK is set but MASTER_ADDR or MASTER_PORT is not: export both (rank 0's host "
+                             "and a free port), or launch with torchrun")  # fmt: skip
+        integer("MASTER_PORT", env=env, low=1, high=65535)
+    elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:  # an srun task
+        if not env.get("SLURM_JOB_NODELIST"):
+            raise SystemExit("error: SLURM_JOB_NODELIST is not set in this srun task: launch it with srun in a job")
+        check_hostlist(env["SLURM_JOB_NODELIST"])
+        integer("SLURM_PROCID", env=env), integer("SLURM_LOCALID", env=env), integer("SLURM_NTASKS", env=env, low=1)
+        integer("MASTER_PORT", None, env=env, low=1, high=65535) or integer("SLURM_JOB_ID", env=env)
+    elif integer("SLURM_NTASKS", 1, env=env) > 1:
+        raise SystemExit(
+            f"error: this job has SLURM_NTASKS={env['SLURM_NTASKS']} but this process is not one of its "
+            "tasks (it runs in the batch script or an salloc shell): launch train.py with `srun python "
+            "train.py`, or with torchrun"
+        )
+
+
+def check_hostlist(hostlist):
+    """A hostlist distributed.expand_hostlist() can read: brackets that match, each holding numbers and ranges."""
+    parts = [part for group in re.findall(r"\[([^\]]*)\]", hostlist) for part in group.split(",")]
+    ranges = [re.fullmatch(r"(\d+)(?:-(\d+))?", part) for part in parts]
+    if hostlist.count("[") != hostlist.count("]") or not all(r and int(r[2] or r[1]) >= int(r[1]) for r in ranges):
+        raise SystemExit(
+            f"error: cannot read the Slurm hostlist {hostlist!r}: set SLURM_JOB_NODELIST as Slurm writes it"
+        )
+
+
+def usage(message):
+    """A usage error, as the parser reports one: one line from rank 0, exit status 2."""
+    cli.say(f"error: {message} (see --help)")
+    raise SystemExit(2)
+
+
+def check_args(args, warn=True):
+    """What the parser cannot see alone, then --check's exit. Rank 0 alone reads a checkpoint, and on nodes that
+    share no filesystem only its node has the file: a --resume PATH that is no checkpoint is one line before
+    anything starts (a FIFO would hang torch.load, a directory make it fail with a traceback)."""
+    if cli.learning_rate(args) > cli.FLOAT32_MAX:
+        usage(f"--lr {args.lr:g} scaled to --batch-size {args.batch_size} ({args.lr_scaling}) overflows float32")
+    path = args.resume
+    if isinstance(path, Path) and is_rank0() and not (path.is_file() or (path / "state.pt").is_file()):
+        what = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
+        usage(f"argument --resume: {path} {what}: give a checkpoint file (<output-dir>/checkpoint.pt) or, from "
+              "stage 05, a checkpoint folder (<output-dir>/checkpoint)")  # fmt: skip
+    cpus = cpus_per_rank()
+    if args.num_workers is not None and args.num_workers > cpus:
+        if warn:
+            cli.say(
+                f"warning: --num-workers {args.num_workers} is more than the {cpus} CPUs per rank here: using {cpus}"
+            )
+        args.num_workers = cpus
+    if args.check:  # the options hold for this stage: nothing else to do
+        raise SystemExit(0)
+
 
 if __name__ == "__main__":
     versions.require(Path("train.py"))  # job scripts run in the stage's folder
-    preflight.check_args(cli.parse_args(sys.argv[1:])[0], warn=False)
+    check_args(cli.parse_args(sys.argv[1:])[0], warn=False)

@@ -9,7 +9,7 @@ import socket
 import time
 
 from common.environment import is_rank0
-from common.guards.preflight import integer
+from common.guards.check import integer
 
 
 def claim(output_dir, env=os.environ):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from common import checkpoint, distributed
 from common.environment import is_rank0
-from common.guards import divergence, lock, preflight, resume
+from common.guards import check, divergence, lock, preflight, resume
 from common.guards.ending import end
 from common.guards.preemption import Preemption
 from common.guards.watchdog import Watchdog
@@ -37,9 +37,14 @@ class Guard:
         """Claim --output-dir, check the launch, and meet the other ranks: returns the rendezvous store for
         distributed.setup(), or None without a launcher."""
         self.args = args
-        preflight.check_environment()  # every launcher variable, before the lesson reads it
-        preflight.check_args(args)
+        check.check_environment()  # every launcher variable, before anything reads it
+        check.check_args(args)
         self.lock = lock.claim(args.output_dir)  # first: one run per folder, and a folder it can write
+        return self.meet(args)
+
+    def meet(self, args):
+        """start() but the output folder: check the launch and meet the other ranks (the doctor's start too)."""
+        check.check_environment()
         launch = distributed.launcher()
         preflight.check_launch(launch, args)  # numbers that fit together, before anyone waits for anyone
         preflight.check_device(args, launch.local_rank)

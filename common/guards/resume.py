@@ -17,8 +17,9 @@ from torch.utils.data.distributed import DistributedSampler
 from common.checkpoint import SHARDED, WHOLE, epochs, read
 from common.distributed import print0
 from common.environment import is_rank0
+from common.guards.check import integer
 from common.guards.ending import stop
-from common.guards.preflight import defining, integer
+from common.guards.preflight import defining
 
 PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
 
