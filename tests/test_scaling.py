@@ -153,3 +153,25 @@ def test_stage05_runs_resumed_at_another_world_size_and_mixed_settings(tmp_path,
     ]  # fmt: skip
     assert "Note: these runs differ in stage: 03_ddp_single_node (03_ddp_single_node/a), 05_fsdp (05_fsdp/b" in text
     assert "--model: net (03_ddp_single_node/a), cnn (05_fsdp/b (world size 2)), cnn (05_fsdp/b (world size 4))" in text
+
+
+@pytest.mark.parametrize("bandwidth", ["0", "-1", "nan"])
+def test_a_bandwidth_that_is_no_speed_is_a_usage_error(tmp_path, capsys, bandwidth):
+    run = write_run(tmp_path / "a", 1, [100, 100], [90, 99], seconds=(1, 1))
+    with pytest.raises(SystemExit) as stop:
+        scaling.main([str(run), "--bandwidth", bandwidth, "--params", "1000"])
+    assert stop.value.code == 2 and capsys.readouterr().err == (
+        f"error: argument --bandwidth: must be a number in (0, inf), got {bandwidth} (see --help)\n"
+    )
+
+
+@pytest.mark.parametrize("flag, name", [("--out", "missing/scaling.md"), ("--plot", "missing/scaling.png"),
+                                        ("--plot", "scaling.txt"), ("--out", ".")])  # fmt: skip
+def test_an_output_it_cannot_write_is_one_line_before_any_work(tmp_path, capsys, flag, name):
+    run = write_run(tmp_path / "a", 1, [100, 100], [90, 99], seconds=(1, 1))
+    with pytest.raises(SystemExit) as stop:
+        scaling.main([str(run), flag, str(tmp_path / name)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"error: argument {flag}: ") and err.count("\n") == 1, err
+    assert ("mkdir -p" if "missing" in name else "png" if "txt" in name else "is a folder") in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # nothing written, no folder made

@@ -10,16 +10,15 @@ batch and the learning rate, which scaling studies change), are named in a note 
 --bandwidth adds rows on paper.
 """
 
-import argparse
 import itertools
 import statistics
 import sys
 from pathlib import Path
 
 import torch
-from plot import Figure, labels, load  # tools/plot.py, beside this file
+from plot import FORMATS, Figure, labels, load, output  # tools/plot.py, beside this file
 
-from common import data, models
+from common import cli, data, models
 
 NOTE = (
     "images/s: the median of the epochs after the first, which includes warm-up (a one-epoch run: that epoch)."
@@ -128,12 +127,14 @@ def figure(runs, paper):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.Parser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path, help="run folders (holding metrics.csv) or metrics.csv files")
     p.add_argument("--target-accuracy", type=float, default=99.0, help="in %%, for the time-to column (default: 99)")
-    p.add_argument("--out", type=Path, help="also write the Markdown to this file")
-    p.add_argument("--plot", type=Path, help="draw images/s against world size into this PNG (needs matplotlib)")
-    p.add_argument("--bandwidth", type=float, help="GB/s of the all-reduce links: adds the rows on paper")
+    p.add_argument("--out", type=output(), help="also write the Markdown to this file, in a folder that exists")
+    p.add_argument("--plot", type=output(FORMATS),
+                   help="draw images/s against world size into this image, in a folder that exists; its suffix names the format (needs matplotlib)")  # fmt: skip
+    p.add_argument("--bandwidth", type=cli.number(float, "(0, inf)"), metavar="GBps",
+                   help="GB/s of the all-reduce links: adds the rows on paper")  # fmt: skip
     p.add_argument("--params", type=int, help="the model's parameters, where no checkpoint.pt names the model")
     args = p.parse_args(argv)
     if args.plot and Figure is None:
