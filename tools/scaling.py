@@ -13,6 +13,7 @@ batch and the learning rate, which scaling studies change), are named in a note 
 import itertools
 import statistics
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,10 +34,21 @@ HEADER = (
 
 
 def recorded(folder):
-    """The options that define a run, as its checkpoint (whole, or stage 05's sharded one) records them, else {}."""
+    """The options that define a run, as its checkpoint (whole, or stage 05's sharded one) records them, else {}.
+    A file that is no checkpoint of these stages (damaged, or a pickle that would run code) is one line."""
     for saved in (folder / "checkpoint.pt", folder / "checkpoint" / "state.pt"):
         if saved.is_file():
-            return torch.load(saved, map_location="cpu", weights_only=True)["flags"]
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # torch's, on pickle protocols: the line below says enough
+                    state = torch.load(saved, map_location="cpu", weights_only=True)  # refuses code: runs nothing
+                cause = None if isinstance(state, dict) and isinstance(state.get("flags"), dict) else "no flags"
+            except Exception as err:  # truncated, not torch's format, or objects other than tensors and plain values
+                cause = type(err).__name__
+            if cause:
+                sys.exit(f"error: {saved} is not a checkpoint of these stages, or is damaged ({cause}): leave the run "
+                         "out, or move the file away (the table then reads its metrics.csv alone)")  # fmt: skip
+            return state["flags"]
     return {}
 
 
@@ -87,6 +99,7 @@ def row(base, run, rate, to_target, name):
     """A table row; speed-up and efficiency against `base`, the run of the smallest world size."""
     n, speedup = run["world"], rate / base["rate"]
     known = ["?" if v is None else f"{v:g}" for v in (run["nodes"], run["batch"])]
+    name = name.replace("|", "\\|")  # a folder's name may hold the table's separator
     cells = [n, *known, f"{rate:.0f}", f"{speedup:.2f}", f"{speedup * base['world'] / n:.2f}", to_target, name]
     return f"| {' | '.join(map(str, cells))} |"
 
