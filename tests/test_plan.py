@@ -1,6 +1,7 @@
 """tools/plan.py: its state figures are the bytes real FSDP and HSDP runs hold, its activations what a real
 training step saves, and its answer a job script's #SBATCH lines."""
 
+import json
 import sys
 
 import pytest
@@ -105,3 +106,87 @@ def test_the_plan_answers_with_sbatch_lines_in_seconds():
     fitting = sorted(int(row[0]) for row in rows if row[9] == "yes")
     nodes, tasks, gres = (int(line.split("=")[1].split(":")[-1]) for line in lines if line.startswith("#SBATCH"))
     assert fitting and nodes * tasks == fitting[0] and gres == tasks  # the smallest that fits, nothing smaller
+
+
+def test_a_model_too_large_for_this_machine_is_counted_without_its_memory():
+    """WideResNet-16-1000 has 170 G parameters: counted on fake tensors, with 6 GiB of address space (torch's
+    libraries fit, the first of the model's 9 GB convolutions does not), in seconds. Past what even fake
+    tensors hold (a tensor over 2^63 bytes), one line."""
+    limit = "import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30,) * 2); sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    out = run([sys.executable, "-c", limit, REPO / "tools/plan.py", "--model", "wideresnet", "--dataset", "cifar10",
+               "--width", "1000"], timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    args = plan.parse(["--model", "wideresnet", "--dataset", "cifar10", "--width", "1000"])
+    with torch.device("meta"):  # the parameters counted another way: shapes alone
+        count = sum(p.numel() for p in plan.build(args).parameters())
+    assert out.stdout.startswith(f"wideresnet ({count / 1e6:.1f} M parameters)") and count > 1e11
+    assert "nothing fits in 16 GPUs" in out.stdout
+    with pytest.raises(SystemExit, match=r"^error: this model cannot be counted \(.*\): a smaller --width or --depth$"):
+        plan.main(["--model", "wideresnet", "--dataset", "cifar10", "--width", str(10**9)])
+
+
+def test_every_allocation_of_part_of_a_node_or_whole_nodes_is_tried(capsys):
+    """Three GPUs per node: 3 fit where 2 do not, and 3 is the answer (1, 2, 4, 8, 16 alone: nothing fits)."""
+    argv = SMALL[:-1] + ["36", "--gpus-per-node", "3", "--max-gpus", "12"]  # 36 images: every world size divides it
+    args = plan.parse(argv)
+    measured = plan.measure(args)
+    two, three = (sum(plan.per_gpu(args, n, measured)["FSDP"].values()) for n in (2, 3))
+    plan.main(argv + ["--gpu-memory", str((two + three) / 2 / 2**30)])
+    out = capsys.readouterr().out
+    sizes = [int(line.split("|")[1]) for line in out.splitlines() if line[:2] == "| " and line[2].isdigit()]
+    assert sorted(set(sizes)) == [1, 2, 3, 6, 9, 12]  # part of one node, or whole nodes
+    assert "the smallest allocation that fits: 3 GPUs" in out
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=3\n#SBATCH --gres=gpu:3" in out
+
+
+def doctor_json(path, slowest):
+    """A doctor.json as tools/doctor.py writes it on two nodes of two ranks (`make doctor` writes one on this
+    machine: tests/test_doctor.py): each rank's [bytes, algbw, busbw] sweeps, the largest size last."""
+    ranks = [
+        {"rank": rank, "host": f"node{rank // 2}", "bandwidth": {
+            "across nodes": [[2**20, 0.1, 0.2], [2**24, 9.0, 13.5], [2**28, 10.0, 15.0 - rank]],
+            "within nodes": [[2**20, 0.3, 0.3], [2**24, 40.0, 40.0], [2**28, 45.0, 45.0]],
+        }}
+        for rank in range(4)
+    ]  # fmt: skip
+    ranks[3]["bandwidth"]["across nodes"][-1][2] = slowest
+    checks = [{"check": "ranks", "status": "PASS", "detail": "4 arrived", "fix": ""}]
+    path.write_text(json.dumps({"checks": checks, "ranks": ranks}))
+    return path
+
+
+def test_the_doctors_report_gives_the_slowest_bandwidth_it_measured(tmp_path, capsys):
+    """The slowest rank's busbw across nodes at the largest size (not a smaller size's lower figure): the
+    same table as --bandwidth with that figure."""
+    argv = SMALL + ["--gpus-per-node", "2", "--max-gpus", "4"]
+    plan.main(argv + ["--doctor", str(doctor_json(tmp_path / "doctor.json", 11.5))])
+    from_doctor = capsys.readouterr().out
+    plan.main(argv + ["--bandwidth", "11.5"])
+    assert from_doctor == capsys.readouterr().out and "comm. ms/step" in from_doctor
+    assert "links of 11.5 GB/s" in from_doctor
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        (None, "No such file or directory"),
+        ("", "is not JSON, or is cut short"),
+        ('{"checks": [{"check": "ranks", "status": "PA', "is not JSON, or is cut short"),
+        ("[1, 2]", "is not a doctor's report"),
+        ('{"ranks": [{"rank": 0, "bandwidth": {"across nodes": 5}}]}', "is not a doctor's report"),
+        ('{"ranks": [{"rank": 0, "bandwidth": {}}]}', "measured no bandwidth"),  # one rank: nothing to reduce
+        ("folder", "Is a directory"),
+    ],
+    ids=["missing", "empty", "cut short", "a list", "another shape", "one rank", "a folder"],
+)
+def test_a_doctor_file_missing_damaged_or_foreign_is_one_line(tmp_path, text, named):
+    path = tmp_path / "doctor.json"
+    if text == "folder":
+        path.mkdir()
+    elif text is not None:
+        path.write_text(text)
+    with pytest.raises(SystemExit) as stop:
+        plan.main(SMALL + ["--doctor", str(path)])
+    message = str(stop.value.code)
+    assert message.startswith(f"error: --doctor {path}") and named in message and "\n" not in message, message
+    assert message.endswith("--bandwidth")  # the fix: the doctor's own file, or the figure by hand

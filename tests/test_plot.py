@@ -2,6 +2,7 @@
 tells runs apart; written by hand, and of real runs of stage 01."""
 
 import csv
+import importlib
 import importlib.util
 import sys
 
@@ -131,3 +132,41 @@ def test_a_damaged_metrics_file_is_one_line_for_both_tools(tmp_path, text, named
         out = run([sys.executable, str(REPO / "tools" / tool), str(tmp_path)])
         assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
         assert out.stderr.startswith(f"error: {tmp_path / 'metrics.csv'}") and named in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    "rows, named",
+    [
+        ("1,2,3,4," + "9" * 200_000 + "\n", "line 2: field larger than field limit (131072)"),
+        ("1,0,3,4,5\n", "line 2: world_size 0 is not a number of processes"),
+        ("1,,3,4,5\n", "line 2: no world_size"),
+        ("1,1,3,100,5\n2,1,3,0,5\n", "line 3: images_per_s 0 is not a rate"),  # the base of every speed-up
+        ("1,1,3,nan,5\n", "line 2: images_per_s nan is not a rate"),
+    ],
+    ids=["a huge field", "world size 0", "no world size", "0 images/s", "nan images/s"],
+)
+def test_a_cell_no_stage_writes_is_one_line_for_both_tools(tmp_path, rows, named):
+    """What a division or Python's csv module would stop on with a traceback: the file named, and its line."""
+    (tmp_path / "metrics.csv").write_text(HEADER + rows)
+    sys.path.insert(0, str(PLOT.parent))  # scaling.py imports plot.py from beside it, as when run as a script
+    scaling = importlib.import_module("scaling")
+    for main in (load_plot().main, scaling.main):
+        with pytest.raises(SystemExit) as stop:
+            main([str(tmp_path), "-o" if main is not scaling.main else "--out", str(tmp_path / "out.png")])
+        message = str(stop.value.code)
+        assert message.startswith(f"error: {tmp_path / 'metrics.csv'}, {named}") and "\n" not in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv"]
+
+
+@pytest.mark.parametrize("name, named", [("missing/plot.png", "no folder"), ("plot.txt", "matplotlib writes"),
+                                         ("plot", "a name without one"), (".", "is a folder")])  # fmt: skip
+def test_an_output_it_cannot_write_is_one_line_before_any_work(tmp_path, capsys, name, named):
+    """A folder that does not exist is not made (a typo in it would scatter plots): the line says to make it."""
+    pytest.importorskip("matplotlib")
+    run = write_metrics(tmp_path / "run", 1)
+    with pytest.raises(SystemExit) as stop:
+        load_plot().main([str(run), "-o", str(tmp_path / name)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("error: argument -o/--output: ") and err.count("\n") == 1, err
+    assert named in err and ("png, ps" in err if "txt" in name else "mkdir -p" in err if "missing" in name else True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written, no folder made

@@ -3,7 +3,11 @@ runs of stage 03 on tiny data."""
 
 import csv
 import importlib
+import os
+import pickle
+import re
 import sys
+import warnings
 
 import pytest
 import torch
@@ -153,3 +157,59 @@ def test_stage05_runs_resumed_at_another_world_size_and_mixed_settings(tmp_path,
     ]  # fmt: skip
     assert "Note: these runs differ in stage: 03_ddp_single_node (03_ddp_single_node/a), 05_fsdp (05_fsdp/b" in text
     assert "--model: net (03_ddp_single_node/a), cnn (05_fsdp/b (world size 2)), cnn (05_fsdp/b (world size 4))" in text
+
+
+@pytest.mark.parametrize("bandwidth", ["0", "-1", "nan"])
+def test_a_bandwidth_that_is_no_speed_is_a_usage_error(tmp_path, capsys, bandwidth):
+    run = write_run(tmp_path / "a", 1, [100, 100], [90, 99], seconds=(1, 1))
+    with pytest.raises(SystemExit) as stop:
+        scaling.main([str(run), "--bandwidth", bandwidth, "--params", "1000"])
+    assert stop.value.code == 2 and capsys.readouterr().err == (
+        f"error: argument --bandwidth: must be a number in (0, inf), got {bandwidth} (see --help)\n"
+    )
+
+
+class Payload:
+    """A pickle that would create `marker` when loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("kind", ["code", "truncated", "no flags"])
+def test_a_checkpoint_of_another_kind_is_one_line_and_runs_nothing(tmp_path, kind):
+    run = write_run(tmp_path / "a", 1, [100, 100], [90, 99], seconds=(1, 1))
+    saved = run / "checkpoint.pt"
+    if kind == "code":
+        with open(saved, "wb") as f:
+            pickle.dump({"flags": Payload(tmp_path / "ran")}, f)
+    else:
+        torch.save({"flags": {"batch_size": 64}} if kind == "truncated" else {"model": {}}, saved)
+        saved.write_bytes(saved.read_bytes()[: -100 if kind == "truncated" else None])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as stop:
+        warnings.simplefilter("always")
+        scaling.main([str(run)])
+    assert str(stop.value.code).startswith(f"error: {saved} is not a checkpoint of these stages, or is damaged")
+    assert "leave the run out" in stop.value.code and "\n" not in stop.value.code
+    assert not caught and not (tmp_path / "ran").exists()  # no warning beside the line; the pickle's code never ran
+
+
+def test_a_bar_in_a_run_folders_name_keeps_the_table(tmp_path, capsys):
+    text = report(capsys, write_run(tmp_path / "a|b", 1, [100, 100], [90, 99], seconds=(1, 1)))
+    line = text.splitlines()[-1]
+    assert line.endswith(r"| a\|b |") and len(re.split(r"(?<!\\)\|", line)) == 10  # 8 cells between 9 bars
+
+
+@pytest.mark.parametrize("flag, name", [("--out", "missing/scaling.md"), ("--plot", "missing/scaling.png"),
+                                        ("--plot", "scaling.txt"), ("--out", ".")])  # fmt: skip
+def test_an_output_it_cannot_write_is_one_line_before_any_work(tmp_path, capsys, flag, name):
+    run = write_run(tmp_path / "a", 1, [100, 100], [90, 99], seconds=(1, 1))
+    with pytest.raises(SystemExit) as stop:
+        scaling.main([str(run), flag, str(tmp_path / name)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"error: argument {flag}: ") and err.count("\n") == 1, err
+    assert ("mkdir -p" if "missing" in name else "png" if "txt" in name else "is a folder") in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # nothing written, no folder made

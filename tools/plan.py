@@ -1,18 +1,19 @@
 """Will it fit, and on how many GPUs? The memory each GPU needs for a model and batch under DDP (stages
-03, 04), FSDP and HSDP (stage 05) at 1, 2, 4, ... GPUs, and the smallest allocation that fits, as #SBATCH
-lines. `make plan ARGS="--model wideresnet --depth 28 --width 10 --dataset cifar100 --batch-size 512 --amp
---optimizer sgd --momentum 0.9 --gpu-memory 80 --gpus-per-node 4"`. No data is read: the shapes come
-from the data set's description.
+03, 04), FSDP and HSDP (stage 05) on every allocation up to --max-gpus (part of one node, or whole nodes),
+and the smallest allocation that fits, as #SBATCH lines. `make plan ARGS="--model wideresnet --depth 28
+--width 10 --dataset cifar100 --batch-size 512 --amp --optimizer sgd --momentum 0.9 --gpu-memory 80
+--gpus-per-node 4"`. No data is read: the shapes come from the data set's description.
 
 Per GPU:
   - weights, gradients and optimizer state: exact, from the model and the optimizer; FSDP and HSDP keep
     each parameter's first-dimension chunk of this rank (the largest, rank 0's), as fully_shard splits it;
   - FSDP and HSDP gather one block's whole weights at a time, and prefetch the next: two of the largest;
-  - activations saved for backward: counted by saved-tensor hooks in one forward on the CPU at per-rank
-    batches of 1 and 2, extrapolated (they grow linearly with the batch), with --amp and
-    --checkpoint-activations as the stage applies them;
+  - activations saved for backward: counted by saved-tensor hooks in one forward at per-rank batches of 1
+    and 2, extrapolated (they grow linearly with the batch), with --amp and --checkpoint-activations as the
+    stage applies them. On fake tensors, which have shapes and dtypes but no memory: a model larger than
+    this machine's memory is counted too;
   - an allowance for the CUDA context and the allocator: ALLOWANCE, and 10 % of the rest.
-With --bandwidth GB/s (or a doctor.json that measured it), the communication time per step too.
+With --bandwidth GB/s (or the doctor.json of tools/doctor.py), the communication time per step too.
 """
 
 import json
@@ -23,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.distributed._composable import checkpoint as recompute  # noqa: E402
 
 from common import cli, data, models, optim  # noqa: E402
@@ -51,17 +53,17 @@ def shard_bytes(model, ranks):
 def activation_bytes(args, model, batch):
     """Bytes saved for backward by one forward at `batch` images, as the stages train (dropout, BatchNorm in
     train mode; --amp in bf16; --checkpoint-activations per block): tensors counted once by storage,
-    parameters left out (they are the weights)."""
+    parameters left out (they are the weights). Fake tensors have no addresses: a storage is told by its object."""
     spec = data.SETS[args.dataset]
     x = torch.randn(batch, len(spec.mean), spec.size, spec.size)
     y = torch.randint(spec.classes, (batch,))
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}
     saved = {}
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            saved[storage.data_ptr()] = storage.nbytes()
+        if storage._cdata not in weights:
+            saved[storage._cdata] = storage.nbytes()
         return tensor
 
     model.train()
@@ -75,14 +77,17 @@ def activation_bytes(args, model, batch):
 
 def measure(args):
     """What does not depend on the number of GPUs: the model, its activations at per-rank batches 1 and 2,
-    and the largest unit FSDP gathers (a block, or the root's own first and last layers)."""
-    model = build(args)
-    if args.checkpoint_activations:
-        for block in models.blocks(model):
-            recompute(block)
-    units = [sum(p.numel() for p in block.parameters()) for block in models.blocks(model)]
-    units.append(sum(p.numel() for p in model.parameters()) - sum(units))
-    return model, activation_bytes(args, model, 1), activation_bytes(args, model, 2), max(units)
+    and the largest unit FSDP gathers (a block, or the root's own first and last layers). On fake tensors
+    that pass for the CPU's, so that autocast casts them as in the stage (meta tensors it leaves in fp32);
+    under --amp they keep BatchNorm's per-channel statistics in bf16 where the CPU keeps fp32: a few bytes."""
+    with FakeTensorMode():
+        model = build(args)
+        if args.checkpoint_activations:
+            for block in models.blocks(model):
+                recompute(block)
+        units = [sum(p.numel() for p in block.parameters()) for block in models.blocks(model)]
+        units.append(sum(p.numel() for p in model.parameters()) - sum(units))
+        return model, activation_bytes(args, model, 1), activation_bytes(args, model, 2), max(units)
 
 
 def per_gpu(args, world_size, measured):
@@ -121,11 +126,27 @@ def traffic(args, model_bytes, name, world_size):
 
 
 def bandwidth(args):
-    """GB/s across nodes: --bandwidth, else the slowest all-reduce a doctor.json measured, else None."""
+    """GB/s for the communication column: --bandwidth, else what a doctor.json measured, else None."""
     if args.bandwidth or not args.doctor:
         return args.bandwidth
-    measured = json.loads(Path(args.doctor).read_text()).get("bandwidth", {})
-    return min(measured.values()) if measured else None
+    fix = "give the doctor.json that tools/doctor.py wrote (<its --output-dir>/doctor.json), or --bandwidth"
+    try:
+        ranks = json.loads(Path(args.doctor).read_text())["ranks"]
+        # each rank's sweeps, [[bytes, algbw, busbw], ...] "across nodes" and "within nodes", the largest last:
+        # busbw, as traffic() counts bytes (2(n-1)/n of the gradients per ring), at the largest size, the one
+        # the doctor's lines report; the slowest rank and link, since a collective goes at their pace and this
+        # one figure times the traffic within and across nodes alike (an upper bound, as the other columns)
+        speed = min((float(sweep[-1][2]) for rank in ranks for sweep in rank["bandwidth"].values()), default=0)
+    except OSError as err:  # missing, a folder, unreadable
+        sys.exit(f"error: --doctor {args.doctor}: {err.strerror}: {fix}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        sys.exit(f"error: --doctor {args.doctor} is not JSON, or is cut short ({err}): {fix}")
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):  # JSON of another shape
+        sys.exit(f"error: --doctor {args.doctor} is not a doctor's report (no ranks' bandwidth sweeps): {fix}")
+    if not speed > 0:
+        sys.exit(f"error: --doctor {args.doctor} measured no bandwidth (one rank has no one to reduce with): run "
+                 "the doctor with the nodes and ranks per node you plan for, or give --bandwidth")  # fmt: skip
+    return speed
 
 
 def parse(argv=None):
@@ -136,7 +157,8 @@ def parse(argv=None):
     p.add_argument("--gpus-per-node", type=cli.POSITIVE, default=4, help="GPUs in one node (default: 4)")
     p.add_argument("--bandwidth", type=cli.number(float, "(0, inf)"), metavar="GBps",
                    help="GB/s between nodes per GPU: adds the communication time per step")  # fmt: skip
-    p.add_argument("--doctor", metavar="doctor.json", help="a cluster doctor's report: its measured bandwidth")
+    p.add_argument("--doctor", metavar="doctor.json",
+                   help="the report of tools/doctor.py: the slowest bandwidth it measured, instead of --bandwidth")  # fmt: skip
     p.add_argument("--max-gpus", type=cli.POSITIVE, default=16, help="the largest allocation to show (default: 16)")
     return p.parse_args(argv)
 
@@ -144,16 +166,21 @@ def parse(argv=None):
 def main(argv=None):
     args = parse(argv)
     limit, speed = args.gpu_memory * 2**30, bandwidth(args)
-    model_bytes = shard_bytes(build(args), 1)
+    try:
+        measured = measure(args)
+    except RuntimeError as err:  # a tensor of more than 2^63 bytes, even fake: --width 1000000000
+        sys.exit(f"error: this model cannot be counted ({str(err).splitlines()[0]}): a smaller --width or --depth")
+    model_bytes = shard_bytes(measured[0], 1)
     print(f"{args.model} ({model_bytes / 4 / 1e6:.1f} M parameters) on {args.dataset}, global batch {args.batch_size}"
           f"{', --amp' if args.amp else ''}{', --checkpoint-activations' if args.checkpoint_activations else ''}, "
-          f"{args.optimizer}; GPUs of {args.gpu_memory:g} GiB, {args.gpus_per_node} per node")  # fmt: skip
+          f"{args.optimizer}; GPUs of {args.gpu_memory:g} GiB, {args.gpus_per_node} per node"
+          + (f"; links of {speed:g} GB/s" if speed else ""))  # fmt: skip
     print("\n| GPUs | strategy | weights | gradients | optimizer | gathered | activations | allowance | total GiB | fits |"
           + (" comm. ms/step |" if speed else "") + "\n|---|---|---|---|---|---|---|---|---|---|" + ("---|" if speed else ""))  # fmt: skip
-    best, measured = None, measure(args)
-    for world_size in (2**i for i in range(int(math.log2(args.max_gpus)) + 1)):
+    best = None
+    for world_size in range(1, args.max_gpus + 1):
         if args.batch_size % world_size or (world_size > args.gpus_per_node and world_size % args.gpus_per_node):
-            continue  # the global batch splits evenly, and nodes are whole
+            continue  # the global batch splits evenly; part of one node, or whole nodes
         for name, parts in per_gpu(args, world_size, measured).items():
             total = sum(parts.values())
             cells = " | ".join(f"{parts[k] / MiB:.0f} MiB" for k in parts)

@@ -13,18 +13,43 @@ cpus8), against that number.
 
 import argparse
 import csv
+import math
 import re
 import statistics
 import sys
 from pathlib import Path
 
+from common.cli import Parser
+
 try:
     from matplotlib.figure import Figure  # without pyplot: no display, no global state
     from matplotlib.ticker import MaxNLocator
+
+    FORMATS = sorted(Figure().canvas.get_supported_filetypes())  # by suffix: png, pdf, svg, ...
 except ImportError:
-    Figure = None
+    Figure = FORMATS = None
 
 NAMED = re.compile(r"([A-Za-z_]+?)[-_]?(\d+)")  # bs64, cpus-8, gpus_4
+COLUMNS = {"epoch", "world_size", "epoch_seconds", "images_per_s", "test_accuracy"}  # what the tools read
+
+
+def output(formats=None):
+    """An argparse type: a file to write, in a folder that exists (a typo in it is refused, not created), and,
+    given `formats`, with a suffix that names one of them."""
+
+    def check(text):
+        path = Path(text)
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{path} is a folder: name a file in it")
+        if not path.parent.is_dir():
+            raise argparse.ArgumentTypeError(f"no folder {path.parent} for {path}: create it (mkdir -p {path.parent}) "
+                                             "or name a file in a folder that exists")  # fmt: skip
+        if formats and path.suffix[1:].lower() not in formats:
+            raise argparse.ArgumentTypeError(f"{path}: matplotlib writes {', '.join(formats)}, chosen by the suffix, "
+                                             f"not {path.suffix or 'a name without one'}")  # fmt: skip
+        return path
+
+    return check
 
 
 def load(path):
@@ -37,9 +62,7 @@ def load(path):
     try:
         with open(csv_path, newline="") as f:
             reader = csv.DictReader(f)
-            missing = {"epoch", "world_size", "epoch_seconds", "images_per_s", "test_accuracy"} - set(
-                reader.fieldnames or []
-            )
+            missing = COLUMNS - set(reader.fieldnames or [])
             if missing:
                 sys.exit(f"error: {csv_path} is not a metrics.csv of these stages (no {', '.join(sorted(missing))} "
                          "column): give the folders the stages wrote")  # fmt: skip
@@ -47,13 +70,25 @@ def load(path):
                 cells = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None) or [])
                 if cells != len(reader.fieldnames):  # a row cut short, or two run together
                     raise ValueError(f"{cells} cells under a header of {len(reader.fieldnames)}")
-                rows.append({k: float(v) if v else None for k, v in row.items()})
-    except ValueError as err:  # a cell that is no number, bytes that are no text, a row cut short
-        sys.exit(f"error: {csv_path}, line {max(reader.line_num if reader else 0, 1)}: {err}: the file is damaged; the run's "
+                rows.append(checked({k: float(v) if v else None for k, v in row.items()}))
+    except (ValueError, csv.Error) as err:  # a cell that is no number, bytes that are no text, a row cut short
+        sys.exit(f"error: {csv_path}, line {max(reader.reader.line_num if reader else 0, 1)}: {err}: the file is damaged; the run's "
                  "checkpoint keeps the rows of its epochs (resume it to rewrite the file), or leave the run out")  # fmt: skip
     if not rows:
         sys.exit(f"error: {csv_path} has no finished epoch yet")
     return csv_path.parent, rows
+
+
+def checked(row):
+    """`row`, if it holds what every stage writes: the columns read, a whole world size from 1, a rate above 0
+    (the divisor of speed-ups); else a ValueError naming the cell."""
+    if empty := sorted(k for k in COLUMNS if row[k] is None):
+        raise ValueError(f"no {', '.join(empty)}")
+    if not (row["world_size"] >= 1 and row["world_size"].is_integer()):
+        raise ValueError(f"world_size {row['world_size']:g} is not a number of processes")
+    if not 0 < row["images_per_s"] < math.inf:
+        raise ValueError(f"images_per_s {row['images_per_s']:g} is not a rate")
+    return row
 
 
 def labels(folders):
@@ -108,9 +143,10 @@ def figure(folders, runs):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path, help="run folders (holding metrics.csv) or metrics.csv files")
-    p.add_argument("-o", "--output", type=Path, default=Path("plot.png"), help="the PNG to write (default: plot.png)")
+    p.add_argument("-o", "--output", type=output(FORMATS), default="plot.png",
+                   help="the image to write, in a folder that exists; its suffix names the format (default: plot.png)")  # fmt: skip
     args = p.parse_args(argv)
     if Figure is None:
         sys.exit("error: tools/plot.py needs matplotlib: pip install matplotlib")

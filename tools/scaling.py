@@ -10,16 +10,16 @@ batch and the learning rate, which scaling studies change), are named in a note 
 --bandwidth adds rows on paper.
 """
 
-import argparse
 import itertools
 import statistics
 import sys
+import warnings
 from pathlib import Path
 
 import torch
-from plot import Figure, labels, load  # tools/plot.py, beside this file
+from plot import FORMATS, Figure, labels, load, output  # tools/plot.py, beside this file
 
-from common import data, models
+from common import cli, data, models
 
 NOTE = (
     "images/s: the median of the epochs after the first, which includes warm-up (a one-epoch run: that epoch)."
@@ -34,10 +34,21 @@ HEADER = (
 
 
 def recorded(folder):
-    """The options that define a run, as its checkpoint (whole, or stage 05's sharded one) records them, else {}."""
+    """The options that define a run, as its checkpoint (whole, or stage 05's sharded one) records them, else {}.
+    A file that is no checkpoint of these stages (damaged, or a pickle that would run code) is one line."""
     for saved in (folder / "checkpoint.pt", folder / "checkpoint" / "state.pt"):
         if saved.is_file():
-            return torch.load(saved, map_location="cpu", weights_only=True)["flags"]
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # torch's, on pickle protocols: the line below says enough
+                    state = torch.load(saved, map_location="cpu", weights_only=True)  # refuses code: runs nothing
+                cause = None if isinstance(state, dict) and isinstance(state.get("flags"), dict) else "no flags"
+            except Exception as err:  # truncated, not torch's format, or objects other than tensors and plain values
+                cause = type(err).__name__
+            if cause:
+                sys.exit(f"error: {saved} is not a checkpoint of these stages, or is damaged ({cause}): leave the run "
+                         "out, or move the file away (the table then reads its metrics.csv alone)")  # fmt: skip
+            return state["flags"]
     return {}
 
 
@@ -88,6 +99,7 @@ def row(base, run, rate, to_target, name):
     """A table row; speed-up and efficiency against `base`, the run of the smallest world size."""
     n, speedup = run["world"], rate / base["rate"]
     known = ["?" if v is None else f"{v:g}" for v in (run["nodes"], run["batch"])]
+    name = name.replace("|", "\\|")  # a folder's name may hold the table's separator
     cells = [n, *known, f"{rate:.0f}", f"{speedup:.2f}", f"{speedup * base['world'] / n:.2f}", to_target, name]
     return f"| {' | '.join(map(str, cells))} |"
 
@@ -128,12 +140,14 @@ def figure(runs, paper):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.Parser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path, help="run folders (holding metrics.csv) or metrics.csv files")
     p.add_argument("--target-accuracy", type=float, default=99.0, help="in %%, for the time-to column (default: 99)")
-    p.add_argument("--out", type=Path, help="also write the Markdown to this file")
-    p.add_argument("--plot", type=Path, help="draw images/s against world size into this PNG (needs matplotlib)")
-    p.add_argument("--bandwidth", type=float, help="GB/s of the all-reduce links: adds the rows on paper")
+    p.add_argument("--out", type=output(), help="also write the Markdown to this file, in a folder that exists")
+    p.add_argument("--plot", type=output(FORMATS),
+                   help="draw images/s against world size into this image, in a folder that exists; its suffix names the format (needs matplotlib)")  # fmt: skip
+    p.add_argument("--bandwidth", type=cli.number(float, "(0, inf)"), metavar="GBps",
+                   help="GB/s of the all-reduce links: adds the rows on paper")  # fmt: skip
     p.add_argument("--params", type=int, help="the model's parameters, where no checkpoint.pt names the model")
     args = p.parse_args(argv)
     if args.plot and Figure is None:
