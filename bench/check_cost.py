@@ -1,7 +1,8 @@
-"""What the guard rails cost a step: the progress line with its divergence check (common.metrics.progress)
-against the plain line it replaced, the once-an-epoch finiteness scan of a checkpoint (common.rundir.finite),
-and the check for a stop signal at the end of every step (common.checkpoint.step), each beside the time of
-a training step of stage 01's Net at batch 64, on this machine's GPU or CPU.
+"""What the guard rails cost a step: the progress line with the divergence check of the guard rails at the same
+step (common.guards.divergence.check_loss) against the plain line, the once-an-epoch finiteness scan of a
+checkpoint (common.guards.divergence.finite), and the guard rails' work at the end of every step
+(common.guards.rails.Guard.end_of_step: the stop signal), each beside the time of a training step of stage
+01's Net at batch 64, on this machine's GPU or CPU.
 
     python bench/check_cost.py
 """
@@ -15,7 +16,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import checkpoint, metrics, models, resumable, rundir
+from common import metrics, models
+from common.guards import divergence, rails, resume
+from common.guards.preemption import Preemption
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 model = models.build("net", 1, 10, 28, 16, 4).to(device)
@@ -45,14 +48,14 @@ def seconds(fn, n):
     return (time.perf_counter() - start) / n
 
 
-args = argparse.Namespace(output_dir=Path("runs"))
 loss = step()
 with contextlib.redirect_stdout(io.StringIO()):  # the lines themselves are not what is measured
-    plain = lambda: print(f"  epoch 1 batch 0/938 loss {step().item():.4f}")  # noqa: E731
-    checked = lambda: metrics.progress(1, 0, 938, step(), totals, args)  # noqa: E731
-    options = argparse.Namespace(checkpoint_minutes=None, log_interval=100, batch_size=64)
-    run = checkpoint.Run(options, model, optimizer, None, None, None, resumable.Sampler(range(0), 0))
-    stoppable = lambda: (step(), checkpoint.step(run, 1, 1, totals))  # noqa: E731
+    plain = lambda: metrics.progress(1, 0, 938, step())  # noqa: E731
+    checked = lambda: (metrics.progress(1, 0, 938, step()), divergence.check_loss(1, 0, totals, "runs"))  # noqa: E731
+    run = rails.Guard()  # a stage's guard where no signal comes
+    run.args = argparse.Namespace(checkpoint_minutes=None, log_interval=100, batch_size=64, output_dir=Path("runs"))
+    run.sampler, run.preemption = resume.Sampler(range(0), 0), Preemption(None, 30)
+    stoppable = lambda: (step(), run.end_of_step(1, 1, totals))  # noqa: E731
     for fn in (step, plain, checked, stoppable):
         seconds(fn, 20)  # warm-up
     runs = {"step": [], "plain": [], "checked": [], "stoppable": []}
@@ -60,10 +63,10 @@ with contextlib.redirect_stdout(io.StringIO()):  # the lines themselves are not 
         for name, fn in (("step", step), ("plain", plain), ("checked", checked), ("stoppable", stoppable)):
             runs[name].append(seconds(fn, 100))
 per = {name: sorted(times)[2] for name, times in runs.items()}  # the median of five
-scan = seconds(lambda: rundir.finite([model.state_dict(), optimizer.state_dict()]), 20)
+scan = seconds(lambda: divergence.finite([model.state_dict(), optimizer.state_dict()]), 20)
 print(f"{device.type}: a step {per['step'] * 1e3:.3f} ms; a step with the plain progress line "
       f"{per['plain'] * 1e3:.3f} ms, with the checked one {per['checked'] * 1e3:.3f} ms: "
       f"{(per['checked'] - per['plain']) * 1e6:+.1f} us per --log-interval (100 steps by default); "
       f"the scan before each checkpoint {scan * 1e3:.2f} ms per epoch; the stop check "
       f"{(per['stoppable'] - per['step']) * 1e6:+.1f} us per step beside it, "
-      f"{seconds(lambda: checkpoint.step(run, 1, 1, totals), 100_000) * 1e6:.2f} us alone")  # fmt: skip
+      f"{seconds(lambda: run.end_of_step(1, 1, totals), 100_000) * 1e6:.2f} us alone")  # fmt: skip

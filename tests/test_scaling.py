@@ -77,7 +77,7 @@ def test_rows_on_paper_with_bandwidth(tmp_path, capsys):
     two = write_run(tmp_path / "two", 2, [500, 1500, 1500], [90, 95, 99], seconds=(1, 1, 1))
     flags = dict(dataset="mnist", model="net", depth=16, width=4, batch_size=64)  # --batch-size is the global batch
     for folder in (one, two):  # of a checkpoint, the table reads the flags alone
-        torch.save({"flags": flags}, folder / "checkpoint.pt")
+        torch.save({"run": {"flags": flags}}, folder / "checkpoint.pt")
     text = report(capsys, two, one, "--bandwidth", 1, "--plot", tmp_path / "scaling.png")
     assert "1,199,882 fp32 gradients (4.8 MB) at 1 GB/s" in text  # the parameters of models.Net, counted
     rows = table(text)
@@ -138,7 +138,7 @@ def test_stage05_runs_resumed_at_another_world_size_and_mixed_settings(tmp_path,
     """A stage 05 run reads its global batch from its sharded checkpoint, splits into a row per world size
     it ran at (requeued from 4 ranks onto 2), and a table mixing stages and models says so above it."""
     ddp = write_run(tmp_path / "03_ddp_single_node" / "a", 1, [100] * 4, [90, 95, 97, 98])
-    torch.save({"flags": {"batch_size": 64, "model": "net"}}, ddp / "checkpoint.pt")
+    torch.save({"run": {"flags": {"batch_size": 64, "model": "net", "dataset": "mnist"}}}, ddp / "checkpoint.pt")
     fsdp = write_run(tmp_path / "05_fsdp" / "b", 4, [380, 400, 190, 200], [90, 95, 97, 98])
     rows = list(csv.DictReader(open(fsdp / "metrics.csv")))
     for row in rows[2:]:
@@ -148,7 +148,7 @@ def test_stage05_runs_resumed_at_another_world_size_and_mixed_settings(tmp_path,
         writer.writeheader()
         writer.writerows(rows)
     (fsdp / "epoch-4").mkdir()
-    torch.save({"flags": {"batch_size": 128, "model": "cnn"}}, fsdp / "epoch-4" / "state.pt")
+    torch.save({"run": {"flags": {"batch_size": 128, "model": "cnn", "dataset": "mnist"}}}, fsdp / "epoch-4" / "state.pt")
     (fsdp / "checkpoint").symlink_to("epoch-4")
     text = report(capsys, ddp, fsdp)
     assert [(r["world size"], r["global batch"], r["images/s"], r["run"]) for r in table(text)] == [
@@ -185,9 +185,9 @@ def test_a_checkpoint_of_another_kind_is_one_line_and_runs_nothing(tmp_path, kin
     saved = run / "checkpoint.pt"
     if kind == "code":
         with open(saved, "wb") as f:
-            pickle.dump({"flags": Payload(tmp_path / "ran")}, f)
+            pickle.dump({"run": {"flags": Payload(tmp_path / "ran")}}, f)
     else:
-        torch.save({"flags": {"batch_size": 64}} if kind == "truncated" else {"model": {}}, saved)
+        torch.save({"run": {"flags": {"batch_size": 64}}} if kind == "truncated" else {"model": {}}, saved)
         saved.write_bytes(saved.read_bytes()[: -100 if kind == "truncated" else None])
     with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as stop:
         warnings.simplefilter("always")

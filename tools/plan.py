@@ -150,7 +150,8 @@ def bandwidth(args):
 
 
 def parse(argv=None):
-    p = cli.parser(Path(__file__))  # the stages' own flags: --model --depth --width --dataset --batch-size --amp ...
+    p = cli.parser(Path(__file__), [cli.large_models])  # the stages' own flags: --batch-size --amp ...
+    cli.load_task(cli.TASK).add_arguments(p)  # the built-in task's: --model --depth --width --dataset
     p.description = "will it fit, and on how many GPUs: memory per GPU under DDP, FSDP and HSDP"
     p.add_argument("--gpu-memory", type=cli.number(float, "(0, inf)"), default=80.0, metavar="GiB",
                    help="memory of one GPU (default: 80, an H100)")  # fmt: skip

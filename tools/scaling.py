@@ -42,13 +42,15 @@ def recorded(folder):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # torch's, on pickle protocols: the line below says enough
                     state = torch.load(saved, map_location="cpu", weights_only=True)  # refuses code: runs nothing
-                cause = None if isinstance(state, dict) and isinstance(state.get("flags"), dict) else "no flags"
+                run = state.get("run") if isinstance(state, dict) else None  # what the guard rails keep of the run
+                flags = run.get("flags") if isinstance(run, dict) else None
+                cause = None if isinstance(flags, dict) else "no flags"
             except Exception as err:  # truncated, not torch's format, or objects other than tensors and plain values
                 cause = type(err).__name__
             if cause:
                 sys.exit(f"error: {saved} is not a checkpoint of these stages, or is damaged ({cause}): leave the run "
                          "out, or move the file away (the table then reads its metrics.csv alone)")  # fmt: skip
-            return state["flags"]
+            return flags
     return {}
 
 
@@ -88,7 +90,7 @@ def measure(folder, rows, target):
 
 def parameters(flags, given):
     """Values each step all-reduces: the parameters of the model the checkpoint names, else --params."""
-    if "model" not in flags:
+    if "model" not in flags or "dataset" not in flags:
         return given or sys.exit("error: --bandwidth needs --params: no checkpoint.pt names the model")
     spec, shape = data.SETS[flags["dataset"]], (flags.get("depth", 16), flags.get("width", 4))
     size = 28 if len(spec.mean) == 1 else 32  # the 1-channel sets are 28x28, the others 32x32: what build() checks
