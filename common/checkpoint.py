@@ -14,7 +14,7 @@ the pieces its new shard needs, so every node must see the folder.
 A run resumes by itself when Slurm requeued or restarted its job (SLURM_RESTART_COUNT > 0, same job
 id, same output folder) or torchrun restarted its workers; otherwise only with --resume [PATH], and
 only with the options that define the run unchanged (common.cli.DEFINING). The guard rails of the
-output folder (its lock, atomic and finite writes, damaged files) are in common/rundir.py.
+output folder (its lock, atomic and finite writes, damaged or planted files) are in common/rundir.py.
 """
 
 import os
@@ -136,15 +136,15 @@ def save_sharded(run, state):
         shutil.rmtree(folder, ignore_errors=True)  # what a save killed half-way left behind
     if dist.is_initialized():
         dist.barrier()
-    try:
-        dcp.save({"model": weights, "optimizer": optimizer_state}, checkpoint_id=folder)
+    try:  # tensors only: DCP loads any other item with torch.load(weights_only=False); rundir.metadata refuses it
+        dcp.save({"model": weights, "optimizer": optimizer_state["state"]}, checkpoint_id=folder)
     except (OSError, dcp.CheckpointException) as err:  # every rank gets the failures of all
         free = shutil.disk_usage(args.output_dir).free / 2**20
         stop(f"error: could not write {folder}: {rundir.describe(err)} ({free:.0f} MiB free there): the previous "
              "checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
     if is_rank0():
         with rundir.atomic(folder / "state.pt") as f:
-            torch.save(state, f)
+            torch.save(state | {"param_groups": optimizer_state["param_groups"]}, f)  # plain values: weights_only
         link = args.output_dir / "checkpoint.tmp"
         link.unlink(missing_ok=True)
         link.symlink_to(folder.name)
@@ -215,14 +215,15 @@ def load_sharded(state, model, optimizer):
 
     if state["folder"]:
         weights, optimizer_state = get_state_dict(model, optimizer)  # the shapes to fill, this rank's shards
-        pieces = {"model": weights, "optimizer": optimizer_state}
+        pieces = {"model": weights, "optimizer": optimizer_state["state"]}
         try:
-            dcp.load(pieces, checkpoint_id=state["folder"])
-        except dcp.CheckpointException as err:  # a shard missing (a folder not shared), or of another model
+            dcp.load(pieces, storage_reader=rundir.reader(state["folder"]))  # .metadata read, running nothing
+        except dcp.CheckpointException as err:  # a shard missing (a folder not shared), of another model, or planted
             stop(
                 f"error: cannot load the checkpoint {state['folder']}: {rundir.describe(err)}: resume from a complete one"
             )
-        set_state_dict(model, optimizer, model_state_dict=pieces["model"], optim_state_dict=pieces["optimizer"])
+        optimizer_state = {"state": pieces["optimizer"], "param_groups": state["param_groups"]}
+        set_state_dict(model, optimizer, model_state_dict=pieces["model"], optim_state_dict=optimizer_state)
         return
     names = [name for name, _ in model.named_parameters()]  # optimizer.state_dict() numbers them in this order
     saved = state["optimizer"]

@@ -6,6 +6,7 @@ common/checkpoint.py calls find() at the one line where it resumes. Sampler lets
 part-way, at the sample where it stopped."""
 
 import math
+import pickle
 import re
 
 import torch
@@ -51,8 +52,10 @@ def find(args, name, restarted):
         raise SystemExit(f"error: no {path.name} in {path.parent} to resume from{held if other.exists() else ''}")
     try:
         state = load(path)
-    except Unusable as problem:
+    except (Unusable, rundir.Planted) as problem:
         hint = fallback(args.output_dir, path.resolve()) if path == own else ""
+        if isinstance(problem, rundir.Planted):  # nothing of it was run: say so, and what to resume from instead
+            raise SystemExit(f"error: {problem}; delete it or resume from another checkpoint{hint}") from None
         raise SystemExit(f"error: {problem}{hint or ': delete it or use another'}") from None
     if state["folder"] and name == WHOLE:
         raise SystemExit(f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
@@ -68,11 +71,15 @@ def find(args, name, restarted):
 
 def load(path):
     """A checkpoint's run state: checkpoint.pt, or a sharded folder's state.pt with its shards checked and
-    "folder" added; Unusable if it is damaged or no training checkpoint."""
+    "folder" added; Unusable if it is damaged or no training checkpoint, rundir.Planted if it would run code."""
     folder = path.resolve() if path.is_dir() else None
+    file = folder / "state.pt" if folder else path
     try:
-        state = torch.load(folder / "state.pt" if folder else path, map_location="cpu", weights_only=True)
-    except Exception as err:  # a truncated file, or a pickle that would run code
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:  # it names what weights_only refuses to call: a pickle that would run code
+        raise rundir.Planted(f"{file} is not a checkpoint this repository wrote (torch.load with weights_only=True "
+                             "refuses it): it may be planted") from None  # fmt: skip
+    except Exception as err:  # a truncated file
         raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged ({type(err).__name__})") from None
     if not (isinstance(state, dict) and {"epoch", "flags"} <= state.keys() and ("model" in state or folder)):
         raise Unusable(f"{path} is not a training checkpoint (a --save-model file holds weights only): give "
@@ -88,7 +95,7 @@ def fallback(output_dir, damaged):
     for path in candidates:
         try:
             state = load(path)
-        except (Unusable, FileNotFoundError):
+        except (Unusable, rundir.Planted, FileNotFoundError):
             continue
         return f": the checkpoint of epoch {state['epoch']} is complete: resume from it with --resume {path}"
     return ""
