@@ -96,8 +96,14 @@ def main(guard):
     scaler = amp.scaler(device, args)
 
     log = metrics.Log(args.output_dir, world_size, args.compile)
-    states = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "log": log,
-              "run": guard}  # guard: the checkpoint records how the run was made, and a resume must match it
+    states = {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "scaler": scaler,
+        "log": log,
+        "run": guard,
+    }  # guard: the checkpoint records how the run was made, and a resume must match it
     start_epoch = checkpoint.restore(guard.resume(states), states)  # guard: the checkpoint this run continues
     for epoch in range(start_epoch, args.epochs + 1):
         if log.reached(args.target_accuracy, args.patience):  # the same all-reduced rows on every rank

@@ -1,8 +1,12 @@
 """Checkpoints a run can trust: the last two complete ones kept, a damaged one named by file with the one
 before it to resume from, and no fresh run over a folder that holds any stage's checkpoint."""
 
+import io
+import operator
 import os
 import pickle
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +23,7 @@ from helpers import (
     assert_same_state,
     checkpoint,
     clean_env,
+    free_job_id,
     kill_rank_1_after_a_checkpoint,
     one_error,
     python,
@@ -30,7 +35,7 @@ from helpers import (
 )  # fmt: skip
 
 from common import checkpoint
-from common.guards import resume
+from common.guards import rails, resume, safeload
 from common.models import Net
 
 
@@ -178,8 +183,130 @@ def test_crafted_checkpoint_is_refused_and_runs_nothing(tiny_data, tmp_path):
     with open(tmp_path / "evil.pt", "wb") as f:
         pickle.dump({"model": payload}, f)
     out = python(S01, *stage_args(tiny_data, tmp_path / "out", "--resume", tmp_path / "evil.pt"))
-    assert out.returncode != 0 and "is not a checkpoint" in out.stderr
+    one_error(out, f"{tmp_path / 'evil.pt'} is not a checkpoint this repository wrote", "it may be planted; delete it")
     assert not payload.marker.exists()
+
+
+class Wrapping:
+    """A pickle that runs `payload`, then gives back `real`, the file's own contents: unpickled as torch
+    unpickles a sharded checkpoint's .metadata, the resume would go on, exit 0 and leave no trace."""
+
+    def __init__(self, payload, real):
+        self.payload, self.real = payload, real
+
+    def __reduce__(self):
+        return (operator.itemgetter(1), ((self.payload, self.real),))
+
+
+def plant(folder, kind, marker):
+    """Make one file of the sharded checkpoint `folder` touch `marker` when torch loads it, and return it:
+    `.metadata` as a plain payload ("metadata"), or wrapping the real one ("wrapping"); the real one with
+    model.fc2.bias moved to a payload appended to a shard, listed as an item DCP unpickles ("bytes item",
+    BytesStorageMetadata) or still as a tensor ("tensor item": the shard is the planted file); state.pt."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    payload = Payload()
+    payload.marker = marker
+    if kind == "state.pt":
+        torch.save({"epoch": payload, "flags": {}}, folder / "state.pt")
+        return folder / "state.pt"
+    index, shard, item = folder / ".metadata", folder / "__0_0.distcp", io.BytesIO()
+    real = pickle.loads(index.read_bytes())  # written by the test's own run: trusted
+    if kind in ("bytes item", "tensor item"):
+        torch.save(payload, item)
+        at = _StorageInfo(shard.name, shard.stat().st_size, len(item.getvalue()))
+        with open(shard, "ab") as f:
+            f.write(item.getvalue())
+        pieces = [key for key in real.storage_data if key.fqn == "model.fc2.bias"]  # one per rank that saved it
+        real.storage_data.update({key: at for key in pieces})
+    if kind == "bytes item":
+        real.state_dict_metadata["model.fc2.bias"] = BytesStorageMetadata()
+        for key in pieces:
+            del real.storage_data[key]
+        real.storage_data[MetadataIndex("model.fc2.bias")] = at
+    contents = {"metadata": payload, "wrapping": Wrapping(payload, real)}.get(kind, real)
+    index.write_bytes(pickle.dumps(contents))
+    return shard if kind == "tensor item" else index
+
+
+def test_a_sharded_checkpoints_metadata_is_read_running_nothing(tmp_path):
+    """safeload.metadata, which damage() and the load's reader use, builds DCP's metadata and refuses anything
+    else, naming the file: a planted .metadata runs nothing, whether it would fail or wrap the real one, and
+    neither does one listing an item that DCP unpickles. A shard's tensor is read by torch.load(weights_only=
+    True): a pickle there is refused, in words that do not advise weights_only=False."""
+    from torch.distributed import checkpoint as dcp
+
+    weights, marker = Net().state_dict(), tmp_path / "pwned"
+    dcp.save({"model": weights}, checkpoint_id=tmp_path / "ours")  # no process group: this process's shards
+    assert safeload.damage(tmp_path / "ours") is None
+    loaded = {"model": {name: torch.zeros_like(w) for name, w in weights.items()}}
+    dcp.load(loaded, storage_reader=safeload.reader(tmp_path / "ours"))
+    assert_same_state(loaded["model"], weights)
+    call = ", which loading would call"
+    for kind, names in (("metadata", "posix.system" + call), ("wrapping", "operator.itemgetter" + call),
+                        ("bytes item", "an item torch would unpickle"), ("tensor item", None)):  # fmt: skip
+        shutil.copytree(tmp_path / "ours", tmp_path / kind)
+        planted = plant(tmp_path / kind, kind, marker)
+        with pytest.raises(dcp.CheckpointException) as refused:
+            dcp.load(loaded, storage_reader=safeload.reader(tmp_path / kind))
+        if names is None:  # the metadata is DCP's own
+            assert safeload.damage(tmp_path / kind) is None
+            assert rails.describe(refused.value) == (
+                "rank 0: a shard holds a pickle that torch.load(weights_only=True) refuses: it may be planted"
+            )
+            continue
+        message = f"{planted} is not a checkpoint this repository wrote (it names {names}): it may be planted"
+        assert message in str(refused.value)
+        for read in (safeload.damage, safeload.metadata):
+            with pytest.raises(safeload.Planted, match=re.escape(message)):
+                read(tmp_path / kind)
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_planted_sharded_checkpoint_is_refused_and_runs_nothing(tiny_data, tmp_path):
+    """Each kind of plant() in stage 05's latest checkpoint: one line naming the file, the complete checkpoint
+    before it to resume from, and nothing run (a shard's tensor: the folder, in the load). That one then
+    resumes with no unrestricted unpickling at all (tests/inject NO_UNPICKLE: pickle.load(s) and
+    torch.load(weights_only=False) raise)."""
+    out, marker = tmp_path / "out", tmp_path / "pwned"
+    assert python(S05, *stage_args(tiny_data, out, "--limit", 64, "--epochs", 2)).returncode == 0
+    shutil.copytree(out / "epoch-2", tmp_path / "kept")
+    for kind in ("metadata", "wrapping", "bytes item", "state.pt", "tensor item"):
+        shutil.rmtree(out / "epoch-2")
+        shutil.copytree(tmp_path / "kept", out / "epoch-2")
+        planted = plant(out / "epoch-2", kind, marker)
+        refused = python(S05, *stage_args(tiny_data, out, "--limit", 64, "--epochs", 3, "--resume"))
+        if kind == "tensor item":
+            one_error(refused, f"error: cannot load the checkpoint {planted.parent.resolve()}: rank 0: a shard holds a "
+                      "pickle that torch.load(weights_only=True) refuses: it may be planted: resume from a complete one")  # fmt: skip
+        else:
+            one_error(refused, f"error: {planted} is not a checkpoint this repository wrote (", "): it may be planted; "
+                      f"delete it or resume from another checkpoint: the checkpoint of epoch 1 is complete: resume "
+                      f"from it with --resume {out / 'epoch-1'}")  # fmt: skip
+        assert not marker.exists(), kind
+    args = stage_args(tiny_data, out, "--limit", 64, "--epochs", 3, "--resume", out / "epoch-1")
+    resumed = python(S05, *args, PYTHONPATH=f"{INJECT}:{REPO}", NO_UNPICKLE=1)
+    assert resumed.returncode == 0 and "resumed after epoch 1" in resumed.stdout, resumed.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_requeued_stage05_refuses_a_planted_checkpoint_by_itself(tiny_data, tmp_path):
+    """A requeued job resumes without --resume: a .metadata wrapping the real one, planted in its folder, is
+    refused on both ranks before either reads it; rank 0 says so in one line, and nothing runs."""
+    job, out, marker = free_job_id(), tmp_path / "out", tmp_path / "pwned"
+    codes, outputs = srun_like(2, S05, *stage_args(tiny_data, out, "--limit", 64, "--epochs", 1), job_id=job)
+    assert codes == [0, 0], outputs
+    planted = plant(out / "epoch-1", "wrapping", marker)
+    args = stage_args(tiny_data, out, "--limit", 64, "--epochs", 2)
+    codes, outputs = srun_like(2, S05, *args, job_id=job, SLURM_RESTART_COUNT=1)
+    errors = [line for output in outputs for line in output.splitlines() if line.startswith("error:")]
+    assert codes[0] != 0 and codes[1] != 0 and not marker.exists(), outputs
+    assert errors == [f"error: {planted} is not a checkpoint this repository wrote (it names operator.itemgetter, "
+                      "which loading would call): it may be planted; delete it or resume from another checkpoint"]  # fmt: skip
+    assert "Traceback" not in "".join(outputs), outputs
 
 
 @pytest.mark.slow

@@ -16,10 +16,10 @@ import signal
 import socket
 import subprocess
 import sys
-from types import SimpleNamespace
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,7 +39,7 @@ from helpers import (
     wait_for,
 )  # fmt: skip
 
-from common import checkpoint, cli
+from common import cli
 from common.guards import divergence, lock, rails
 
 S01, S03, S04 = (REPO / s / "train.py" for s in ("01_single_gpu", "03_ddp_single_node", "04_ddp_multi_node"))
@@ -117,7 +117,10 @@ def test_a_non_finite_tensor_is_never_written(tmp_path):
         model.bias[1] = float("inf")
     assert not divergence.finite({"nested": [model.state_dict()]})
     guard = rails.Guard()  # what a stage checks before every save (the end of an epoch, a signal)
-    guard.args, guard.states = SimpleNamespace(output_dir=tmp_path), {"model": model, "optimizer": torch.optim.SGD(model.parameters())}
+    guard.args, guard.states = (
+        SimpleNamespace(output_dir=tmp_path),
+        {"model": model, "optimizer": torch.optim.SGD(model.parameters())},
+    )
     with pytest.raises(SystemExit, match="not finite"):
         guard.check_epoch(1, [0.0] * 8)
     assert not list(tmp_path.iterdir())

@@ -156,8 +156,10 @@ def test_grad_accum_beyond_the_per_rank_batch_warns_once(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_resume_at_other_world_sizes_continues_the_same_run(tiny_data, tmp_path):
     """Saved at 4 ranks, resumed at 2, then at 1: the weights of a run that stayed at 2. Dropout is off
-    (tests/inject NO_DROPOUT): each rank draws its own masks, which alone would tell the world sizes apart."""
-    env = clean_env(PYTHONPATH=f"{INJECT}:{REPO}", NO_DROPOUT=1)
+    (tests/inject NO_DROPOUT): each rank draws its own masks, which alone would tell the world sizes apart.
+    No rank unpickles anything but through the guard rails' restricted unpickler (common/guards/safeload.py) or torch.load(weights_only=True)
+    (tests/inject NO_UNPICKLE)."""
+    env = clean_env(PYTHONPATH=f"{INJECT}:{REPO}", NO_DROPOUT=1, NO_UNPICKLE=1)
     for size, epochs in ((4, 1), (2, 2), (1, 3)):
         args = stage_args(tiny_data, tmp_path / "resized", "--epochs", epochs, "--save-model")
         out = torchrun(size, S05, *args, *(["--resume"] if epochs > 1 else []), env=env)

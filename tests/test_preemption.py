@@ -29,7 +29,7 @@ from helpers import (
     wait_for,
 )  # fmt: skip
 
-from common import resumable
+from common.guards import resume
 
 BATCH = 32  # 8 steps per epoch of the 256 training images
 SLOW = dict(PYTHONPATH=INJECT, FAULT_RANK=0, FAULT_SLEEP=0.3)  # rank 0's steps take 0.3 s: time to signal mid-epoch
@@ -73,7 +73,7 @@ def test_stage01_stopped_mid_epoch_resumes_bit_identical(signum, tiny_data, tmp_
     step = saved_mid_epoch(cut, output, 128 + signum, proc)
     assert seconds < 15, seconds  # the step in flight (0.3 s here), the save and the exit: well within KillWait (30 s)
     assert checkpoint(cut)["step"] == step and checkpoint(cut)["epoch"] == 2
-    assert torch.load(cut / resumable.PREVIOUS, weights_only=True)["epoch"] == 1  # the one before survives
+    assert torch.load(cut / resume.PREVIOUS, weights_only=True)["epoch"] == 1  # the one before survives
     resumed = python(S01, *args(tiny_data, cut, "--resume"))
     assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stdout
     assert torch.equal(torch.cat([p.flatten() for p in checkpoint(cut)["model"].values()]),

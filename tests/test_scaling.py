@@ -148,7 +148,9 @@ def test_stage05_runs_resumed_at_another_world_size_and_mixed_settings(tmp_path,
         writer.writeheader()
         writer.writerows(rows)
     (fsdp / "epoch-4").mkdir()
-    torch.save({"run": {"flags": {"batch_size": 128, "model": "cnn", "dataset": "mnist"}}}, fsdp / "epoch-4" / "state.pt")
+    torch.save(
+        {"run": {"flags": {"batch_size": 128, "model": "cnn", "dataset": "mnist"}}}, fsdp / "epoch-4" / "state.pt"
+    )
     (fsdp / "checkpoint").symlink_to("epoch-4")
     text = report(capsys, ddp, fsdp)
     assert [(r["world size"], r["global batch"], r["images/s"], r["run"]) for r in table(text)] == [

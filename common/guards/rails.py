@@ -12,6 +12,7 @@ may skip each of them: the training reads the same without. What each one holds 
   run(main)       any failure ends the run with one line instead of a traceback
 """
 
+import pickle
 import re
 import shutil
 import sys
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from common import checkpoint, distributed
 from common.environment import is_rank0
-from common.guards import check, divergence, lock, preflight, resume
+from common.guards import check, divergence, lock, preflight, resume, safeload
 from common.guards.ending import end
 from common.guards.preemption import Preemption
 from common.guards.watchdog import Watchdog
@@ -32,6 +33,7 @@ class Guard:
     def __init__(self):
         self.args, self.lock, self.watchdog, self.preemption = None, None, None, None
         self.sampler, self.states, self.sharded, self.epoch_done, self.so_far = None, None, False, None, None
+        self.doing = None  # a stage 05 checkpoint read or written from here on: for a failure's one line
 
     def start(self, args):
         """Claim --output-dir, check the launch, and meet the other ranks: returns the rendezvous store for
@@ -77,6 +79,9 @@ class Guard:
         if peers:  # a rank may hear of the stop from the store before its own signal arrives
             self.watchdog.listen(self.preemption.poll)
         state = resume.state_to_resume(self.args, sharded)
+        if state is not None and state["folder"]:  # every rank reads its shards: .metadata too, building nothing else
+            state["reader"] = safeload.reader(state["folder"])
+            self.doing = f"read {state['folder']}"
         if state is not None and state["step"]:  # saved mid-epoch: the rest of it, and its sums and time so far
             self.sampler.resume_at(state["epoch"], state["step"] * self.args.batch_size)
             states["log"].cut = state["run"]["cut"]
@@ -90,6 +95,7 @@ class Guard:
         if self.epoch_done is not None:  # the time since check_epoch(): the epoch's checkpoint, an upper bound
             self.preemption.saved(time.monotonic() - self.epoch_done)
             self.epoch_done = None
+        self.doing = None
         if batch % args.log_interval == 0:
             divergence.check_loss(epoch, step - 1, totals, args.output_dir)
         if self.preemption.check(epoch * 2**32 + step):  # a step count that grows across epochs
@@ -116,6 +122,7 @@ class Guard:
         self.check_weights(f"epoch {epoch} left weights that are")
         if not self.sharded:
             resume.keep_previous(self.args.output_dir)
+        self.doing = f"write {self.args.output_dir / f'epoch-{epoch}-step-{step}'}"
         (checkpoint.save_sharded if self.sharded else checkpoint.save)(self.args.output_dir, epoch, self.states, step)
         self.preemption.saved(time.monotonic() - started)
         self.so_far = None
@@ -127,6 +134,7 @@ class Guard:
         self.check_weights(f"epoch {epoch} left weights that are")
         if not self.sharded:
             resume.keep_previous(self.args.output_dir)
+        self.doing = f"write {self.args.output_dir / f'epoch-{epoch}'}"
         self.epoch_done = time.monotonic()
 
     def check_weights(self, what):
@@ -187,7 +195,11 @@ def explain(err, guard):
         return (f"error: could not write {err.filename}: {err.strerror} ({free_mib(folder):.0f} MiB free there): the "
                 "previous checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
     if type(err).__name__ == "CheckpointException":  # torch.distributed.checkpoint: every rank gets all failures
-        return f"error: stage 05's checkpoint could not be written or read: {describe(err)}: the previous one is kept"
+        verb, folder = (guard.doing or "read or write the checkpoint in --output-dir").split(" ", 1)
+        if verb == "read":
+            return f"error: cannot load the checkpoint {folder}: {describe(err)}: resume from a complete one"
+        return (f"error: could not write {folder}: {describe(err)} ({free_mib(guard.args.output_dir):.0f} MiB free "
+                "there): the previous checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
     if isinstance(err, RuntimeError) and str(err).startswith("Error(s) in loading state_dict"):
         return f"error: the checkpoint does not match this model: {str(err).splitlines()[0][:300]}"
     return None
@@ -202,4 +214,6 @@ def describe(err):
     rank, (cause, _) = next(iter(err.failures.items())) if hasattr(err, "failures") else ("?", (err, None))
     if isinstance(cause, OSError) and cause.strerror:
         return f"rank {rank}: {cause.strerror}" + (f" ({cause.filename})" if cause.filename else "")
+    if isinstance(cause, pickle.UnpicklingError):  # torch's own words would suggest weights_only=False
+        return f"rank {rank}: a shard holds a pickle that torch.load(weights_only=True) refuses: it may be planted"
     return f"rank {rank}: {str(cause).splitlines()[0][:200]}"

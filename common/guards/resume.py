@@ -8,6 +8,7 @@ stages resume an epoch part-way, at the sample where it stopped."""
 
 import math
 import os
+import pickle
 import shutil
 
 import torch
@@ -20,6 +21,7 @@ from common.environment import is_rank0
 from common.guards.check import integer
 from common.guards.ending import stop
 from common.guards.preflight import defining
+from common.guards.safeload import Planted, damage
 
 PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
 
@@ -93,8 +95,10 @@ def find(args, name, restarted):
         raise SystemExit(f"error: no {path.name} in {path.parent} to resume from{held if other.exists() else ''}")
     try:
         state = load(path)
-    except Unusable as problem:
+    except (Unusable, Planted) as problem:
         hint = fallback(args.output_dir, path.resolve()) if path == own else ""
+        if isinstance(problem, Planted):  # nothing of it was run: say so, and what to resume from instead
+            raise SystemExit(f"error: {problem}; delete it or resume from another checkpoint{hint}") from None
         raise SystemExit(f"error: {problem}{hint or ': delete it or use another'}") from None
     if state["folder"] and name == WHOLE:
         raise SystemExit(f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
@@ -112,11 +116,15 @@ def find(args, name, restarted):
 
 def load(path):
     """A checkpoint's run state: checkpoint.pt, or a sharded folder's state.pt with its shards checked and
-    "folder" added; Unusable if it is damaged or no training checkpoint."""
+    "folder" added; Unusable if it is damaged or no training checkpoint, Planted if it would run code."""
     folder = path.resolve() if path.is_dir() else None
     try:
         state = read(path)
-    except Exception as err:  # a truncated file, or a pickle that would run code
+    except pickle.UnpicklingError:  # it names what weights_only refuses to call: a pickle that would run code
+        file = folder / "state.pt" if folder else path
+        raise Planted(f"{file} is not a checkpoint this repository wrote (torch.load with weights_only=True "
+                      "refuses it): it may be planted") from None  # fmt: skip
+    except Exception as err:  # a truncated file
         raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged ({type(err).__name__})") from None
     if not (isinstance(state, dict) and {"epoch", "run"} <= state.keys() and ("model" in state or folder)):
         raise Unusable(f"{path} is not a training checkpoint (a --save-model file holds weights only): give "
@@ -126,36 +134,13 @@ def load(path):
     return state | {"folder": folder}
 
 
-def damage(folder):
-    """What is wrong with the sharded checkpoint `folder`, in a few words naming the file, or None."""
-    from torch.distributed.checkpoint import FileSystemReader  # here: the stages that do not shard skip the import
-
-    index = folder / ".metadata"
-    if not index.is_file():
-        return f"{index} is missing"
-    try:
-        pieces = FileSystemReader(folder).read_metadata().storage_data.values()
-    except Exception as err:  # truncated or foreign: unpickling raises a dozen kinds of error
-        return f"{index} cannot be read ({type(err).__name__})"
-    ends = {}
-    for piece in pieces:  # each piece of a tensor lies in one file, at an offset, with a length
-        ends[piece.relative_path] = max(ends.get(piece.relative_path, 0), piece.offset + piece.length)
-    for name, end in sorted(ends.items()):
-        file = folder / name
-        if not file.is_file():
-            return f"{file} is missing"
-        if file.stat().st_size < end:
-            return f"{file} is truncated ({file.stat().st_size} of at least {end} bytes)"
-    return None
-
-
 def fallback(output_dir, damaged):
     """The complete checkpoint before the damaged latest one in output_dir, as a hint: '' if there is none."""
     candidates = [output_dir / PREVIOUS] if damaged.is_file() else [f for f in epochs(output_dir) if f != damaged]
     for path in candidates:
         try:
             state = load(path)
-        except (Unusable, FileNotFoundError):
+        except (Unusable, Planted, FileNotFoundError):
             continue
         return f": the checkpoint of epoch {state['epoch']} is complete: resume from it with --resume {path}"
     return ""

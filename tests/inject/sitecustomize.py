@@ -13,13 +13,19 @@
   NO_DROPOUT=1                every dropout layer passes its input through: each rank draws its own
                               masks, so runs at different world sizes differ by them alone;
   LATE_RELEASE=s              rank 0's last collective ends in gloo's thread while rank 0 holds the GIL
-                              for s seconds after destroy_process_group (a teardown that aborts).
+                              for s seconds after destroy_process_group (a teardown that aborts);
+  NO_UNPICKLE=1               in a stage's train.py (not torchrun's agent, whose rendezvous pickles its own
+                              state), pickle.load, pickle.loads and torch.load(weights_only=False) raise: a
+                              resume reads nothing with an unpickler that may run what the file names. The
+                              tensors of the ranks' object collectives are excepted (torch.storage's
+                              _load_from_bytes): they carry what rank 0 has already read.
 
 Python imports sitecustomize at start-up in every process, the launchers included; only the
 processes a variable names are touched, and nothing else is imported otherwise.
 """
 
 import os
+import sys
 
 env = os.environ
 rank = env.get("RANK", env.get("SLURM_PROCID") if "SLURM_STEP_ID" in env else "0")
@@ -153,3 +159,34 @@ if "LATE_RELEASE" in env:
 
     dist.destroy_process_group = late_destroy
     atexit.register(late_collective)
+
+if "NO_UNPICKLE" in env and sys.argv[0].endswith("train.py"):
+    import pickle
+
+    import torch
+
+    collective = torch.storage._load_from_bytes.__code__  # a tensor of an object collective: what rank 0 has read
+
+    def refuse(what):
+        frame = sys._getframe(2)
+        while frame and frame.f_code is not collective:
+            frame = frame.f_back
+        if not frame:
+            raise RuntimeError(f"injected check: {what} runs whatever the data names")
+
+    load, pickle_load, pickle_loads = torch.load, pickle.load, pickle.loads
+
+    def weights_only_load(*args, weights_only=None, **kwargs):
+        if weights_only is False:
+            refuse("torch.load(weights_only=False)")
+        return load(*args, weights_only=weights_only, **kwargs)
+
+    def unrestricted_load(*args, **kwargs):
+        refuse("pickle.load")
+        return pickle_load(*args, **kwargs)
+
+    def unrestricted_loads(*args, **kwargs):
+        refuse("pickle.loads")
+        return pickle_loads(*args, **kwargs)
+
+    torch.load, pickle.load, pickle.loads = weights_only_load, unrestricted_load, unrestricted_loads
