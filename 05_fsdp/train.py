@@ -43,8 +43,9 @@ from torch.distributed._composable import checkpoint as recompute
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, checkpoint, cli, data, distributed, metrics, models, optim
+from common import amp, checkpoint, cli, data, distributed, metrics, optim
 from common.guards import rails  # the guard rails: each line that uses `guard` says what it guards; skip them
+from common.models import blocks, norms
 
 
 @metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
@@ -109,21 +110,20 @@ def main(guard):
     mesh = distributed.mesh(args, world_size, device)  # several nodes: shard within each, replicate across (HSDP)
     metrics.memory(model, args, world_size, mesh)
     if args.checkpoint_activations:  # a memory saver: keep each block's input only, rerun its forward in backward()
-        for block in models.blocks(model):
+        for block in blocks(model):
             recompute(block)
     if args.compile:  # per block, the unit FSDP gathers and frees, as PyTorch documents for FSDP2
-        for block in models.blocks(model):
+        for block in blocks(model):
             block.compile()
     block_policy, norm_policy = amp.policies(device, args)  # --amp: FSDP's bf16 compute over fp32 shards
     if dist.is_initialized():  # a plain `python train.py` has no process group and shards nothing
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        for norm in models.norms(model):  # BatchNorm layers: units of their own, in fp32 under --amp
+        for norm in norms(model):  # BatchNorm layers: units of their own, in fp32 under --amp
             fully_shard(norm, mesh=mesh, mp_policy=norm_policy)
-        for block in models.blocks(model):  # each block's weights are gathered just before it runs, then freed
+        for block in blocks(model):  # each block's weights are gathered just before it runs, then freed
             fully_shard(block, mesh=mesh, mp_policy=block_policy)
-        # the rest (first and last layers) at the root; gradients are reduce-scattered during backward()
-        fully_shard(model, mesh=mesh, mp_policy=block_policy)
+        fully_shard(model, mesh=mesh, mp_policy=block_policy)  # the rest at the root; gradients reduce-scattered
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)

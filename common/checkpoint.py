@@ -35,8 +35,7 @@ warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or
 
 
 def unwrap(model):
-    """The plain model inside DataParallel or DistributedDataParallel: weights saved from it carry no
-    `module.` prefix, so any stage loads them."""
+    """The model inside DataParallel or DDP: its weights carry no `module.` prefix, so any stage loads them."""
     return getattr(model, "module", model)
 
 
@@ -67,8 +66,7 @@ def run_state(epoch, step, states):
 
 
 def save(output_dir, epoch, states, step=0):
-    """Stages 01-04, the end of epoch `epoch` (or `step` steps into it): rank 0 writes checkpoint.pt; every
-    rank calls it."""
+    """Stages 01-04: the end of epoch `epoch` (or `step` steps into it); every rank calls it, rank 0 writes."""
     if is_rank0():
         with atomic(output_dir / WHOLE) as f:
             torch.save(run_state(epoch, step, states), f)

@@ -34,7 +34,7 @@ from helpers import (
     wait_for,
 )  # fmt: skip
 
-from common import checkpoint
+from common import checkpoint as lesson
 from common.guards import rails, resume, safeload
 from common.models import Net
 
@@ -65,7 +65,7 @@ def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(tiny_dat
 def test_a_damaged_shard_or_missing_metadata_is_named_by_file(tiny_data, tmp_path):
     """Stage 05 keeps its last two sharded checkpoints (one process: the shards of one rank)."""
     assert small(S05, tiny_data, tmp_path, "--epochs", 2).returncode == 0
-    assert [f.name for f in checkpoint.epochs(tmp_path)] == ["epoch-2", "epoch-1"]
+    assert [f.name for f in lesson.epochs(tmp_path)] == ["epoch-2", "epoch-1"]
     shard = next((tmp_path / "epoch-2").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     out = small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume")
@@ -76,7 +76,7 @@ def test_a_damaged_shard_or_missing_metadata_is_named_by_file(tiny_data, tmp_pat
     )
     out = small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume", tmp_path / "epoch-1")
     assert out.returncode == 0, out.stderr
-    assert [f.name for f in checkpoint.epochs(tmp_path)] == ["epoch-3", "epoch-2"]
+    assert [f.name for f in lesson.epochs(tmp_path)] == ["epoch-3", "epoch-2"]
 
 
 def test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint(tiny_data, tmp_path):
@@ -97,7 +97,7 @@ def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeyp
     latest, previous = tmp_path / "checkpoint.pt", tmp_path / resume.PREVIOUS
     for epoch in (1, 2):
         resume.keep_previous(tmp_path)
-        with checkpoint.atomic(latest) as f:
+        with lesson.atomic(latest) as f:
             torch.save({"epoch": epoch}, f)
         monkeypatch.setattr(resume.os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no links")))
     assert torch.load(previous)["epoch"] == 1 and torch.load(latest)["epoch"] == 2

@@ -71,7 +71,7 @@ def state_to_resume(args, sharded):
         stop(verdict)
     if state is not None:
         slurm, torchrun = restarts()
-        at = f"epoch {state['epoch']}, step {state['step']}" if state["step"] else f"after epoch {state['epoch']}"
+        at = f"at epoch {state['epoch']}, step {state['step']}" if state["step"] else f"after epoch {state['epoch']}"
         print0(f"resumed {at} (Slurm restart {slurm}, torchrun restart {torchrun})")
     return state
 
