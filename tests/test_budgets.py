@@ -3,6 +3,8 @@
 import ast
 import difflib
 import re
+import subprocess
+import sys
 
 import pytest
 from helpers import REPO, STAGES
@@ -54,10 +56,10 @@ def test_changed_lines_counts_like_diff():
     assert changed_lines(["a", "b", "c"], ["a", "x", "c", "d"]) == 3  # one changed (<, >), one added (>)
 
 
-LESSON_AND_TOOLS = sorted(REPO.glob("common/*.py")) + sorted(REPO.glob("tools/*.py"))
+LESSON_AND_TOOLS = sorted(REPO.glob("common/**/*.py")) + sorted(REPO.glob("tools/*.py"))
 
 
-@pytest.mark.parametrize("path", sorted(REPO.glob("common/*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted(REPO.glob("common/**/*.py")), ids=lambda p: p.relative_to(REPO).as_posix())
 def test_common_modules_read_in_minutes(path):
     """A learner follows a stage into common/: each module fits a few screens."""
     assert len(path.read_text().splitlines()) <= 250
@@ -71,7 +73,7 @@ def test_no_function_is_longer_than_a_screen(path):
 
 def test_setup_shows_the_process_group_and_nothing_else():
     """The module a learner reads for setup() holds no thread, no store and no hook: the guard rails are in
-    modules of their own (common/watchdog.py, common/preflight.py)."""
+    modules of their own (common/guards/watchdog.py, common/guards/preflight.py)."""
     text = (REPO / "common/distributed.py").read_text()
     assert "init_process_group" in text
     for hidden in ("threading", "excepthook", "TCPStore"):
@@ -79,7 +81,7 @@ def test_setup_shows_the_process_group_and_nothing_else():
 
 
 def test_values_travel_as_arguments_not_through_the_environment():
-    writes = [(p.name, line.strip()) for p in REPO.glob("common/*.py") for line in p.read_text().splitlines()
+    writes = [(p.name, line.strip()) for p in REPO.glob("common/**/*.py") for line in p.read_text().splitlines()
               if re.search(r"os\.environ(\[[^]]+\]\s*=[^=]|\.update\(|\.setdefault\()", line)]  # fmt: skip
     assert writes == []
 
@@ -88,3 +90,12 @@ def test_all_of_the_sharding_is_in_the_stage():
     """fully_shard is called in stage files only, where the 04 -> 05 diff shows it."""
     calls = [p.relative_to(REPO).as_posix() for p in LESSON_AND_TOOLS if "fully_shard(" in p.read_text()]
     assert calls == [] and "fully_shard(" in (REPO / "05_fsdp/train.py").read_text()
+
+
+def test_the_lesson_reads_in_one_sitting():
+    """tools/reading_path.py: the lesson lines a learner reaches from each stage, the guard-rail call sites in
+    each train.py, setup()'s length and reach, no lesson module importing a guard rail, no module-level state."""
+    out = subprocess.run(
+        [sys.executable, "tools/reading_path.py"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.endswith("all limits hold\n"), out.stdout

@@ -75,3 +75,8 @@ def test_net_keeps_the_names_checkpoints_hold():
 def test_build_refuses_what_does_not_fit(args, message):
     with pytest.raises(SystemExit, match=message):
         models.build(*args)
+
+
+def test_the_built_in_task_offers_every_data_set():
+    """The task names the data sets without importing torch (a job script's check reads its options)."""
+    assert images.DATASETS == list(data.SETS)

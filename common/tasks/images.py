@@ -10,18 +10,15 @@ This one trains pytorch/examples' MNIST CNN by default; its options choose anoth
 common/data.py and another model of common/models.py.
 """
 
-from common import cli, data, models
+from common import cli
 
-TESTED = {  # the pairs the tests train: net fits 28x28 images, wideresnet 32x32, cnn any size
-    "net": ["mnist", "fashion-mnist"],
-    "cnn": list(data.SETS),
-    "wideresnet": ["cifar10", "cifar100", "synthetic"],
-}
+DATASETS = ["mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic"]  # common/data.py's SETS
+TESTED = {"net": DATASETS[:2], "cnn": DATASETS, "wideresnet": DATASETS[2:]}  # net fits 28x28 images, wideresnet 32x32
 
 
 def add_arguments(group):
     # fmt: off
-    group.add_argument("--dataset", choices=list(data.SETS), default="mnist", help="in torchvision's layout under --data-dir; `make data DATASET=...` (default: mnist)")
+    group.add_argument("--dataset", choices=DATASETS, default="mnist", help="in torchvision's layout under --data-dir; `make data DATASET=...` (default: mnist)")
     group.add_argument("--model", choices=list(TESTED), default="net", help="net: pytorch/examples' CNN for 28x28; cnn: a small CNN for any size; wideresnet: for 32x32 (default: net)")
     group.add_argument("--depth", type=cli.POSITIVE, default=16, help="WideResNet depth, 6n+4 (default: 16)")
     group.add_argument("--width", type=cli.POSITIVE, default=4, help="WideResNet width factor (default: 4)")
@@ -35,11 +32,15 @@ def check(args):
 
 
 def model(args):
+    from common import data, models  # here: the options are read without torch (a job script's check)
+
     spec = data.SETS[args.dataset]
     return models.build(args.model, len(spec.mean), spec.classes, spec.size, args.depth, args.width)
 
 
 def datasets(args):
+    from common import data
+
     return (
         data.dataset(args.data_dir, args.dataset, train=True, limit=args.limit),
         data.dataset(args.data_dir, args.dataset, train=False, limit=args.limit),

@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""What a learner reads: the lines of common/ that a stage's train.py reaches, lesson and guard rails apart.
+
+Run from the project's root:  python3 tools/reading_path.py [--json]   (tests/test_budgets.py holds its limits)
+
+The lesson is common/ (its modules, and those of any package inside it, such as the built-in tasks); the guard
+rails are the modules of a package inside common/ whose name contains "guard" (for example common/guards/).
+From each stage's train.py it follows every name of common/ that the script uses, then every name of
+common/ that those definitions use, and so on, and adds up the lines of the definitions reached (a
+function's or class's lines, decorators and docstring included). It reports, per stage:
+
+  lesson   the definitions reached through lesson modules only (a guard-rail definition is neither
+           counted nor followed): what a learner must read to understand the stage
+  guards   the call sites in train.py of guard-rail names: the visible lines a learner may skip
+  all      everything reached, guard rails included
+
+and, for the project: lesson modules that import a guard-rail module (the lesson must not stand on
+the guard rails), setup()'s length and reach, and module-level mutable state (lower-case names bound
+to a dict, list, set, lock or thread at module level, and `global` statements) anywhere in common/.
+It reads the code as text (ast) and runs nothing. Exit status 1 if a limit below is broken.
+"""
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+STAGES = ["01_single_gpu", "02_dataparallel", "03_ddp_single_node", "04_ddp_multi_node", "05_fsdp"]
+LIMITS = {  # lesson lines reached from train.py, per stage
+    "01_single_gpu": 450,
+    "02_dataparallel": 450,
+    "03_ddp_single_node": 480,
+    "04_ddp_multi_node": 480,
+    "05_fsdp": 600,
+}
+GUARD_CALLS = 8  # guard-rail call sites in one train.py
+SETUP_LINES, SETUP_REACH = 25, 100
+MUTABLE_CALLS = {"dict", "list", "set", "Lock", "RLock", "Event", "Thread", "local", "defaultdict", "deque"}
+
+
+def module_name(root, path):
+    return ".".join(path.relative_to(root).with_suffix("").parts)  # common.data, common.guards.lock
+
+
+class Project:
+    def __init__(self, root):
+        self.root = root
+        files = sorted((root / "common").rglob("*.py"))
+        self.modules = {
+            module_name(root, p): p for p in files if p.name != "__init__.py" or p.parent != root / "common"
+        }
+        self.guard = {
+            m
+            for m, p in self.modules.items()
+            if any("guard" in part for part in p.relative_to(root / "common").parts[:-1])
+        }
+        self.trees = {m: ast.parse(p.read_text()) for m, p in self.modules.items()}
+        self.defs = {}  # "module:name" -> lines
+        for m, tree in self.trees.items():
+            for node in tree.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+                    self.defs[f"{m}:{node.name}"] = node.end_lineno - start + 1
+        self.uses = {}
+        for m, tree in self.trees.items():
+            names = self.imported(tree, m)
+            for node in tree.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    self.uses[f"{m}:{node.name}"] = self.refs(node, m, names) - {f"{m}:{node.name}"}
+
+    def package_of(self, m):
+        return m.rsplit(".", 1)[0] if "." in m else m
+
+    def imported(self, tree, here):
+        """local name -> ("mod", module) or ("def", "module:name"), for names bound from common/ anywhere in tree"""
+        names = {}
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.module
+                and node.level == 0
+                and node.module.split(".")[0] == "common"
+            ):
+                for a in node.names:
+                    full = f"{node.module}.{a.name}"
+                    names[a.asname or a.name] = (
+                        ("mod", full) if full in self.modules else ("def", f"{node.module}:{a.name}")
+                    )
+            elif isinstance(node, ast.ImportFrom) and node.level > 0:  # relative import inside a package
+                base = here.split(".")[: -node.level]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                for a in node.names:
+                    full = f"{mod}.{a.name}"
+                    names[a.asname or a.name] = ("mod", full) if full in self.modules else ("def", f"{mod}:{a.name}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "common" and a.name in self.modules and a.asname:
+                        names[a.asname] = ("mod", a.name)
+        return names
+
+    def refs(self, node, here, names):
+        out, local = set(), set()
+        for n in ast.walk(node):
+            if isinstance(n, ast.arg):
+                local.add(n.arg)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                local.add(n.id)
+        for n in ast.walk(node):
+            if isinstance(n, ast.Attribute):
+                chain = []
+                v = n
+                while isinstance(v, ast.Attribute):
+                    chain.append(v.attr)
+                    v = v.value
+                if isinstance(v, ast.Name) and v.id in names and names[v.id][0] == "mod":
+                    mod = names[v.id][1]
+                    for attr in reversed(chain):  # common.guards.lock.claim written out
+                        if f"{mod}.{attr}" in self.modules:
+                            mod = f"{mod}.{attr}"
+                        else:
+                            out.add(f"{mod}:{attr}")
+                            break
+            if isinstance(n, ast.Name) and n.id in names and names[n.id][0] == "def":
+                out.add(names[n.id][1])
+            elif isinstance(n, ast.Name) and here and f"{here}:{n.id}" in self.defs and n.id not in local:
+                out.add(f"{here}:{n.id}")
+        return {k for k in out if k in self.defs}
+
+    def reach(self, start, lesson_only):
+        seen, todo = set(), [k for k in start if not (lesson_only and self.is_guard(k))]
+        seen.update(todo)
+        while todo:
+            for k in self.uses.get(todo.pop(), ()):
+                if k not in seen and not (lesson_only and self.is_guard(k)):
+                    seen.add(k)
+                    todo.append(k)
+        return seen
+
+    def is_guard(self, key):
+        return key.split(":")[0] in self.guard
+
+    def stage(self, name):
+        path = self.root / name / "train.py"
+        tree = ast.parse(path.read_text())
+        names = self.imported(tree, None)
+        used = self.refs(tree, None, names)
+        guard_sites = 0
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Call) and self.refs(n.func, None, names) & {k for k in used if self.is_guard(k)}:
+                guard_sites += 1
+        lesson, everything = self.reach(used, True), self.reach(used, False)
+        return {
+            "lesson": sum(self.defs[k] for k in lesson),
+            "lesson_modules": sorted({k.split(":")[0] for k in lesson}),
+            "guard_calls": guard_sites,
+            "all": sum(self.defs[k] for k in everything),
+            "all_modules": len({k.split(":")[0] for k in everything}),
+        }
+
+    def lesson_imports_guard(self):
+        bad = []
+        for m, tree in self.trees.items():
+            if m in self.guard:
+                continue
+            for kind, target in self.imported(tree, m).values():
+                mod = target if kind == "mod" else target.split(":")[0]
+                if mod in self.guard or any(g.startswith(mod + ".") for g in self.guard) and mod != "common":
+                    bad.append(f"{m} imports {target.replace(':', '.')}")
+        return sorted(set(bad))
+
+    def state(self):
+        bad = []
+        for m, tree in self.trees.items():
+            for node in tree.body:
+                if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    value = node.value
+                    mutable = isinstance(
+                        value, (ast.Dict, ast.List, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+                    ) or (
+                        isinstance(value, ast.Call)
+                        and (getattr(value.func, "attr", None) or getattr(value.func, "id", None)) in MUTABLE_CALLS
+                    )
+                    for t in targets:
+                        if mutable and isinstance(t, ast.Name) and not t.id.isupper():
+                            bad.append(f"{self.modules[m].relative_to(self.root)}:{node.lineno} {t.id}")
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Global):
+                    bad.append(f"{self.modules[m].relative_to(self.root)}:{node.lineno} global {', '.join(node.names)}")
+        return bad
+
+    def setup(self):
+        keys = [k for k in self.defs if k.endswith(":setup") and not self.is_guard(k)]
+        if not keys:
+            return None
+        k = keys[0]
+        return {
+            "where": k,
+            "lines": self.defs[k],
+            "reach": sum(self.defs[x] for x in self.reach([k], True)),
+            "reach_all": sum(self.defs[x] for x in self.reach([k], False)),
+        }
+
+
+def main():
+    root = Path.cwd()
+    p = Project(root)
+    report = {
+        "stages": {s: p.stage(s) for s in STAGES if (root / s / "train.py").is_file()},
+        "guard_modules": sorted(p.guard),
+        "lesson_imports_guard": p.lesson_imports_guard(),
+        "setup": p.setup(),
+        "module_state": p.state(),
+        "common_lines": sum(len(x.read_text().splitlines()) for x in p.modules.values()),
+    }
+    fail = []
+    if not p.guard:
+        fail.append("no guard-rail package inside common/ (a package whose name contains 'guard')")
+    if report["lesson_imports_guard"]:
+        fail.append(f"lesson modules import guard rails: {report['lesson_imports_guard']}")
+    for s, r in report["stages"].items():
+        if r["lesson"] > LIMITS[s]:
+            fail.append(f"{s} reaches {r['lesson']} lesson lines (limit {LIMITS[s]})")
+        if r["guard_calls"] > GUARD_CALLS:
+            fail.append(f"{s} calls the guard rails at {r['guard_calls']} places (limit {GUARD_CALLS})")
+    su = report["setup"]
+    if not su or su["lines"] > SETUP_LINES or su["reach"] > SETUP_REACH:
+        fail.append(f"setup(): {su} (limits {SETUP_LINES} lines, {SETUP_REACH} reached)")
+    if report["module_state"]:
+        fail.append(f"module-level state: {report['module_state']}")
+    report["falls_short"] = fail
+    if "--json" in sys.argv:
+        print(json.dumps(report, indent=1))
+    else:
+        for s, r in report["stages"].items():
+            print(
+                f"{s}: lesson {r['lesson']} lines in {len(r['lesson_modules'])} modules (limit {LIMITS[s]}); "
+                f"guard-rail calls in train.py {r['guard_calls']} (limit {GUARD_CALLS}); all reached {r['all']} "
+                f"lines in {r['all_modules']} modules"
+            )
+        print(
+            f"guard-rail modules: {len(p.guard)}; lesson modules importing them: {report['lesson_imports_guard'] or 'none'}"
+        )
+        print(f"setup(): {su}")
+        print(f"module-level state: {report['module_state'] or 'none'}; common/ {report['common_lines']} lines")
+        print("falls short: " + "; ".join(fail) if fail else "all limits hold")
+    sys.exit(1 if fail else 0)
+
+
+if __name__ == "__main__":
+    main()
