@@ -39,7 +39,7 @@ test-all: $(VENV) $(DATA)  ## everything: the real Slurm cluster's tests (root) 
 	$(PYTHON) -m pytest -m slurm
 	$(PYTHON) -m pytest -m "not slurm" $(XDIST)
 
-# The oldest torch each stage and the doctor run on (common/versions.py), each from PyPI into .venv-min/<torch>/
+# The oldest torch each stage and the doctor run on (common/guards/versions.py), each from PyPI into .venv-min/<torch>/
 # with the torchvision built for it; tests/test_versions.py runs there what each is the minimum of (one epoch,
 # two ranks where there are several) and the stages it is too old for (one line)
 MIN_TORCH := 2.3.0 2.7.0 2.9.0

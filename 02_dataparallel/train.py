@@ -12,6 +12,10 @@ Launch (one process, all visible GPUs; a single GPU or the CPU also work):
 Changes from stage 01: the model is wrapped in nn.DataParallel when more than one GPU is visible.
 --batch-size stays the global batch: with 4 GPUs, each computes 16 of the 64 images. Nothing else.
 
+Reading it: the model and data come from the task (--task FILE; by default common/tasks/images.py,
+MNIST); the lines that use `guard` are the guard rails (common/guards/): each says what it guards, and
+the training reads the same without them.
+
 Expect: the accuracy of stage 01 (same global batch, same recipe); images/s grows little with GPUs
 on a model this small.
 """

@@ -15,6 +15,10 @@ common.distributed.setup(); the model is wrapped in DDP; RandomSampler becomes D
 reshuffled every epoch by set_epoch(); each rank computes --batch-size / world size images per step;
 evaluation is split across the ranks and its sums are all-reduced, so every test image counts once.
 
+Reading it: the model and data come from the task (--task FILE; by default common/tasks/images.py,
+MNIST); the lines that use `guard` are the guard rails (common/guards/): each says what it guards, and
+the training reads the same without them.
+
 Expect: the accuracy of stage 01 at the same global batch; images/s in total grows with the GPUs.
 """
 

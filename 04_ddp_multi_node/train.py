@@ -12,6 +12,10 @@ Launch (from 04_ddp_multi_node/):
 Changes from stage 03: none in Python. The job scripts are the lesson: compare job.slurm with
 03_ddp_single_node/job.slurm.
 
+Reading it: the model and data come from the task (--task FILE; by default common/tasks/images.py,
+MNIST); the lines that use `guard` are the guard rails (common/guards/): each says what it guards, and
+the training reads the same without them.
+
 Expect: the accuracy of stage 03 at the same global batch; one rank map line per GPU, across nodes.
 """
 

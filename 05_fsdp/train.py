@@ -19,6 +19,10 @@ Changes from stage 04:
   - memory: the memory line, and two memory savers, which the other stages refuse: micro-batches
     (--grad-accum, the loop in train()) and recomputed activations (--checkpoint-activations).
 
+Reading it: the model and data come from the task (--task FILE; by default common/tasks/images.py,
+MNIST); the lines that use `guard` are the guard rails (common/guards/): each says what it guards, and
+the training reads the same without them.
+
 Expect: stage 04's accuracy at the same global batch; a memory line that shrinks with the world size.
 """
 
