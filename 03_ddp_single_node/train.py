@@ -15,9 +15,8 @@ common.distributed.setup(); the model is wrapped in DDP; RandomSampler becomes D
 reshuffled every epoch by set_epoch(); each rank computes --batch-size / world size images per step;
 evaluation is split across the ranks and its sums are all-reduced, so every test image counts once.
 
-Reading it: the model and data come from the task (--task FILE; by default common/tasks/images.py,
-MNIST); the lines that use `guard` are the guard rails (common/guards/): each says what it guards, and
-the training reads the same without them.
+Reading it: the model, data and loss come from the task (--task FILE; MNIST by default); each line that
+uses `guard` is a guard rail (common/guards/) that says what it guards: the training reads the same without.
 
 Expect: the accuracy of stage 01 at the same global batch; images/s in total grows with the GPUs.
 """
@@ -47,14 +46,14 @@ from common.guards import rails  # the guard rails: each line that uses `guard` 
 
 
 @metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
-def train(model, device, loader, optimizer, scaler, epoch, args, guard):
+def train(model, device, loader, optimizer, scaler, loss_fn, epoch, args, guard):
     model.train()
     totals = torch.zeros(2, device=device)  # summed on the device: no GPU -> CPU sync per step
     for batch_idx, (x, y) in enumerate(loader):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         with amp.autocast(device, args):
-            loss = F.nll_loss(model(x), y)
+            loss = loss_fn(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
@@ -69,15 +68,18 @@ def train(model, device, loader, optimizer, scaler, epoch, args, guard):
 
 
 @torch.no_grad()
-def evaluate(model, device, loader):
+def evaluate(model, device, loader, loss_fn, samples):
+    """`samples`: how many of the loader's samples are this rank's own; the padding after them counts nowhere."""
     model.eval()
     totals = torch.zeros(3, device=device)  # summed loss, correct, samples
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        output = model(x)
-        totals[0] += F.nll_loss(output, y, reduction="sum")  # padding samples (label -100) are ignored,
-        totals[1] += (output.argmax(dim=1) == y).sum()  # never correct,
-        totals[2] += (y >= 0).sum()  # and not counted
+        output, n = model(x), min(len(y), samples)  # every rank runs as many forward passes (stage 05: collectives)
+        samples -= n
+        if n:
+            totals[0] += loss_fn(output[:n], y[:n]) * n
+            totals[1] += (output[:n].argmax(dim=1) == y[:n]).sum()
+            totals[2] += n
     return totals
 
 
@@ -97,11 +99,12 @@ def main(guard):
     batch_size = args.batch_size // world_size  # --batch-size is the global batch
     train_loader = data.loader(train_set, train_sampler, batch_size, args, device)
     # evaluation: a shard per rank, padded to as many batches on every rank; the padding counts nowhere
-    val_loader = data.loader(val_set, data.shard(len(val_set), rank, world_size), args.test_batch_size, args, device)
-    test_loader = data.loader(test_set, data.shard(len(test_set), rank, world_size), args.test_batch_size, args, device)
+    val_shard, test_shard = data.shard(len(val_set), rank, world_size), data.shard(len(test_set), rank, world_size)
+    val_loader = data.loader(val_set, val_shard.indices, args.test_batch_size, args, device)
+    test_loader = data.loader(test_set, test_shard.indices, args.test_batch_size, args, device)
 
     model = task.model(args).to(device)
-    if dist.is_initialized():  # a plain `python train.py` has no process group and needs no DDP
+    if dist.is_initialized():  # a plain `python train.py` has no process group: nothing to wrap
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # gradients are averaged across ranks during backward(), overlapped with it
@@ -112,6 +115,7 @@ def main(guard):
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)
 
+    loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy: on logits or log-probabilities
     log = metrics.Log(args.output_dir, world_size, args.compile)
     states = {
         "model": model,
@@ -127,9 +131,10 @@ def main(guard):
             break
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one after a resume
         log.start(epoch)
-        train_totals = train(model, device, train_loader, optimizer, scaler, epoch, args, guard)
+        train_totals = train(model, device, train_loader, optimizer, scaler, loss_fn, epoch, args, guard)
         seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
-        totals = torch.cat([train_totals, evaluate(model, device, val_loader), evaluate(model, device, test_loader)])
+        totals = torch.cat([train_totals, evaluate(model, device, val_loader, loss_fn, val_shard.samples),
+                            evaluate(model, device, test_loader, loss_fn, test_shard.samples)])
         if dist.is_initialized():
             dist.all_reduce(totals)  # sums over the ranks: losses, samples, correct answers
         guard.check_epoch(epoch, totals.tolist())  # guard: nothing non-finite is logged or saved

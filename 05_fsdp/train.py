@@ -3,9 +3,8 @@
 Teaches: DDP keeps a whole copy of the weights, their gradients and the optimizer state on every GPU.
 FSDP (fully_shard) keeps 1/world size of each on each rank and gathers one block's weights just before
 that block runs, then frees them: memory per GPU falls with the number of GPUs, for about 1.5x DDP's
-traffic. Checkpoints are sharded too: each rank writes its own piece, and a run resumes on any number
-of GPUs (a requeued job that lands on fewer nodes continues). --save-model still writes the whole
-weights, which stage 01's model loads.
+traffic. Checkpoints are sharded too: each rank writes its own piece, and a run resumes on any number of
+GPUs (a requeued job that lands on fewer nodes continues). --save-model writes the whole weights.
 
 Launch (from 05_fsdp/):
     sbatch job.slurm --epochs 3              # as stage 04: srun starts one task per GPU on every node
@@ -19,9 +18,8 @@ Changes from stage 04:
   - memory: the memory line, and two memory savers, which the other stages refuse: micro-batches
     (--grad-accum, the loop in train()) and recomputed activations (--checkpoint-activations).
 
-Reading it: the model and data come from the task (--task FILE; by default common/tasks/images.py,
-MNIST); the lines that use `guard` are the guard rails (common/guards/): each says what it guards, and
-the training reads the same without them.
+Reading it: the model, data and loss come from the task (--task FILE; MNIST by default); each line that
+uses `guard` is a guard rail (common/guards/) that says what it guards: the training reads the same without.
 
 Expect: stage 04's accuracy at the same global batch; a memory line that shrinks with the world size.
 """
@@ -53,7 +51,7 @@ from common.models import blocks, norms
 
 
 @metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
-def train(model, device, loader, optimizer, scaler, epoch, args, guard):
+def train(model, device, loader, optimizer, scaler, loss_fn, epoch, args, guard):
     model.train()
     totals = torch.zeros(2, device=device)  # summed on the device: no GPU -> CPU sync per step
     for batch_idx, (x, y) in enumerate(loader):
@@ -63,7 +61,7 @@ def train(model, device, loader, optimizer, scaler, epoch, args, guard):
         for i, (xm, ym) in enumerate(micro):  # --grad-accum: the rank's batch in slices, gradients summed
             if dist.is_initialized():  # reduce the gradients once, after the last slice, not after each
                 model.set_requires_gradient_sync(i == len(micro) - 1)
-            part = F.nll_loss(model(xm), ym, reduction="sum") / len(y)  # its share of the batch's mean loss
+            part = loss_fn(model(xm), ym) * len(ym) / len(y)  # its share of the batch's mean loss
             scaler.scale(part).backward()
             loss += part.detach()
         scaler.step(optimizer)
@@ -79,15 +77,18 @@ def train(model, device, loader, optimizer, scaler, epoch, args, guard):
 
 
 @torch.no_grad()
-def evaluate(model, device, loader):
+def evaluate(model, device, loader, loss_fn, samples):
+    """`samples`: how many of the loader's samples are this rank's own; the padding after them counts nowhere."""
     model.eval()
     totals = torch.zeros(3, device=device)  # summed loss, correct, samples
     for x, y in loader:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        output = model(x)
-        totals[0] += F.nll_loss(output, y, reduction="sum")  # padding samples (label -100) are ignored,
-        totals[1] += (output.argmax(dim=1) == y).sum()  # never correct,
-        totals[2] += (y >= 0).sum()  # and not counted
+        output, n = model(x), min(len(y), samples)  # every rank runs as many forward passes (stage 05: collectives)
+        samples -= n
+        if n:
+            totals[0] += loss_fn(output[:n], y[:n]) * n
+            totals[1] += (output[:n].argmax(dim=1) == y[:n]).sum()
+            totals[2] += n
     return totals
 
 
@@ -107,8 +108,9 @@ def main(guard):
     batch_size = args.batch_size // world_size  # --batch-size is the global batch
     train_loader = data.loader(train_set, train_sampler, batch_size, args, device)
     # evaluation: a shard per rank, padded to as many batches on every rank; the padding counts nowhere
-    val_loader = data.loader(val_set, data.shard(len(val_set), rank, world_size), args.test_batch_size, args, device)
-    test_loader = data.loader(test_set, data.shard(len(test_set), rank, world_size), args.test_batch_size, args, device)
+    val_shard, test_shard = data.shard(len(val_set), rank, world_size), data.shard(len(test_set), rank, world_size)
+    val_loader = data.loader(val_set, val_shard.indices, args.test_batch_size, args, device)
+    test_loader = data.loader(test_set, test_shard.indices, args.test_batch_size, args, device)
 
     model = task.model(args).to(device)
     mesh = distributed.mesh(args, world_size, device)  # several nodes: shard within each, replicate across (HSDP)
@@ -119,19 +121,20 @@ def main(guard):
     if args.compile:  # per block, the unit FSDP gathers and frees, as PyTorch documents for FSDP2
         for block in blocks(model):
             block.compile()
-    block_policy, norm_policy = amp.policies(device, args)  # --amp: FSDP's bf16 compute over fp32 shards
-    if dist.is_initialized():  # a plain `python train.py` has no process group and shards nothing
+    block_policy, norm_policy, root_policy = amp.policies(device, args)  # --amp: FSDP's bf16 compute over fp32 shards
+    if dist.is_initialized():  # a plain `python train.py` has no process group: nothing to wrap
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         for norm in norms(model):  # BatchNorm layers: units of their own, in fp32 under --amp
             fully_shard(norm, mesh=mesh, mp_policy=norm_policy)
         for block in blocks(model):  # each block's weights are gathered just before it runs, then freed
             fully_shard(block, mesh=mesh, mp_policy=block_policy)
-        fully_shard(model, mesh=mesh, mp_policy=block_policy)  # the rest at the root; gradients reduce-scattered
+        fully_shard(model, mesh=mesh, mp_policy=root_policy)  # the rest at the root; gradients reduce-scattered
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)
 
+    loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy: on logits or log-probabilities
     log = metrics.Log(args.output_dir, world_size, args.compile)
     states = {
         "model": model,
@@ -147,9 +150,10 @@ def main(guard):
             break
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one after a resume
         log.start(epoch)
-        train_totals = train(model, device, train_loader, optimizer, scaler, epoch, args, guard)
+        train_totals = train(model, device, train_loader, optimizer, scaler, loss_fn, epoch, args, guard)
         seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
-        totals = torch.cat([train_totals, evaluate(model, device, val_loader), evaluate(model, device, test_loader)])
+        totals = torch.cat([train_totals, evaluate(model, device, val_loader, loss_fn, val_shard.samples),
+                            evaluate(model, device, test_loader, loss_fn, test_shard.samples)])
         if dist.is_initialized():
             dist.all_reduce(totals)  # sums over the ranks: losses, samples, correct answers
         guard.check_epoch(epoch, totals.tolist())  # guard: nothing non-finite is logged or saved

@@ -20,14 +20,15 @@ def scaler(device, args):
 
 
 def policies(device, args):
-    """Stage 05: FSDP's own mixed precision, for fully_shard: (the blocks' policy, the BatchNorm layers').
-    Under --amp each block's weights are gathered and computed in bf16, while the sharded weights, the
-    optimizer, the gradient reduction and the loss stay fp32; BatchNorm layers compute in fp32 (their
-    running statistics are fp32) and hand bf16 on. Without --amp, fp32 throughout."""
+    """Stage 05: FSDP's own mixed precision, for fully_shard: (the blocks' policy, the BatchNorm layers', the
+    root's). Under --amp each block's weights are gathered and computed in bf16 and its output passed on in
+    bf16 (to the next block, or to layers of the root after the last: a classifier's head), while the sharded
+    weights, the optimizer and the gradient reduction stay fp32, and the root hands the loss fp32; BatchNorm
+    layers compute in fp32 (their running statistics are fp32) and hand bf16 on. Without --amp, fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy  # here: the import costs every stage 0.7 s
 
     if not args.amp:
-        return MixedPrecisionPolicy(), MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(), MixedPrecisionPolicy(), MixedPrecisionPolicy()
     if not dist.is_initialized():
         raise SystemExit(
             "error: --amp in stage 05 is FSDP's mixed precision, which a plain `python train.py` does not use: "
@@ -38,5 +39,6 @@ def policies(device, args):
             "error: --amp in stage 05 computes in bf16, which this GPU lacks (fp16 would need a sharded loss "
             "scaler): drop --amp, or use stage 04 with --amp"
         )
-    blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    return blocks, MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)
+    blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    return blocks, MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16), root

@@ -161,7 +161,7 @@ def large_models(p):
 
 
 def load_task(path):
-    """The task file `path` as a module: its model(), datasets() and options (common/tasks/images.py)."""
+    """The task file `path` as a module: its model(), datasets(), options and loss (common/tasks/images.py)."""
     spec = importlib.util.spec_from_file_location(f"task_{path.stem}", path)
     task = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(task)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 from PIL import Image
-from torch.utils.data import BatchSampler, DataLoader, Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Subset
 
 from common import datafiles
 from common.environment import cpus_per_rank
@@ -69,28 +69,25 @@ class Images(Dataset):
 
     def __getitem__(self, indices):
         indices = torch.as_tensor(indices, dtype=torch.long)
-        return normalize(self.images[indices.clamp(min=0)], self.mean, self.std), label(self.labels, indices)
+        return normalize(self.images[indices], self.mean, self.std), self.labels[indices]
 
     def subset(self, indices):
         """The images at `indices`, in tensors of their own."""
         return Images(self.name, self.images[indices], self.labels[indices], self.mean, self.std, self.classes)
 
 
-PAD = -100  # the label of a padding sample (index -1): F.nll_loss ignores it, and it is never a correct answer
-
-
-def label(labels, indices):
-    """The labels at `indices`, PAD where an index is -1 (a padding sample of shard())."""
-    return torch.where(indices < 0, PAD, labels[indices.clamp(min=0)])
+class Shard(NamedTuple):
+    indices: list  # the samples to evaluate, in order: this rank's own, then the padding
+    samples: int  # how many of them are this rank's own
 
 
 def shard(count, rank, world_size):
-    """This rank's share of `count` evaluation samples: every world_size-th index from `rank`, padded with -1
-    to the same length on every rank. Every rank then runs the same number of forward passes (under FSDP
-    each one is a collective: a rank with one batch more would wait for a partner forever), and the padding
-    counts nowhere (label PAD), so each sample counts exactly once."""
+    """This rank's share of `count` evaluation samples: every world_size-th index from `rank`, padded to the same
+    length on every rank (with the first sample again, which any data set has). Every rank then runs the same
+    number of forward passes (under FSDP each one is a collective: a rank with one batch more would wait for a
+    partner forever), and the evaluation counts the first `samples` alone: each sample exactly once."""
     indices = list(range(rank, count, world_size))
-    return indices + [-1] * (math.ceil(count / world_size) - len(indices))
+    return Shard(indices + [0] * (math.ceil(count / world_size) - len(indices)), len(indices))
 
 
 def normalize(images, mean, std):
@@ -139,13 +136,14 @@ def synthetic(count, classes, seed):
 def split(dataset, fraction, seed):
     """(training part, validation part): `fraction` of the images, drawn with `seed`, held out for validation,
     both in the order of `dataset`. For 0 the validation part is empty: the stages evaluate it all the same."""
+    subset = getattr(dataset, "subset", lambda indices: Subset(dataset, indices.tolist()))  # Images: in tensors
     if not fraction:
-        return dataset, dataset.subset([])
+        return dataset, subset(torch.tensor([], dtype=torch.long))
     held = round(len(dataset) * fraction)
     if not 0 < held < len(dataset):
         raise SystemExit(f"error: a validation fraction of {fraction} of {len(dataset)} images leaves a part empty")
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))
-    return dataset.subset(order[held:].sort().values), dataset.subset(order[:held].sort().values)
+    return subset(order[held:].sort().values), subset(order[:held].sort().values)
 
 
 class PerSample(Dataset):
@@ -162,8 +160,8 @@ class PerSample(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index):
-        image = self.images[max(index, 0)].permute(1, 2, 0).squeeze(2).numpy()  # H x W x C, or grey H x W, as PIL reads
-        return self.transform(Image.fromarray(image)), int(label(self.labels, torch.tensor(index)))
+        image = self.images[index].permute(1, 2, 0).squeeze(2).numpy()  # H x W x C, or grey H x W, as PIL reads
+        return self.transform(Image.fromarray(image)), int(self.labels[index])
 
 
 class OnDevice:
@@ -182,28 +180,30 @@ class OnDevice:
         order = torch.tensor(list(self.sampler), dtype=torch.long, device=self.images.device)  # one copy per epoch
         for start in range(0, len(order), self.batch_size):
             batch = order[start : start + self.batch_size]
-            yield self.images[batch.clamp(min=0)], label(self.labels, batch)
+            yield self.images[batch], self.labels[batch]
 
 
-def num_workers(args, env=os.environ):
-    """The DataLoader workers of each rank: --num-workers, else for the classic pipeline the CPUs of this rank
-    but one for the process itself, and none for the batched one, where a batch is one indexing operation and
-    passing it from a worker costs more."""
+def num_workers(args, per_sample, env=os.environ):
+    """The DataLoader workers of each rank: --num-workers, else for a pipeline per sample (classic, or a data set
+    not in tensors) the CPUs of this rank but one for the process itself, and none for the batched one, where a
+    batch is one indexing operation and passing it from a worker costs more."""
     if args.loader == "device":
         return 0
-    return cpus_per_rank(env) - 1 if args.num_workers is None and args.loader == "classic" else args.num_workers or 0
+    return cpus_per_rank(env) - 1 if args.num_workers is None and per_sample else args.num_workers or 0
 
 
 def loader(dataset, sampler, batch_size, args, device):
     """Batches of `dataset` in the order of `sampler`, by the pipeline --loader names."""
     if args.loader == "device":
         return OnDevice(dataset, sampler, batch_size, device)
-    workers = num_workers(args)
+    per_sample = args.loader == "classic" or not hasattr(dataset, "images")  # not in tensors (Images): one at a time
+    workers = num_workers(args, per_sample)
     # pinned (page-locked) batches: the copy to the GPU can be asynchronous. Worker seeds from a generator of their
     # own: the global RNG, which checkpoints save, then advances the same in a resumed run as in an uninterrupted one
     options = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                    generator=torch.Generator())  # fmt: skip
-    if args.loader == "classic":
-        return DataLoader(PerSample(dataset), batch_size=batch_size, sampler=sampler, **options)
+    if per_sample:
+        dataset = PerSample(dataset) if hasattr(dataset, "images") else dataset
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **options)
     # batched: the sampler's indices come in lists of batch_size, and the dataset builds each batch
     return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None, **options)

@@ -132,7 +132,7 @@ def banner(args, rank, local_rank, world_size, device):
     cuda, nccl = (torch.version.cuda, ".".join(map(str, torch.cuda.nccl.version()))) if gpu else ("none", "none")
     job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
     print0(f"torch {torch.__version__} | CUDA {cuda} | NCCL {nccl} | device {device.type} | world size {world_size}")
-    print0(f"started {time.strftime('%Y-%m-%d %H:%M:%S')} | job {job} | loader {args.loader}, {data.num_workers(args)} "
+    print0(f"started {time.strftime('%Y-%m-%d %H:%M:%S')} | job {job} | loader {args.loader}, {data.num_workers(args, args.loader == 'classic')} "
            f"workers and {torch.get_num_threads()} OMP threads per rank | output {args.output_dir}")  # fmt: skip
     print0(f"options: {' '.join(sys.argv[1:]) or '(the defaults)'}")
     here = (rank, local_rank, os.environ.get("SLURMD_NODENAME", socket.gethostname()), str(device))  # Slurm's name

@@ -193,7 +193,7 @@ def test_fake_gpus_fall_back_to_cpu(monkeypatch):
     ],
 )
 def test_default_num_workers(env, workers):
-    assert data.num_workers(SimpleNamespace(loader="classic", num_workers=None), env) == workers
+    assert data.num_workers(SimpleNamespace(loader="classic", num_workers=None), True, env) == workers
 
 
 def test_default_output_dir(tmp_path):

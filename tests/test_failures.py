@@ -257,7 +257,7 @@ def test_ranks_reading_different_data_stop_naming_the_data(tiny_data, tmp_path):
     labels.write_bytes(bytes(raw))
     out = tmp_path / "out"
     rank0, rank1 = finish(ranks([stage_args(tiny_data, out), stage_args(other, out)]))
-    one_error(rank0, "the ranks differ in the mnist data", "rank 1")
+    one_error(rank0, "the ranks differ in the training data set", "rank 1")
     assert rank1.returncode != 0
 
 

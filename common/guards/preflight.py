@@ -9,11 +9,12 @@ import os
 import shutil
 import socket
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from common import cli
+from common import cli, data
 from common.environment import is_rank0
 from common.guards.ending import stop
 
@@ -92,10 +93,10 @@ def check_interfaces(backend):
 
 
 def defining(args):
-    """{dest: value} of the options that define what a run computes (cli.DEFINING): plain values, for a
-    checkpoint loaded with weights_only=True. A cosine schedule is defined by --epochs too: it decays to 0
-    over them."""
-    values = {name: getattr(args, name) for name in cli.DEFINING if hasattr(args, name)}
+    """{dest: value} of the options that define what a run computes: all but cli.FREE, the task's own too. Plain
+    values, for a checkpoint loaded with weights_only=True. A cosine schedule is defined by --epochs too: it
+    decays to 0 over them."""
+    values = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in cli.FREE}
     values["task"] = args.task.name  # where the file lies may change; which task it is may not
     if args.scheduler == "cosine":
         values["epochs"] = args.epochs
@@ -103,24 +104,54 @@ def defining(args):
 
 
 def fingerprint(dataset, samples=1000):
-    """A short string that differs when two ranks read different data: the image count and shape, and a hash
-    of every label and of at most `samples` images evenly strided through the set. Sampled to be cheap: hashing
-    all of CIFAR-100's 150 MB takes each rank a quarter of a second at every start, 1,000 images a few
-    milliseconds; the sizes and labels, which a truncated, reordered or different file changes, go in whole."""
-    digest = hashlib.blake2b(str(tuple(dataset.images.shape)).encode(), digest_size=8)
-    digest.update(dataset.labels.numpy().tobytes())
-    digest.update(dataset.images[:: max(math.ceil(len(dataset) / samples), 1)].numpy().tobytes())
+    """A short string that differs when two ranks read different data: the size, and a hash of at most `samples`
+    samples evenly strided through the set (of a data set in tensors, common/data.py Images, of all labels and
+    the strided images, which is faster). Sampled to be cheap: hashing all of CIFAR-100's 150 MB takes each
+    rank a quarter of a second at every start; a truncated, reordered or different file changes it."""
+    stride = max(math.ceil(len(dataset) / samples), 1)
+    if isinstance(dataset, data.Images):
+        digest = hashlib.blake2b(str(tuple(dataset.images.shape)).encode(), digest_size=8)
+        digest.update(dataset.labels.numpy().tobytes())
+        digest.update(dataset.images[::stride].numpy().tobytes())
+        return f"{len(dataset)}-{digest.hexdigest()}"
+    digest = hashlib.blake2b(digest_size=8)
+    for i in range(0, len(dataset), stride):
+        x, y = dataset[i]
+        digest.update(torch.as_tensor(x).cpu().numpy().tobytes() + str(int(y)).encode())
     return f"{len(dataset)}-{digest.hexdigest()}"
+
+
+def check_datasets(args, *datasets):
+    """What the task's datasets() returned: map-style data sets of (input, label) pairs, a label a class number."""
+    for name, found in zip(("training", "test"), datasets, strict=False):
+        try:
+            x, y = found[0]
+            int(y)
+        except Exception as err:  # the user's data set: anything can fail here
+            stop(f"error: --task {args.task}: datasets() must return (training set, test set) of torch.utils.data "
+                 f"Datasets whose items are (input, label), the label a class number; its {name} set's first "
+                 f"item fails that ({type(err).__name__}: {str(err)[:100]})")  # fmt: skip
+    if args.loader == "device" and not all(hasattr(d, "images") for d in datasets):
+        stop(
+            f"error: --loader device holds a data set of tensors (common/data.py Images) on the GPU; --task "
+            f"{args.task}'s is a {type(datasets[0]).__name__}: use --loader batched (the default) or classic"
+        )
 
 
 def agree(args, *datasets):
     """Before the first step: every rank must train the same run on the same data. A difference in the
     options that define the run, or in the data sets' sizes or fingerprints, ends every rank with the
     option (or data set) and the ranks that differ, instead of a collective mismatch deep in torch."""
+    check_datasets(args, *datasets)
     if not dist.is_initialized():
         return
     mine = {f"--{k.replace('_', '-')}": v for k, v in defining(args).items()}
-    mine.update({f"the {s.name} data ({len(s)} images here)": fingerprint(s) for s in datasets})
+    mine.update(
+        {
+            f"the {i} data set ({len(s)} samples here)": fingerprint(s)
+            for i, s in zip(("training", "test"), datasets, strict=False)
+        }
+    )
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for key, value in everyone[0].items():

@@ -182,6 +182,16 @@ def run(main):
 
 def explain(err, guard):
     """One line for the errors a run meets from outside its code, or None."""
+    if guard.args is None and isinstance(err, (OSError, SyntaxError)):  # reading the options: the task file
+        where = f", line {err.lineno}" if isinstance(err, SyntaxError) else ""
+        return once(f"error: --task {err.filename}{where}: {getattr(err, 'strerror', None) or err.msg}: give a task "
+                    "file as common/tasks/images.py is one")  # fmt: skip
+    if isinstance(err, AttributeError) and getattr(err.obj, "__name__", "").startswith("task_"):
+        return once(f"error: --task {err.obj.__file__} defines no {err.name}(): a task defines model(args) and "
+                    "datasets(args), as common/tasks/images.py does")  # fmt: skip
+    if isinstance(err, AttributeError) and err.name == "to" and guard.args is not None:  # task.model(args).to()
+        return once(f"error: --task {guard.args.task}: model(args) returned a {type(err.obj).__name__}, not a "
+                    "torch.nn.Module")  # fmt: skip
     if guard.watchdog and (message := guard.watchdog.explain(err)):  # a failed collective: who went silent
         return message
     # "DataLoader worker (pid(s) 812) exited unexpectedly", caused by "... (pid 812) is killed by signal: Killed."
@@ -203,6 +213,11 @@ def explain(err, guard):
     if isinstance(err, RuntimeError) and str(err).startswith("Error(s) in loading state_dict"):
         return f"error: the checkpoint does not match this model: {str(err).splitlines()[0][:300]}"
     return None
+
+
+def once(message):
+    """A verdict every rank reaches alike: rank 0 says it, the others end with status 1."""
+    return message if is_rank0() else 1
 
 
 def free_mib(folder):
