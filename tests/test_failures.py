@@ -168,6 +168,23 @@ def test_a_requeued_job_takes_over_its_own_lock_only(tmp_path):
         rundir.claim(tmp_path, env={})
 
 
+def test_a_live_run_on_this_host_is_never_displaced(tmp_path):
+    """A requeue of the same job takes over a lock whose holder Slurm has ended, never one alive on this host:
+    a second copy of the job (restart count 1) displaced a live one, and both wrote one checkpoint."""
+    hold = ("import sys; from pathlib import Path; from common import rundir; "
+            "rundir.claim(Path(sys.argv[1]), env={'SLURM_JOB_ID': '77'}); print('held', flush=True); sys.stdin.read()")  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], env=clean_env(), cwd=REPO, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        requeued = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}
+        with pytest.raises(SystemExit, match=f"in use by another run .host {socket.gethostname()}, pid {holder.pid}, "):
+            rundir.claim(tmp_path, env=requeued)
+    finally:
+        holder.communicate("", timeout=30)
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == holder.pid
+
+
 def test_two_runs_in_one_job_get_their_own_folders_and_a_requeue_finds_its_own(tmp_path):
     """Two srun steps of one job write to two folders; the same step of the requeued job to the first's."""
     script = tmp_path / "01_single_gpu" / "train.py"
