@@ -6,6 +6,7 @@ modules call these at the one line where they write or read."""
 import contextlib
 import errno
 import fcntl
+import glob
 import json
 import os
 import shutil
@@ -89,19 +90,17 @@ def finite(state):
 
 @contextlib.contextmanager
 def atomic(path, mode="wb", keep=None):
-    """Write `path` through a temporary file switched in once complete: a kill, a full disk or any write
-    error leaves the previous file whole, and no partial file behind. With `keep`, the file replaced stays
-    there under that name (a hard link, switched in atomically too)."""
+    """Write `path` through a temporary file of this writer's own, switched in once complete: a kill, a full
+    disk or any write error leaves the previous file whole, and no partial file behind. With `keep`, the file
+    replaced stays there under that name (a hard link, switched in atomically too)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp, link = temporary(path), temporary(keep) if keep is not None else None
     try:
         with open(tmp, mode, **({} if "b" in mode else {"newline": ""})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         if keep is not None and path.exists():
-            link = keep.with_name(keep.name + ".tmp")
-            link.unlink(missing_ok=True)
             try:
                 os.link(path, link)
             except OSError:  # a filesystem without hard links (some FUSE mounts): a copy
@@ -109,12 +108,24 @@ def atomic(path, mode="wb", keep=None):
             os.replace(link, keep)
         os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        for partial in filter(None, (tmp, link)):
+            partial.unlink(missing_ok=True)
         free = shutil.disk_usage(path.parent).free / 2**20
         raise SystemExit(
             f"error: could not write {path}: {err.strerror} ({free:.0f} MiB free there): the previous "
             f"{path.name} is kept; free some space or choose another --output-dir, then resume"
         ) from None
+
+
+def temporary(path):
+    """This process's temporary file for `path`, named by host and pid: two writers (two runs, were a lock ever
+    to fail) never write into one. What writers on this host left when killed mid-write goes first."""
+    prefix = f"{path.name}.{socket.gethostname()}-"
+    for left in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        pid = left.name[len(prefix) : -len(".tmp")]
+        if pid.isdigit() and not alive(int(pid)):
+            left.unlink(missing_ok=True)
+    return path.with_name(f"{prefix}{os.getpid()}.tmp")
 
 
 def check_shared(output_dir, folder):

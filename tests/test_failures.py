@@ -185,6 +185,24 @@ def test_a_live_run_on_this_host_is_never_displaced(tmp_path):
     assert json.loads((tmp_path / ".lock").read_text())["pid"] == holder.pid
 
 
+def test_two_writers_of_one_file_never_share_its_temporary_file(tmp_path):
+    """Each writer writes its own temporary file: a second one (another process) that opened the same name
+    truncated the first's half-written file, and the first's switch then failed. What a killed writer on this
+    host left goes."""
+    path = tmp_path / "checkpoint.pt"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / f"checkpoint.pt.{socket.gethostname()}-{gone.pid}.tmp").write_bytes(b"half")  # a killed writer's
+    other = ("import sys; from pathlib import Path; from common import rundir\n"
+             "with rundir.atomic(Path(sys.argv[1])) as f: f.write(b'B' * 1000)")  # fmt: skip
+    with rundir.atomic(path) as f:
+        f.write(b"A" * 500)
+        f.flush()
+        assert run([sys.executable, "-c", other, str(path)]).returncode == 0  # complete while this one writes
+        f.write(b"A" * 500)
+    assert path.read_bytes() == b"A" * 1000 and [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
 def test_two_runs_in_one_job_get_their_own_folders_and_a_requeue_finds_its_own(tmp_path):
     """Two srun steps of one job write to two folders; the same step of the requeued job to the first's."""
     script = tmp_path / "01_single_gpu" / "train.py"
