@@ -107,12 +107,16 @@ def atomic(path, mode="wb", keep=None):
                 shutil.copyfile(path, link)
             os.replace(link, keep)
         os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
-    except OSError as err:
+    except BaseException as err:
         for partial in filter(None, (tmp, link)):
             partial.unlink(missing_ok=True)
+        # torch.save turns the file's OSError (a full disk) into a RuntimeError ('unexpected pos'), its context
+        cause = err.__context__ if isinstance(err, RuntimeError) else err
+        if not isinstance(cause, OSError):
+            raise
         free = shutil.disk_usage(path.parent).free / 2**20
         raise SystemExit(
-            f"error: could not write {path}: {err.strerror} ({free:.0f} MiB free there): the previous "
+            f"error: could not write {path}: {cause.strerror or cause} ({free:.0f} MiB free there): the previous "
             f"{path.name} is kept; free some space or choose another --output-dir, then resume"
         ) from None
 

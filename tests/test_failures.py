@@ -262,6 +262,33 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tiny_data, tmp_p
     assert state["epoch"] == 1 and rundir.finite(state) and not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real tmpfs of 20 MiB: stage 01's first checkpoint (14 MiB) fits, a second one beside it does not."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs the tests as root)")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", disk], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", disk], check=True)
+
+
+@pytest.mark.parametrize("full", ["checkpoint.pt", "metrics.csv"])
+def test_a_real_full_disk_keeps_the_previous_checkpoint(full, small_disk, tiny_data):
+    """On a real full disk torch.save raises a RuntimeError ('unexpected pos'), not the OSError the test above
+    injects. metrics.csv: the disk fills up (another job) during epoch 2, before its row is written."""
+    fill = {"metrics.csv": dict(PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_FULL=STEPS + 1)}.get(full, {})
+    folder = small_disk / "run"
+    out = python(S01, *stage_args(tiny_data, folder, "--epochs", 3), **fill)
+    one_error(out, f"could not write {folder / full}: No space left on device", "MiB free", f"previous {full} is kept")
+    state = torch.load(folder / "checkpoint.pt", weights_only=True)
+    assert state["epoch"] == 1 and rundir.finite(state) and not list(folder.glob("*.tmp"))
+    assert len(list(csv.DictReader(open(folder / "metrics.csv")))) == (2 if full == "checkpoint.pt" else 1)
+
+
 # --- ranks agree before the first step ----------------------------------------------------------------
 
 
