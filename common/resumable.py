@@ -1,9 +1,9 @@
 """Guard rail: a resumed run is the same run, and a fresh one overwrites nothing. Before any rank loads a
 checkpoint, rank 0 decides which one this run continues, or ends it with one line saying why not: a
 fresh run into a folder that holds a checkpoint; a changed option that defines the run; a checkpoint of
-the other kind (whole, sharded); a damaged one, with the complete one before it to resume from instead.
-common/checkpoint.py calls find() at the one line where it resumes. Sampler lets the stages resume an epoch
-part-way, at the sample where it stopped."""
+the other kind (whole, sharded); a damaged one, with the complete one before it to resume from instead;
+anything but a file (a FIFO would block the read for ever). common/checkpoint.py calls find() at the one
+line where it resumes. Sampler lets the stages resume an epoch part-way, at the sample where it stopped."""
 
 import math
 import re
@@ -70,8 +70,11 @@ def load(path):
     """A checkpoint's run state: checkpoint.pt, or a sharded folder's state.pt with its shards checked and
     "folder" added; Unusable if it is damaged or no training checkpoint."""
     folder = path.resolve() if path.is_dir() else None
+    file = folder / "state.pt" if folder else path
+    if file.exists() and not file.is_file():  # a FIFO blocks the read for ever, where a signal is only noted
+        raise Unusable(f"{file} is not a regular file (a FIFO, a socket or a device)")
     try:
-        state = torch.load(folder / "state.pt" if folder else path, map_location="cpu", weights_only=True)
+        state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated file, or a pickle that would run code
         raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged ({type(err).__name__})") from None
     if not (isinstance(state, dict) and {"epoch", "flags"} <= state.keys() and ("model" in state or folder)):

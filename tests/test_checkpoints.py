@@ -86,6 +86,23 @@ def test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint(tiny_data, tmp_
     one_error(small(S01, tiny_data, sharded, "--epochs", 2, "--resume"), f"no checkpoint.pt in {sharded}", kind)
 
 
+def test_a_checkpoint_that_is_not_a_regular_file_is_refused_before_it_is_opened(tiny_data, tmp_path):
+    """A FIFO blocks torch.load for ever, where SIGTERM is only noted: neither the output folder's own checkpoint
+    (a bare --resume, the automatic resume of a requeued job) nor the previous one is opened unless a file."""
+    fifo = tmp_path / "checkpoint.pt"
+    os.mkfifo(fifo)
+    out = run([sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--resume")], timeout=30)
+    one_error(out, f"{fifo} is not a regular file")
+    fifo.unlink()
+    fifo.write_bytes(b"damaged")
+    os.mkfifo(tmp_path / resumable.PREVIOUS)
+    requeued = clean_env(SLURM_JOB_ID=77, SLURM_RESTART_COUNT=1)
+    out = run([sys.executable, str(S01), *stage_args(tiny_data, tmp_path)], env=requeued, timeout=30)
+    assert "is complete" not in one_error(
+        out, f"{fifo} is not a checkpoint this code wrote, or is damaged", "delete it"
+    )
+
+
 def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeypatch):
     """Some FUSE filesystems refuse hard links: the previous checkpoint is then a copy, switched in alike."""
     latest, previous = tmp_path / "checkpoint.pt", tmp_path / resumable.PREVIOUS
