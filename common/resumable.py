@@ -1,9 +1,10 @@
 """Guard rail: a resumed run is the same run, and a fresh one overwrites nothing. Before any rank loads a
 checkpoint, rank 0 decides which one this run continues, or ends it with one line saying why not: a
-fresh run into a folder that holds a checkpoint; a changed option that defines the run; a checkpoint of
-the other kind (whole, sharded); a damaged one, with the complete one before it to resume from instead;
-anything but a file (a FIFO would block the read for ever). common/checkpoint.py calls find() at the one
-line where it resumes. Sampler lets the stages resume an epoch part-way, at the sample where it stopped."""
+fresh run into a folder that holds a checkpoint; a changed option that defines the run; a checkpoint
+already past --epochs; a checkpoint of the other kind (whole, sharded); a damaged one, with the complete
+one before it to resume from instead; anything but a file (a FIFO would block the read for ever).
+common/checkpoint.py calls find() at the one line where it resumes. Sampler lets the stages resume an epoch
+part-way, at the sample where it stopped."""
 
 import math
 import re
@@ -57,13 +58,23 @@ def find(args, name, restarted):
     if state["folder"] and name == WHOLE:
         raise SystemExit(f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
                          "weights with its --save-model")  # fmt: skip
-    # a checkpoint from before an option existed does not record it: what it records must match
+    if problem := mismatch(state, args):
+        raise SystemExit(f"error: {path} {problem}")
+    return state
+
+
+def mismatch(state, args):
+    """Why this run cannot continue the one a checkpoint's `state` holds, or None. A checkpoint from before an
+    option existed does not record it: what it records must match."""
     now = cli.defining(args)
     differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in state["flags"].items() if now.get(k) != v]
     if differ:
-        raise SystemExit(f"error: {path} was written with {', '.join(differ)}: resume with the same options, or "
-                         "use another --output-dir")  # fmt: skip
-    return state
+        return f"was written with {', '.join(differ)}: resume with the same options, or use another --output-dir"
+    epoch, step = state["epoch"], state.get("step", 0)
+    if args.epochs < epoch:  # "done", and --save-model would export more epochs than asked for, or a part of one
+        return (f"holds epoch {epoch}{f', step {step}' if step else ''}, past --epochs {args.epochs}: nothing to "
+                f"do; give --epochs {epoch if step else epoch + 1} or more to continue it")  # fmt: skip
+    return None
 
 
 def load(path):

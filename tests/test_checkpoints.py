@@ -29,7 +29,7 @@ from helpers import (
     wait_for,
 )  # fmt: skip
 
-from common import resumable, rundir
+from common import cli, resumable, rundir
 from common.models import Net
 
 
@@ -101,6 +101,23 @@ def test_a_checkpoint_that_is_not_a_regular_file_is_refused_before_it_is_opened(
     assert "is complete" not in one_error(
         out, f"{fifo} is not a checkpoint this code wrote, or is damaged", "delete it"
     )
+
+
+def test_a_resume_past_its_epochs_is_refused(tiny_data, tmp_path):
+    """A checkpoint of epoch 2 resumed with --epochs 1 printed "done" and exported the weights of more epochs than
+    asked for, or of an epoch cut short: refused, naming both and the --epochs that continues it."""
+    assert small(S01, tiny_data, tmp_path, "--epochs", 2).returncode == 0
+    state = checkpoint(tmp_path)
+    torch.save(state | {"step": 1}, tmp_path / "checkpoint.pt")  # as if saved one step into epoch 2
+    out = small(S01, tiny_data, tmp_path, "--epochs", 1, "--resume", "--save-model")
+    one_error(out, "holds epoch 2, step 1, past --epochs 1: nothing to do; give --epochs 2 or more to continue it")
+    assert not (tmp_path / "model.pt").exists()
+    torch.save(state, tmp_path / "checkpoint.pt")  # the end of epoch 2: rank 0's verdict, in this process
+    args = cli.parse_args(stage_args(tiny_data, tmp_path, "--limit", 64, "--epochs", 1, "--resume"))
+    with pytest.raises(SystemExit, match="holds epoch 2, past --epochs 1: nothing to do; give --epochs 3 or more"):
+        resumable.find(args, resumable.WHOLE, False)
+    args.epochs = 2  # the run is done: it says so, and --save-model exports it
+    assert resumable.find(args, resumable.WHOLE, False)["epoch"] == 2
 
 
 def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeypatch):
