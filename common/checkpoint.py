@@ -115,6 +115,7 @@ def run_state(run, epoch, step, partial):
         },
         "metrics": run.log.rows,
         "flags": cli.defining(run.args),
+        "data": run.sampler.fingerprint(),  # what it was trained on: a resume on other data is refused
     }
 
 
@@ -171,7 +172,7 @@ def resume(run):
     box = [None, None]
     if is_rank0():
         try:
-            box[0] = resumable.find(args, name, restarted)  # or why this run cannot continue
+            box[0] = resumable.find(args, name, restarted, run.sampler.fingerprint())  # or why it cannot continue
         except SystemExit as verdict:  # for every rank: they end together, rank 0 says why
             box[1] = verdict.code
     if dist.is_initialized():

@@ -1,10 +1,10 @@
 """Guard rail: a resumed run is the same run, and a fresh one overwrites nothing. Before any rank loads a
 checkpoint, rank 0 decides which one this run continues, or ends it with one line saying why not: a
-fresh run into a folder that holds a checkpoint; a changed option that defines the run; a checkpoint
-already past --epochs; a checkpoint of the other kind (whole, sharded); a damaged one, with the complete
-one before it to resume from instead; anything but a file (a FIFO would block the read for ever).
-common/checkpoint.py calls find() at the one line where it resumes. Sampler lets the stages resume an epoch
-part-way, at the sample where it stopped."""
+fresh run into a folder that holds a checkpoint; a changed option that defines the run, or other training
+data; a checkpoint already past --epochs; a checkpoint of the other kind (whole, sharded); a damaged one,
+with the complete one before it to resume from instead; anything but a file (a FIFO would block the read
+for ever). common/checkpoint.py calls find() at the one line where it resumes. Sampler lets the stages
+resume an epoch part-way, at the sample where it stopped."""
 
 import math
 import re
@@ -12,7 +12,7 @@ import re
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from common import cli, rundir
+from common import cli, data, rundir
 
 WHOLE, SHARDED = "checkpoint.pt", "checkpoint"  # stages 01-04's file; stage 05's link to its newest epoch-N
 PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
@@ -33,9 +33,10 @@ def epochs(output_dir):
     return sorted(output_dir.glob("epoch-*"), key=position, reverse=True)
 
 
-def find(args, name, restarted):
+def find(args, name, restarted, fingerprint):
     """Rank 0: the state of the checkpoint to resume from (a stage 05 folder: its state.pt, with "folder"
-    added), or None to start afresh; a SystemExit saying why where it cannot."""
+    added), or None to start afresh; a SystemExit saying why where it cannot. `fingerprint`: that of the
+    training set this run reads (Sampler.fingerprint())."""
     if args.resume is None and not restarted:
         for found in (args.output_dir / WHOLE, args.output_dir / SHARDED):
             if found.exists():  # whole or sharded, of any stage: a fresh run would overwrite its metrics.csv
@@ -58,18 +59,21 @@ def find(args, name, restarted):
     if state["folder"] and name == WHOLE:
         raise SystemExit(f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
                          "weights with its --save-model")  # fmt: skip
-    if problem := mismatch(state, args):
+    if problem := mismatch(state, args, fingerprint):
         raise SystemExit(f"error: {path} {problem}")
     return state
 
 
-def mismatch(state, args):
+def mismatch(state, args, fingerprint):
     """Why this run cannot continue the one a checkpoint's `state` holds, or None. A checkpoint from before an
-    option existed does not record it: what it records must match."""
+    option (or the data's fingerprint) was recorded does not record it: what it records must match."""
     now = cli.defining(args)
     differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in state["flags"].items() if now.get(k) != v]
     if differ:
         return f"was written with {', '.join(differ)}: resume with the same options, or use another --output-dir"
+    if state.get("data", fingerprint) != fingerprint:  # <images>-<hash> (common.data.fingerprint)
+        return (f"was trained on other data: its {args.dataset} training set was {state['data']}, here {fingerprint} "
+                f"in --data-dir {args.data_dir}: resume on the data it was trained on, or use another --output-dir")  # fmt: skip
     epoch, step = state["epoch"], state.get("step", 0)
     if args.epochs < epoch:  # "done", and --save-model would export more epochs than asked for, or a part of one
         return (f"holds epoch {epoch}{f', step {step}' if step else ''}, past --epochs {args.epochs}: nothing to "
@@ -117,6 +121,15 @@ class Sampler(torch.utils.data.Sampler):
 
     def __init__(self, sampler, seed):
         self.sampler, self.seed, self.epoch, self.skip = sampler, seed, 0, (0, 0)
+        self.digest = None  # the fingerprint of the data set it draws from, once asked for
+
+    def fingerprint(self):
+        """The data set it draws from, as common.data.fingerprint() tells data sets apart: a checkpoint records
+        what it was trained on, and a run on other data does not continue it."""
+        if self.digest is None:
+            drawn = self.sampler.dataset if isinstance(self.sampler, DistributedSampler) else self.sampler.data_source
+            self.digest = data.fingerprint(drawn)
+        return self.digest
 
     def set_epoch(self, epoch):
         self.epoch = epoch

@@ -115,9 +115,9 @@ def test_a_resume_past_its_epochs_is_refused(tiny_data, tmp_path):
     torch.save(state, tmp_path / "checkpoint.pt")  # the end of epoch 2: rank 0's verdict, in this process
     args = cli.parse_args(stage_args(tiny_data, tmp_path, "--limit", 64, "--epochs", 1, "--resume"))
     with pytest.raises(SystemExit, match="holds epoch 2, past --epochs 1: nothing to do; give --epochs 3 or more"):
-        resumable.find(args, resumable.WHOLE, False)
+        resumable.find(args, resumable.WHOLE, False, state["data"])
     args.epochs = 2  # the run is done: it says so, and --save-model exports it
-    assert resumable.find(args, resumable.WHOLE, False)["epoch"] == 2
+    assert resumable.find(args, resumable.WHOLE, False, state["data"])["epoch"] == 2
 
 
 def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +26,7 @@ import torch
 from helpers import (
     INJECT,
     REPO,
+    TRAIN_SIZE,
     clean_env,
     free_port,
     one_error,
@@ -36,9 +38,10 @@ from helpers import (
     torchrun,
     torchrun_cmd,
     wait_for,
+    write_idx_subset,
 )  # fmt: skip
 
-from common import checkpoint, cli, rundir
+from common import checkpoint, cli, data, resumable, rundir
 
 S01, S03, S04 = (REPO / s / "train.py" for s in ("01_single_gpu", "03_ddp_single_node", "04_ddp_multi_node"))
 STEPS = 4  # optimizer steps per epoch: 256 training images, batch 64
@@ -260,6 +263,33 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tiny_data, tmp_p
     one_error(out, f"could not write {tmp_path / 'checkpoint.pt'}", "No space left", "MiB free", "kept")
     state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert state["epoch"] == 1 and rundir.finite(state) and not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(tiny_data, tmp_path):
+    """The checkpoint records what it was trained on (common.data.fingerprint): a resume on more images, or
+    on shifted labels, ran to the end without a word. A checkpoint from before it was recorded resumes."""
+    out, more, shifted = tmp_path / "out", tmp_path / "more", tmp_path / "shifted"
+    assert python(S01, *stage_args(tiny_data, out, "--epochs", 1)).returncode == 0
+    for folder in (more, shifted):
+        shutil.copytree(tiny_data / "MNIST", folder / "MNIST")
+    for kind in ("images-idx3", "labels-idx1"):  # 32 images more
+        write_idx_subset(REPO / "data" / "MNIST" / "raw" / f"train-{kind}-ubyte.gz",
+                         more / "MNIST" / "raw" / f"train-{kind}-ubyte", TRAIN_SIZE + 32)  # fmt: skip
+    labels = shifted / "MNIST" / "raw" / "train-labels-idx1-ubyte"
+    labels.write_bytes(labels.read_bytes()[:8] + bytes((y + 1) % 10 for y in labels.read_bytes()[8:]))
+    recorded = torch.load(out / "checkpoint.pt", weights_only=True)["data"]
+    assert recorded == data.fingerprint(data.dataset(tiny_data, "mnist", train=True))
+    resumed = python(S01, *stage_args(more, out, "--epochs", 2, "--resume"))
+    one_error(resumed, "was trained on other data", f"training set was {recorded}, here {TRAIN_SIZE + 32}-")
+    # rank 0's verdict, in this process: the same number of images, other labels
+    args = cli.parse_args(stage_args(shifted, out, "--epochs", 2, "--resume"))
+    now = data.fingerprint(data.dataset(shifted, "mnist", train=True))
+    with pytest.raises(SystemExit, match=f"training set was {recorded}, here {now} in --data-dir {shifted}"):
+        resumable.find(args, resumable.WHOLE, False, now)
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    del state["data"]  # as written before the data was recorded: nothing to compare
+    torch.save(state, out / "checkpoint.pt")
+    assert resumable.find(args, resumable.WHOLE, False, now)["epoch"] == 1
 
 
 @pytest.fixture
