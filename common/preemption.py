@@ -144,62 +144,61 @@ def lead_needed(save_seconds):
     return math.ceil(save_seconds) + MARGIN
 
 
-# --checkpoint-minutes: the other ranks (none yet looked up), the saves made so far, and the one coming (heard of,
-# the step this rank proposed, the step all agreed on); the lock keeps the heartbeat's thread and this one to one
-# proposal
-_timed = {"peers": None, "round": 0, "heard": False, "proposal": None, "at": None, "lock": threading.Lock()}
-
-
 def due(minutes, step):
     """--checkpoint-minutes, at the end of every step (`step` counted as check() counts): True where every rank
     saves here. A rank whose own clock has run `minutes` since the last save proposes the step after this one;
     the others propose theirs when their own clocks or the store (polled with every heartbeat) tell them, and
     each saves at the largest proposal, as for a signal (check()): no collective is added to a step, only a
     clock read. Without other ranks, this process's clock decides at once."""
-    if _timed["peers"] is None:  # the first step: from now on, hear of the other ranks' saves
-        _timed["peers"] = watchdog.peers() or ()
-        if _timed["peers"]:
+    timed = _stop.get("timed")
+    if timed is None:  # the first step: from now on, hear of the other ranks' saves
+        # the saves made so far; the one coming: heard of, this rank's proposal, the step all agreed on; and the
+        # lock that keeps the heartbeat's thread and this one to one proposal
+        timed = _stop["timed"] = dict(peers=watchdog.peers() or (), round=0, heard=False, proposal=None, at=None,
+                                      lock=threading.Lock())  # fmt: skip
+        if timed["peers"]:
             watchdog.listen(hear)
-    if not _timed["heard"] and time.monotonic() - _stop["saved"] < 60 * minutes:
+    if not timed["heard"] and time.monotonic() - _stop["saved"] < 60 * minutes:
         return False
-    if not _timed["peers"]:
+    if not timed["peers"]:
         return True
-    with _timed["lock"]:
-        if not _timed["heard"]:
-            offer()
-    if step < _timed["proposal"]:
+    with timed["lock"]:
+        if not timed["heard"]:
+            offer(timed)
+    if step < timed["proposal"]:
         return False
-    if _timed["at"] is None:
-        _timed["at"] = settle()
-    if step < _timed["at"]:
+    if timed["at"] is None:
+        timed["at"] = settle(timed)
+    if step < timed["at"]:
         return False
-    with _timed["lock"]:
-        _timed.update(round=_timed["round"] + 1, heard=False, proposal=None, at=None)
+    with timed["lock"]:
+        timed.update(round=timed["round"] + 1, heard=False, proposal=None, at=None)
     return True
 
 
 def hear(store):
     """With every heartbeat: a rank whose own clock has not called for the save yet proposes its step as soon as
     another rank's proposal is in the store."""
-    with _timed["lock"]:
-        if not _timed["heard"] and store.check([f"save/{_timed['round']}"]):
-            offer()
+    timed = _stop["timed"]
+    with timed["lock"]:
+        if not timed["heard"] and store.check([f"save/{timed['round']}"]):
+            offer(timed)
 
 
-def offer():
+def offer(timed):
     """Propose this rank's step for the coming save: the step after the last one it finished. As in propose(),
     noted first, then the step read: no earlier than the boundary where due() sees it."""
-    _timed["heard"] = True
-    _timed["proposal"] = _stop["step"] + 1
-    store, rank, _ = _timed["peers"]
-    store.set(f"save/{_timed['round']}/{rank}", str(_timed["proposal"]))
-    store.set(f"save/{_timed['round']}", str(rank))
+    timed["heard"] = True
+    timed["proposal"] = _stop["step"] + 1
+    store, rank, _ = timed["peers"]
+    store.set(f"save/{timed['round']}/{rank}", str(timed["proposal"]))
+    store.set(f"save/{timed['round']}", str(rank))
 
 
-def settle():
+def settle(timed):
     """The step of the coming save: the largest of every rank's proposals, waited for at most --dist-timeout."""
-    store, rank, world_size = _timed["peers"]
-    keys = [f"save/{_timed['round']}/{r}" for r in range(world_size)]
+    store, rank, world_size = timed["peers"]
+    keys = [f"save/{timed['round']}/{r}" for r in range(world_size)]
     try:
         store.wait(keys, datetime.timedelta(seconds=_stop["timeout"]))
     except dist.DistError:
