@@ -74,17 +74,15 @@ def save(run, epoch, step=0, totals=None):
 
 def step(run, epoch, step, totals):
     """The end of every training step. Where a signal stops the run (common/preemption.py), save it here and
-    end it; with --checkpoint-minutes, save it here once that much time has passed since the last save."""
-    if preemption.check(epoch * 2**32 + step):  # a step count that grows across epochs
+    end it; with --checkpoint-minutes, save it here once that much time has passed since the last save, at a
+    step every rank agrees on."""
+    count = epoch * 2**32 + step  # a step count that grows across epochs
+    if preemption.check(count):
         save(run, epoch, step, totals)
         print0(f"saved at epoch {epoch}, step {step}: resume with --resume ({preemption.signalled()})")
         cleanup()
         raise SystemExit(preemption.exit_code())
-    if (
-        run.args.checkpoint_minutes
-        and step % run.args.log_interval == 0
-        and preemption.due(run.args.checkpoint_minutes)
-    ):
+    if run.args.checkpoint_minutes and preemption.due(run.args.checkpoint_minutes, count):
         save(run, epoch, step, totals)
         print0(f"saved at epoch {epoch}, step {step} (--checkpoint-minutes {run.args.checkpoint_minutes})")
 
@@ -115,6 +113,7 @@ def run_state(run, epoch, step, partial):
         },
         "metrics": run.log.rows,
         "flags": cli.defining(run.args),
+        "data": run.sampler.fingerprint(),  # what it was trained on: a resume on other data is refused
     }
 
 
@@ -171,7 +170,7 @@ def resume(run):
     box = [None, None]
     if is_rank0():
         try:
-            box[0] = resumable.find(args, name, restarted)  # or why this run cannot continue
+            box[0] = resumable.find(args, name, restarted, run.sampler.fingerprint())  # or why it cannot continue
         except SystemExit as verdict:  # for every rank: they end together, rank 0 says why
             box[1] = verdict.code
     if dist.is_initialized():

@@ -144,10 +144,65 @@ def lead_needed(save_seconds):
     return math.ceil(save_seconds) + MARGIN
 
 
-def due(minutes):
-    """--checkpoint-minutes: has rank 0's clock run `minutes` since the last save? Rank 0 decides for all (one
-    small broadcast, at the progress lines only), so that every rank saves at the same step."""
-    verdict = [time.monotonic() - _stop["saved"] >= 60 * minutes]
-    if dist.is_initialized():
-        dist.broadcast_object_list(verdict, src=0)
-    return verdict[0]
+def due(minutes, step):
+    """--checkpoint-minutes, at the end of every step (`step` counted as check() counts): True where every rank
+    saves here. A rank whose own clock has run `minutes` since the last save proposes the step after this one;
+    the others propose theirs when their own clocks or the store (polled with every heartbeat) tell them, and
+    each saves at the largest proposal, as for a signal (check()): no collective is added to a step, only a
+    clock read. Without other ranks, this process's clock decides at once."""
+    timed = _stop.get("timed")
+    if timed is None:  # the first step: from now on, hear of the other ranks' saves
+        # the saves made so far; the one coming: heard of, this rank's proposal, the step all agreed on; and the
+        # lock that keeps the heartbeat's thread and this one to one proposal
+        timed = _stop["timed"] = dict(peers=watchdog.peers() or (), round=0, heard=False, proposal=None, at=None,
+                                      lock=threading.Lock())  # fmt: skip
+        if timed["peers"]:
+            watchdog.listen(hear)
+    if not timed["heard"] and time.monotonic() - _stop["saved"] < 60 * minutes:
+        return False
+    if not timed["peers"]:
+        return True
+    with timed["lock"]:
+        if not timed["heard"]:
+            offer(timed)
+    if step < timed["proposal"]:
+        return False
+    if timed["at"] is None:
+        timed["at"] = settle(timed)
+    if step < timed["at"]:
+        return False
+    with timed["lock"]:
+        timed.update(round=timed["round"] + 1, heard=False, proposal=None, at=None)
+    return True
+
+
+def hear(store):
+    """With every heartbeat: a rank whose own clock has not called for the save yet proposes its step as soon as
+    another rank's proposal is in the store."""
+    timed = _stop["timed"]
+    with timed["lock"]:
+        if not timed["heard"] and store.check([f"save/{timed['round']}"]):
+            offer(timed)
+
+
+def offer(timed):
+    """Propose this rank's step for the coming save: the step after the last one it finished. As in propose(),
+    noted first, then the step read: no earlier than the boundary where due() sees it."""
+    timed["heard"] = True
+    timed["proposal"] = _stop["step"] + 1
+    store, rank, _ = timed["peers"]
+    store.set(f"save/{timed['round']}/{rank}", str(timed["proposal"]))
+    store.set(f"save/{timed['round']}", str(rank))
+
+
+def settle(timed):
+    """The step of the coming save: the largest of every rank's proposals, waited for at most --dist-timeout."""
+    store, rank, world_size = timed["peers"]
+    keys = [f"save/{timed['round']}/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=_stop["timeout"]))
+    except dist.DistError:
+        missing = [k.rpartition("/")[2] for k in keys if not store.check([k])]
+        stop(f"error: rank {rank}: --checkpoint-minutes called for a save, but rank {', '.join(missing)} did not "
+             f"agree on a step to save at within --dist-timeout {_stop['timeout']} s: the last checkpoint stays")  # fmt: skip
+    return max(int(store.get(key)) for key in keys)

@@ -1,9 +1,10 @@
 """Guard rail: a resumed run is the same run, and a fresh one overwrites nothing. Before any rank loads a
 checkpoint, rank 0 decides which one this run continues, or ends it with one line saying why not: a
-fresh run into a folder that holds a checkpoint; a changed option that defines the run; a checkpoint of
-the other kind (whole, sharded); a damaged one, with the complete one before it to resume from instead.
-common/checkpoint.py calls find() at the one line where it resumes. Sampler lets the stages resume an epoch
-part-way, at the sample where it stopped."""
+fresh run into a folder that holds a checkpoint; a changed option that defines the run, or other training
+data; a checkpoint already past --epochs; a checkpoint of the other kind (whole, sharded); a damaged one,
+with the complete one before it to resume from instead; anything but a file (a FIFO would block the read
+for ever). common/checkpoint.py calls find() at the one line where it resumes. Sampler lets the stages
+resume an epoch part-way, at the sample where it stopped."""
 
 import math
 import pickle
@@ -12,7 +13,7 @@ import re
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from common import cli, rundir
+from common import cli, data, rundir
 
 WHOLE, SHARDED = "checkpoint.pt", "checkpoint"  # stages 01-04's file; stage 05's link to its newest epoch-N
 PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
@@ -33,9 +34,10 @@ def epochs(output_dir):
     return sorted(output_dir.glob("epoch-*"), key=position, reverse=True)
 
 
-def find(args, name, restarted):
+def find(args, name, restarted, fingerprint):
     """Rank 0: the state of the checkpoint to resume from (a stage 05 folder: its state.pt, with "folder"
-    added), or None to start afresh; a SystemExit saying why where it cannot."""
+    added), or None to start afresh; a SystemExit saying why where it cannot. `fingerprint`: that of the
+    training set this run reads (Sampler.fingerprint())."""
     if args.resume is None and not restarted:
         for found in (args.output_dir / WHOLE, args.output_dir / SHARDED):
             if found.exists():  # whole or sharded, of any stage: a fresh run would overwrite its metrics.csv
@@ -60,13 +62,26 @@ def find(args, name, restarted):
     if state["folder"] and name == WHOLE:
         raise SystemExit(f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
                          "weights with its --save-model")  # fmt: skip
-    # a checkpoint from before an option existed does not record it: what it records must match
+    if problem := mismatch(state, args, fingerprint):
+        raise SystemExit(f"error: {path} {problem}")
+    return state
+
+
+def mismatch(state, args, fingerprint):
+    """Why this run cannot continue the one a checkpoint's `state` holds, or None. A checkpoint from before an
+    option (or the data's fingerprint) was recorded does not record it: what it records must match."""
     now = cli.defining(args)
     differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in state["flags"].items() if now.get(k) != v]
     if differ:
-        raise SystemExit(f"error: {path} was written with {', '.join(differ)}: resume with the same options, or "
-                         "use another --output-dir")  # fmt: skip
-    return state
+        return f"was written with {', '.join(differ)}: resume with the same options, or use another --output-dir"
+    if state.get("data", fingerprint) != fingerprint:  # <images>-<hash> (common.data.fingerprint)
+        return (f"was trained on other data: its {args.dataset} training set was {state['data']}, here {fingerprint} "
+                f"in --data-dir {args.data_dir}: resume on the data it was trained on, or use another --output-dir")  # fmt: skip
+    epoch, step = state["epoch"], state.get("step", 0)
+    if args.epochs < epoch:  # "done", and --save-model would export more epochs than asked for, or a part of one
+        return (f"holds epoch {epoch}{f', step {step}' if step else ''}, past --epochs {args.epochs}: nothing to "
+                f"do; give --epochs {epoch if step else epoch + 1} or more to continue it")  # fmt: skip
+    return None
 
 
 def load(path):
@@ -74,6 +89,8 @@ def load(path):
     "folder" added; Unusable if it is damaged or no training checkpoint, rundir.Planted if it would run code."""
     folder = path.resolve() if path.is_dir() else None
     file = folder / "state.pt" if folder else path
+    if file.exists() and not file.is_file():  # a FIFO blocks the read for ever, where a signal is only noted
+        raise Unusable(f"{file} is not a regular file (a FIFO, a socket or a device)")
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:  # it names what weights_only refuses to call: a pickle that would run code
@@ -110,6 +127,15 @@ class Sampler(torch.utils.data.Sampler):
 
     def __init__(self, sampler, seed):
         self.sampler, self.seed, self.epoch, self.skip = sampler, seed, 0, (0, 0)
+        self.digest = None  # the fingerprint of the data set it draws from, once asked for
+
+    def fingerprint(self):
+        """The data set it draws from, as common.data.fingerprint() tells data sets apart: a checkpoint records
+        what it was trained on, and a run on other data does not continue it."""
+        if self.digest is None:
+            drawn = self.sampler.dataset if isinstance(self.sampler, DistributedSampler) else self.sampler.data_source
+            self.digest = data.fingerprint(drawn)
+        return self.digest
 
     def set_epoch(self, epoch):
         self.epoch = epoch

@@ -7,6 +7,7 @@ write or read."""
 import contextlib
 import errno
 import fcntl
+import glob
 import json
 import os
 import pickle
@@ -27,7 +28,8 @@ def claim(output_dir, env=os.environ):
     (flock) on output_dir/.lock, released by the kernel when its process ends, however it ends: a lock
     left by a dead run is free. A live holder is never displaced, with one exception: this same Slurm job
     before its requeue (a higher SLURM_RESTART_COUNT now), whose processes Slurm has ended although on a
-    network filesystem a dead node's lock lingers. Rank 0 alone claims: only its node needs the folder."""
+    network filesystem a dead node's lock lingers; never a holder alive on this host, which Slurm did not
+    end (a second copy of the job). Rank 0 alone claims: only its node needs the folder."""
     if not is_rank0(env):
         return
     me = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.get("SLURM_JOB_ID"),
@@ -48,7 +50,7 @@ def claim(output_dir, env=os.environ):
             held = {}
         held = held if isinstance(held, dict) else {}
         requeued = me["job"] and held.get("job") == me["job"] and held.get("restart", 0) < me["restart"]
-        if not requeued:
+        if not requeued or (held.get("host") == me["host"] and alive(held.get("pid"))):
             job = f", Slurm job {held['job']}" if held.get("job") else ""
             raise SystemExit(
                 f"error: --output-dir {output_dir} is in use by another run (host {held.get('host', '?')}, pid "
@@ -61,6 +63,19 @@ def claim(output_dir, env=os.environ):
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode(), 0)
     _lock.append(fd)
+
+
+def alive(pid):
+    """Is process `pid` of this host running? (One that is not ours to signal is.)"""
+    if not isinstance(pid, int) or pid <= 0:  # a lock file some other program wrote
+        return False
+    try:
+        os.kill(pid, 0)  # no signal: only whether there is a process to send one to
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
 
 
 def finite(state):
@@ -77,32 +92,46 @@ def finite(state):
 
 @contextlib.contextmanager
 def atomic(path, mode="wb", keep=None):
-    """Write `path` through a temporary file switched in once complete: a kill, a full disk or any write
-    error leaves the previous file whole, and no partial file behind. With `keep`, the file replaced stays
-    there under that name (a hard link, switched in atomically too)."""
+    """Write `path` through a temporary file of this writer's own, switched in once complete: a kill, a full
+    disk or any write error leaves the previous file whole, and no partial file behind. With `keep`, the file
+    replaced stays there under that name (a hard link, switched in atomically too)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp, link = temporary(path), temporary(keep) if keep is not None else None
     try:
         with open(tmp, mode, **({} if "b" in mode else {"newline": ""})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         if keep is not None and path.exists():
-            link = keep.with_name(keep.name + ".tmp")
-            link.unlink(missing_ok=True)
             try:
                 os.link(path, link)
             except OSError:  # a filesystem without hard links (some FUSE mounts): a copy
                 shutil.copyfile(path, link)
             os.replace(link, keep)
         os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
+    except BaseException as err:
+        for partial in filter(None, (tmp, link)):
+            partial.unlink(missing_ok=True)
+        # torch.save turns the file's OSError (a full disk) into a RuntimeError ('unexpected pos'), its context
+        cause = err.__context__ if isinstance(err, RuntimeError) else err
+        if not isinstance(cause, OSError):
+            raise
         free = shutil.disk_usage(path.parent).free / 2**20
         raise SystemExit(
-            f"error: could not write {path}: {err.strerror} ({free:.0f} MiB free there): the previous "
+            f"error: could not write {path}: {cause.strerror or cause} ({free:.0f} MiB free there): the previous "
             f"{path.name} is kept; free some space or choose another --output-dir, then resume"
         ) from None
+
+
+def temporary(path):
+    """This process's temporary file for `path`, named by host and pid: two writers (two runs, were a lock ever
+    to fail) never write into one. What writers on this host left when killed mid-write goes first."""
+    prefix = f"{path.name}.{socket.gethostname()}-"
+    for left in path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+        pid = left.name[len(prefix) : -len(".tmp")]
+        if pid.isdigit() and not alive(int(pid)):
+            left.unlink(missing_ok=True)
+    return path.with_name(f"{prefix}{os.getpid()}.tmp")
 
 
 def check_shared(output_dir, folder):
