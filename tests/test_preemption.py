@@ -167,3 +167,22 @@ def test_checkpoint_minutes_saves_mid_epoch_for_a_sigkill(tiny_data, tmp_path):
     assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
     for key, weights in checkpoint(whole)["model"].items():
         assert torch.equal(checkpoint(cut)["model"][key], weights), key
+
+
+def test_checkpoint_minutes_saves_mid_epoch_in_an_epoch_shorter_than_the_log_interval(tiny_data, tmp_path):
+    """8 steps an epoch and a progress line every 100 (the default): the clock was looked at on progress lines
+    only, so no save ever came mid-epoch. It is looked at every step now."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert python(S01, *args(tiny_data, whole)).returncode == 0
+    slow = clean_env(**SLOW | {"FAULT_SLEEP": 0.1})  # steps longer than the 0.06 s of --checkpoint-minutes 0.001
+    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, cut, "--checkpoint-minutes", 0.001))],
+                            env=slow, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    wait_for(lambda: (cut / "checkpoint.pt").exists() and checkpoint(cut)["epoch"] == 2 and checkpoint(cut)["step"])
+    proc.kill()
+    output = proc.communicate()[0]
+    assert "saved at epoch 1, step " in output, output  # mid-epoch in the first epoch too
+    step = checkpoint(cut)["step"]
+    resumed = python(S01, *args(tiny_data, cut, "--resume"))
+    assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
+    for key, weights in checkpoint(whole)["model"].items():
+        assert torch.equal(checkpoint(cut)["model"][key], weights), key

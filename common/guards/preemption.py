@@ -38,6 +38,9 @@ class Preemption:
         self.signal, self.proposal, self.at, self.step = None, None, None, 0
         self.saved_at, self.warned = time.monotonic(), False
         self.once = threading.RLock()  # re-entrant: a second signal can interrupt the handler of the first
+        # --checkpoint-minutes: the saves made so far; the one coming: heard of, this rank's proposal, the step
+        # all agreed on; and the lock that keeps the heartbeat's thread and this one to one proposal
+        self.timed = dict(round=0, heard=False, proposal=None, at=None, lock=threading.Lock())
 
     def catch(self):
         """From here on, SIGTERM and SIGUSR1 stop the run at a step boundary that every rank agrees on."""
@@ -58,9 +61,12 @@ class Preemption:
 
     def poll(self, store):
         """With every heartbeat: a rank whose signal is late (or never comes: a signal sent to one rank by hand)
-        proposes its step as soon as another rank's proposal is in the store."""
+        proposes its step as soon as another rank's proposal is in the store; likewise for a timed save."""
         if self.signal is None and store.check(["stop"]):
             self.note(store.get("stop").decode())  # another rank's signal: this one stops alike
+        with self.timed["lock"]:
+            if not self.timed["heard"] and store.check([f"save/{self.timed['round']}"]):
+                self.offer()
 
     def propose(self):
         """This rank's stop step, after the signal is noted: the step after the last one it finished. The
@@ -112,13 +118,50 @@ class Preemption:
                    f"{lead(spec)} s before its time limit: set #SBATCH --signal=B:USR1@{lead_needed(seconds)} or "
                    "more, or the time limit may cut the last save short")  # fmt: skip
 
-    def due(self, minutes):
-        """--checkpoint-minutes: has rank 0's clock run `minutes` since the last save? Rank 0 decides for all
-        (one small broadcast, at the progress lines only), so that every rank saves at the same step."""
-        verdict = [time.monotonic() - self.saved_at >= 60 * minutes]
-        if dist.is_initialized():
-            dist.broadcast_object_list(verdict, src=0)
-        return verdict[0]
+    def due(self, minutes, step):
+        """--checkpoint-minutes, at the end of every step (`step` counted as check() counts): True where every rank
+        saves here. A rank whose own clock has run `minutes` since the last save proposes the step after this
+        one; the others propose theirs when their own clocks or the store (polled with every heartbeat) tell
+        them, and each saves at the largest proposal, as for a signal: no collective is added to a step, only a
+        clock read. Without other ranks, this process's clock decides at once."""
+        timed = self.timed
+        if not timed["heard"] and time.monotonic() - self.saved_at < 60 * minutes:
+            return False
+        if not self.peers:
+            return True
+        with timed["lock"]:
+            if not timed["heard"]:
+                self.offer()
+        if step < timed["proposal"]:
+            return False
+        if timed["at"] is None:
+            timed["at"] = self.settle()
+        if step < timed["at"]:
+            return False
+        with timed["lock"]:
+            timed.update(round=timed["round"] + 1, heard=False, proposal=None, at=None)
+        return True
+
+    def offer(self):
+        """Propose this rank's step for the coming timed save: the step after the last one it finished (noted
+        first, then the step read, as in propose())."""
+        timed, (store, rank, _) = self.timed, self.peers
+        timed["heard"], timed["proposal"] = True, self.step + 1
+        store.set(f"save/{timed['round']}/{rank}", str(timed["proposal"]))
+        store.set(f"save/{timed['round']}", str(rank))
+
+    def settle(self):
+        """The step of the coming timed save: the largest of every rank's proposals, waited for at most the
+        timeout."""
+        (store, rank, world_size), round_ = self.peers, self.timed["round"]
+        keys = [f"save/{round_}/{r}" for r in range(world_size)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except dist.DistError:
+            missing = [k.rpartition("/")[2] for k in keys if not store.check([k])]
+            stop(f"error: rank {rank}: --checkpoint-minutes called for a save, but rank {', '.join(missing)} did not "
+                 f"agree on a step to save at within --dist-timeout {self.timeout} s: the last checkpoint stays")  # fmt: skip
+        return max(int(store.get(key)) for key in keys)
 
 
 def job_signal(job):
