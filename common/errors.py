@@ -6,6 +6,7 @@ epoch stays in --output-dir. A rank of a process group then ends without the int
 import atexit
 import os
 import re
+import signal
 import sys
 
 from common import watchdog
@@ -42,7 +43,12 @@ def end(code):
     A rank of a process group skips the interpreter's teardown: there, a thread that returns from C++ into
     Python is stopped inside C++, which aborts the process (SIGABRT, "terminate called without an active
     exception") after a run that succeeded. gloo's threads do that when they release a finished collective's
-    tensor. Without a process group, Python ends the run as usual (kernprof writes its profile after it)."""
+    tensor. Without a process group, Python ends the run as usual (kernprof writes its profile after it).
+    From here on the signals that stop a run are ignored: the status is decided, and a late one (Slurm's
+    SIGTERM again, a second Ctrl-C) would end the process by the signal instead, Python's teardown having
+    given them back their default action."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     if not watchdog.joined():
         if code:
             raise SystemExit(code) from None

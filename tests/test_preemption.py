@@ -152,6 +152,26 @@ def test_a_second_signal_during_the_save_changes_nothing(tiny_data, tmp_path):
         assert torch.equal(checkpoint(cut)["model"][key], weights), key
 
 
+def test_signals_during_the_exit_change_neither_the_status_nor_the_line(tiny_data, tmp_path):
+    """SIGTERM again and again once the run has saved, while it exits (a second scancel, Slurm's signal to
+    every process): the exit status stays 143, not the end by a signal that Python's teardown would allow."""
+    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, tmp_path))], env=clean_env(**SLOW),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    wait_for(lambda: (tmp_path / "metrics.csv").exists() and "\n1," in (tmp_path / "metrics.csv").read_text(), 90)
+    time.sleep(0.6)
+    proc.send_signal(signal.SIGTERM)
+    lines = []
+    while not (lines and lines[-1].startswith("saved at")) and proc.poll() is None:
+        lines.append(proc.stdout.readline())
+    sent = 0
+    while proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        sent += 1
+        time.sleep(0.005)
+    saved_mid_epoch(tmp_path, "".join(lines) + proc.stdout.read(), 128 + signal.SIGTERM, proc)
+    assert sent >= 10, sent  # the exit took long enough for them to land in it
+
+
 @pytest.mark.slow
 def test_checkpoint_minutes_saves_mid_epoch_for_a_sigkill(tiny_data, tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
