@@ -21,6 +21,7 @@ from helpers import (
     TRAIN_SIZE,
     checkpoint,
     clean_env,
+    one_error,
     python,
     srun_start,
     stage_args,
@@ -170,6 +171,24 @@ def test_signals_during_the_exit_change_neither_the_status_nor_the_line(tiny_dat
         time.sleep(0.005)
     saved_mid_epoch(tmp_path, "".join(lines) + proc.stdout.read(), 128 + signal.SIGTERM, proc)
     assert sent >= 10, sent  # the exit took long enough for them to land in it
+
+
+@pytest.mark.slow
+def test_a_signal_after_rank_0_was_killed_is_one_line_per_rank_left(tiny_data, tmp_path):
+    """The out-of-memory killer takes rank 0, whose process served the rendezvous store; srun
+    (--kill-on-bad-exit) then sends the others SIGTERM. No step can be agreed without the store: one line
+    naming it, no traceback, and the last checkpoint stays."""
+    procs = srun_start(2, S04, *args(tiny_data, tmp_path), **SLOW)
+    wait_for(lambda: (tmp_path / "metrics.csv").exists() and "\n1," in (tmp_path / "metrics.csv").read_text(), 90)
+    time.sleep(0.6)
+    procs[0].kill()
+    time.sleep(0.5)  # rank 1 is in the collective that fails, or naming the rank that went silent
+    procs[1].send_signal(signal.SIGTERM)
+    output = procs[1].communicate(timeout=60)[0]
+    procs[0].wait()
+    one_error(subprocess.CompletedProcess(procs[1].args, procs[1].returncode, output, output),
+              "rank 1: SIGTERM came, but the rendezvous store", "is gone", "the last checkpoint stays")  # fmt: skip
+    assert checkpoint(tmp_path)["epoch"] == 1 and checkpoint(tmp_path)["step"] == 0
 
 
 @pytest.mark.slow
