@@ -1,7 +1,8 @@
 """Guard rail: a time limit, a preemption or a `scancel` loses at most the step in flight.
 
 Slurm ends a job with SIGTERM (preemption, `scancel`, a requeue; KillWait later, SIGKILL), and the job
-scripts pass on the time-limit signal they ask for; torchrun hands SIGTERM on to its workers. Either
+scripts pass on the time-limit signal they ask for; torchrun hands SIGTERM on to its workers, and SIGUSR1
+as the job scripts tell it to (torch >= 2.10); DataLoader workers leave both to their rank. Either
 signal, SIGTERM or SIGUSR1, is only noted when it arrives: every rank finishes the step it is in, and
 the ranks agree, through the rendezvous store, on one step at which all of them stop. A rank proposes
 the step after the one it is in; the others propose theirs when they hear of it (their own signal, or

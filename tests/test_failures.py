@@ -350,14 +350,15 @@ def started(proc, folder):
         time.sleep(0.05)
 
 
-def test_ctrl_c_is_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path):
-    cmd = [sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--epochs", 50)]
+@pytest.mark.parametrize("workers", [0, 1])
+def test_ctrl_c_is_one_line_and_keeps_the_checkpoint(workers, tiny_data, tmp_path):
+    cmd = [sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--epochs", 50, "--num-workers", workers)]
     # as from a terminal: a shell's background job (`make test &`) passes SIGINT on ignored, which Python keeps
     default = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     proc = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=default)  # fmt: skip
+                            preexec_fn=default, start_new_session=True)  # fmt: skip
     started(proc, tmp_path)
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: to the process group, DataLoader workers included
     out = subprocess.CompletedProcess(cmd, proc.wait(timeout=30), *proc.communicate())
     assert out.returncode == 130
     one_error(out, "interrupted (Ctrl-C)", "--resume")
