@@ -16,6 +16,7 @@ prepares the folder once. Every file is checked as it is read (common/datafiles.
 import hashlib
 import math
 import os
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,7 +24,7 @@ import torch
 from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
-from common import datafiles
+from common import datafiles, errors
 from common.environment import cpus_per_rank
 
 FILES = {  # MNIST's sha256 of the uncompressed IDX files
@@ -225,6 +226,10 @@ def loader(dataset, sampler, batch_size, args, device):
         # worker seeds from a generator of their own: the global RNG, which checkpoints save, then
         # advances the same in a resumed run (a new loader) as in an uninterrupted one
         generator=torch.Generator(),
+        # a signal to every process of the run stops it at a step: the workers leave it to their rank. Forked,
+        # as before Python 3.14: a forkserver's worker starts with numpy's threads, and one may take the signal
+        worker_init_fn=errors.shield_worker,
+        multiprocessing_context="fork" if workers and sys.platform == "linux" else None,
     )
     if args.loader == "classic":
         return DataLoader(PerSample(dataset), batch_size=batch_size, sampler=sampler, **options)

@@ -1,12 +1,16 @@
 """Guard rail: how a run ends. `run(main)` is the last line of every stage: Ctrl-C, and a DataLoader worker
 killed under it (most often by the out-of-memory killer), each end the run with one line that says what
 happened and what to do, instead of a traceback. Nothing is lost that a checkpoint holds: the last finished
-epoch stays in --output-dir. A rank of a process group then ends without the interpreter's teardown (end())."""
+epoch stays in --output-dir. A rank of a process group then ends without the interpreter's teardown (end()).
+DataLoader workers leave the signals that stop a run to their rank (shield_worker())."""
 
 import atexit
+import multiprocessing
 import os
 import re
+import signal
 import sys
+import threading
 
 from common import watchdog
 from common.environment import is_rank0
@@ -42,7 +46,12 @@ def end(code):
     A rank of a process group skips the interpreter's teardown: there, a thread that returns from C++ into
     Python is stopped inside C++, which aborts the process (SIGABRT, "terminate called without an active
     exception") after a run that succeeded. gloo's threads do that when they release a finished collective's
-    tensor. Without a process group, Python ends the run as usual (kernprof writes its profile after it)."""
+    tensor. Without a process group, Python ends the run as usual (kernprof writes its profile after it).
+    From here on the signals that stop a run are ignored: the status is decided, and a late one (Slurm's
+    SIGTERM again, a second Ctrl-C) would end the process by the signal instead, Python's teardown having
+    given them back their default action."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     if not watchdog.joined():
         if code:
             raise SystemExit(code) from None
@@ -57,3 +66,21 @@ def end(code):
         except (OSError, ValueError):  # a pipe whose reader left (| head): the run's own files are whole
             pass
     os._exit(code or 0)
+
+
+def shield_worker(worker_id):
+    """A DataLoader worker's start (worker_init_fn): the signals that stop a run are its rank's to handle.
+    Slurm sends them to every process of a step, Ctrl-C to the process group, torchrun to each worker's
+    group: a worker they ended would end the run unsaved ("killed by signal: Terminated"). The worker ignores
+    them, but for its rank's own SIGTERM, torch's way of ending it (at the latest at the rank's exit)."""
+    for signum in (signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # and in every thread started here: drop() takes it
+    rank = multiprocessing.parent_process().pid
+
+    def drop():
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank:
+            pass
+        os._exit(0)  # as torch's own handler ends a worker
+
+    threading.Thread(target=drop, daemon=True).start()

@@ -1,14 +1,16 @@
 """Guard rail: a time limit, a preemption or a `scancel` loses at most the step in flight.
 
 Slurm ends a job with SIGTERM (preemption, `scancel`, a requeue; KillWait later, SIGKILL), and the job
-scripts pass on the time-limit signal they ask for; torchrun hands SIGTERM on to its workers. Either
+scripts pass on the time-limit signal they ask for; torchrun hands SIGTERM on to its workers, and SIGUSR1
+as the job scripts tell it to (torch >= 2.10); DataLoader workers leave both to their rank. Either
 signal, SIGTERM or SIGUSR1, is only noted when it arrives: every rank finishes the step it is in, and
 the ranks agree, through the rendezvous store, on one step at which all of them stop. A rank proposes
 the step after the one it is in; the others propose theirs when they hear of it (their own signal, or
 the store, polled with every heartbeat); each rank waits for every proposal at its next step
 boundary and stops at the largest. No rank can be past it (DDP keeps the ranks within a step of each
 other) and no collective is added to a step. common/checkpoint.py then saves the run mid-epoch and ends
-it. A second signal while that happens is noted and ignored."""
+it. A second signal while that happens is noted and ignored. Without the store (rank 0, which served it,
+was killed first) no step can be agreed: each rank left ends in one line, the last checkpoint kept."""
 
 import datetime
 import math
@@ -67,8 +69,11 @@ def propose():
     _stop["proposal"] = _stop["step"] + 1
     if peers := watchdog.peers():
         store, rank, _ = peers
-        store.set(f"stop/{rank}", str(_stop["proposal"]))
-        store.set("stop", _stop["signal"])
+        try:
+            store.set(f"stop/{rank}", str(_stop["proposal"]))
+            store.set("stop", _stop["signal"])
+        except dist.DistError:  # rank 0 was killed first (srun then signals the others): in the handler, one line
+            fail_without_store(rank)
 
 
 def check(step):
@@ -91,11 +96,21 @@ def agree():
     keys = [f"stop/{r}" for r in range(world_size)]
     try:
         store.wait(keys, datetime.timedelta(seconds=_stop["timeout"]))
-    except dist.DistError:
+        return max(int(store.get(key)) for key in keys)
+    except dist.DistError:  # a timeout, or the store is gone
+        pass
+    try:
         missing = [k[5:] for k in keys if not store.check([k])]
-        stop(f"error: rank {rank}: {_stop['signal']} came, but rank {', '.join(missing)} did not agree on a step to "
-             f"stop at within --dist-timeout {_stop['timeout']} s: the last checkpoint stays")  # fmt: skip
-    return max(int(store.get(key)) for key in keys)
+    except dist.DistError:
+        fail_without_store(rank)
+    stop(f"error: rank {rank}: {_stop['signal']} came, but rank {', '.join(missing)} did not agree on a step to "
+         f"stop at within --dist-timeout {_stop['timeout']} s: the last checkpoint stays")  # fmt: skip
+
+
+def fail_without_store(rank):
+    """End this rank in one line: the store, through which the ranks agree on the step to stop at, is gone."""
+    watchdog.fail(f"error: rank {rank}: {_stop['signal']} came, but {watchdog.store_gone()}: no step to stop at "
+                  "can be agreed, so nothing is saved: the last checkpoint stays; resume from it with --resume")  # fmt: skip
 
 
 def signalled():

@@ -40,6 +40,12 @@ def fail(message):
     os._exit(1)
 
 
+def store_gone():
+    """In words, why the store fails once the process that served it has ended."""
+    return (f"the rendezvous store at {_watch['where']} is gone: rank 0 (or torchrun), which served it, ended first "
+            "(killed, out of memory; its own error, if it had one, is above)")  # fmt: skip
+
+
 def reachable(addr, port):
     try:
         socket.create_connection((addr, port), timeout=1).close()
