@@ -7,7 +7,6 @@ tests/FAILURES.md names the test of each row.
 """
 
 import csv
-import fcntl
 import json
 import math
 import os
@@ -165,17 +164,43 @@ def test_a_lock_left_by_a_dead_run_is_taken_over(tiny_data, tmp_path):
 def test_a_requeued_job_takes_over_its_own_lock_only(tmp_path):
     """A lock held under the same Slurm job id is taken over only after a requeue (a higher restart count):
     two runs in one job (an salloc shell, two steps into one --output-dir) never displace each other."""
-    holder = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)  # as a node that died holding it
-    fcntl.flock(holder, fcntl.LOCK_EX)
-    os.write(holder, json.dumps({"host": "node7", "pid": 99, "job": "77", "restart": 0}).encode())
+    # as a node that died holding it; another process: a POSIX lock never stops the process that holds it
+    hold = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.lockf(fd, fcntl.LOCK_EX); print(flush=True); sys.stdin.read()")  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", hold, tmp_path / ".lock"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder.stdout.readline()  # locked
+    (tmp_path / ".lock").write_text(json.dumps({"host": "node7", "pid": 99, "job": "77", "restart": 0}))
     for env in ({"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "1"}, {"SLURM_JOB_ID": "77"}):
         with pytest.raises(SystemExit, match="in use by another run .host node7, pid 99, Slurm job 77"):
             lock.claim(tmp_path, env=env)
     lock.claim(tmp_path, env={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})  # the same job, requeued
     assert json.loads((tmp_path / ".lock").read_text())["restart"] == 1
-    os.pwrite(holder, b"[1, 2]" + b" " * 100, 0)  # a lock file some other program wrote
+    (tmp_path / ".lock").write_text("[1, 2]")  # a lock file some other program wrote
     with pytest.raises(SystemExit, match=r"in use by another run \(host \?, pid \?, since \?\)"):
         lock.claim(tmp_path, env={})
+    holder.communicate("")
+
+
+def test_a_killed_run_leaves_its_folder_free_at_once_with_dataloader_workers(tiny_data, tmp_path):
+    """SIGKILL (the out-of-memory killer, a lost node) ends a run whose DataLoader workers notice it seconds
+    later: they must not keep the folder, or its resume is refused, naming the dead run."""
+    args = stage_args(tiny_data, tmp_path, "--epochs", 3, "--num-workers", 1)  # the last --num-workers wins
+    run_id = str(uuid.uuid4())
+    first = subprocess.Popen([sys.executable, str(S01), *args], env=clean_env(TEST_RUN=run_id), cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    started(first, tmp_path)
+    workers = [pid for pid in processes_with(f"TEST_RUN={run_id}") if pid != first.pid]
+    for pid in workers:  # held up, as by a slow batch: they notice the end of their process only later
+        os.kill(pid, signal.SIGSTOP)
+    first.kill()
+    first.wait()
+    try:
+        resumed = python(S01, *args, "--resume")
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+    assert workers and resumed.returncode == 0 and "resumed after epoch" in resumed.stdout, resumed.stderr
 
 
 def test_a_live_run_on_this_host_is_never_displaced(tmp_path):
@@ -442,14 +467,15 @@ def started(proc, folder):
         time.sleep(0.05)
 
 
-def test_ctrl_c_is_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path):
-    cmd = [sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--epochs", 50)]
+@pytest.mark.parametrize("workers", [0, 1])
+def test_ctrl_c_is_one_line_and_keeps_the_checkpoint(workers, tiny_data, tmp_path):
+    cmd = [sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--epochs", 50, "--num-workers", workers)]
     # as from a terminal: a shell's background job (`make test &`) passes SIGINT on ignored, which Python keeps
     default = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     proc = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=default)  # fmt: skip
+                            preexec_fn=default, start_new_session=True)  # fmt: skip
     started(proc, tmp_path)
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: to the process group, DataLoader workers included
     out = subprocess.CompletedProcess(cmd, proc.wait(timeout=30), *proc.communicate())
     assert out.returncode == 130
     one_error(out, "interrupted (Ctrl-C)", "--resume")
@@ -498,7 +524,7 @@ def test_a_run_that_succeeded_ends_with_status_0_when_gloo_frees_a_tensor_at_exi
 
 
 def test_a_run_started_with_stdout_closed_ends_with_status_0(tiny_data, tmp_path):
-    """`>&-`: Python's sys.stdout is None; the ranks' own ending (common/errors.py) flushes only what exists."""
+    """`>&-`: Python's sys.stdout is None; the ranks' own ending (common/guards/ending.py) flushes only what exists."""
     cmd = torchrun_cmd(2, S03, *stage_args(tiny_data, tmp_path, "--epochs", 1))
     out = subprocess.run(cmd, env=clean_env(), cwd=REPO, stderr=subprocess.PIPE, text=True, timeout=120,
                          preexec_fn=lambda: os.close(1))  # fmt: skip

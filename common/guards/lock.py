@@ -14,7 +14,7 @@ from common.guards.check import integer
 
 def claim(output_dir, env=os.environ):
     """Take --output-dir for this run before anything else, or exit naming the run that holds it. A lock
-    (flock) on output_dir/.lock, released by the kernel when its process ends, however it ends: a lock
+    (lockf) on output_dir/.lock, released by the kernel when its process ends, however it ends: a lock
     left by a dead run is free. A live holder is never displaced, with one exception: this same Slurm job
     before its requeue (a higher SLURM_RESTART_COUNT now), whose processes Slurm has ended although on a
     network filesystem a dead node's lock lingers; never a holder alive on this host, which Slurm did not
@@ -32,8 +32,11 @@ def claim(output_dir, env=os.environ):
             f"error: cannot write to --output-dir {output_dir}: {err.strerror}: choose a folder you can write"
         ) from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        # a POSIX lock, this process's alone: the DataLoader workers it forks do not inherit it, as they would
+        # a flock, which they kept after a SIGKILL of this process until they noticed (seconds). It ends when
+        # this process closes any descriptor of the file: nothing else here opens it
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: held by another process
         try:
             held = json.loads(os.pread(fd, 4096, 0))
         except ValueError:  # caught between the holder's truncate and write, or not ours

@@ -8,7 +8,10 @@ the step after the one it is in; the others propose theirs when they hear of it 
 the store, polled with every heartbeat); each rank waits for every proposal at its next step
 boundary and stops at the largest. No rank can be past it (DDP keeps the ranks within a step of each
 other) and no collective is added to a step. The guard rails then save the run mid-epoch and end it. A
-second signal while that happens is noted and ignored."""
+second signal while that happens is noted and ignored. Without the store (rank 0, which served it, was
+killed first) no step can be agreed: each rank left ends in one line, the last checkpoint kept. torchrun
+hands SIGTERM on to its workers, and SIGUSR1 as the job scripts tell it to (torch >= 2.10); DataLoader
+workers leave both to their rank (shield_worker())."""
 
 import datetime
 import math
@@ -24,17 +27,18 @@ import torch.distributed as dist
 from common.distributed import print0
 from common.environment import is_rank0
 from common.guards.ending import stop
+from common.guards.watchdog import fail
 
 MARGIN = 30  # seconds beyond a save: the step in flight, the requeue, a save slower than the last
 
 
 class Preemption:
-    """This process's stop: the signal that came, the step it proposed, the step all ranks agreed on. `peers`:
-    (store, rank, world size) of the process group's rendezvous, or None without one; `timeout`: the longest
-    wait for the other ranks' proposals."""
+    """This process's stop: the signal that came, the step it proposed, the step all ranks agreed on.
+    `watchdog`: the process group's rendezvous (watchdog.Watchdog), or None without one; `timeout`: the
+    longest wait for the other ranks' proposals."""
 
-    def __init__(self, peers, timeout):
-        self.peers, self.timeout = peers, timeout
+    def __init__(self, watchdog, timeout):
+        self.watchdog, self.peers, self.timeout = watchdog, watchdog.peers() if watchdog else None, timeout
         self.signal, self.proposal, self.at, self.step = None, None, None, 0
         self.saved_at, self.warned = time.monotonic(), False
         self.once = threading.RLock()  # re-entrant: a second signal can interrupt the handler of the first
@@ -46,6 +50,7 @@ class Preemption:
         """From here on, SIGTERM and SIGUSR1 stop the run at a step boundary that every rank agrees on."""
         for signum in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(signum, self.received)
+        os.register_at_fork(after_in_child=shield_worker)  # the DataLoader workers this process forks from now on
 
     def received(self, signum, frame):
         """The signal handler: note the first signal and propose a step; a second one changes nothing."""
@@ -74,8 +79,11 @@ class Preemption:
         self.proposal = self.step + 1
         if self.peers:
             store, rank, _ = self.peers
-            store.set(f"stop/{rank}", str(self.proposal))
-            store.set("stop", self.signal)
+            try:
+                store.set(f"stop/{rank}", str(self.proposal))
+                store.set("stop", self.signal)
+            except dist.DistError:  # rank 0 was killed first (srun then signals the others): in the handler, one line
+                self.fail_without_store()
 
     def check(self, step):
         """At a step boundary, with `step` steps done (counted over the whole run): True where the run must stop
@@ -95,11 +103,20 @@ class Preemption:
         keys = [f"stop/{r}" for r in range(world_size)]
         try:
             store.wait(keys, datetime.timedelta(seconds=self.timeout))
-        except dist.DistError:
+            return max(int(store.get(key)) for key in keys)
+        except dist.DistError:  # a timeout, or the store is gone
+            pass
+        try:
             missing = [k[5:] for k in keys if not store.check([k])]
-            stop(f"error: rank {rank}: {self.signal} came, but rank {', '.join(missing)} did not agree on a step to "
-                 f"stop at within --dist-timeout {self.timeout} s: the last checkpoint stays")  # fmt: skip
-        return max(int(store.get(key)) for key in keys)
+        except dist.DistError:
+            self.fail_without_store()
+        stop(f"error: rank {rank}: {self.signal} came, but rank {', '.join(missing)} did not agree on a step to "
+             f"stop at within --dist-timeout {self.timeout} s: the last checkpoint stays")  # fmt: skip
+
+    def fail_without_store(self):
+        """End this rank in one line: the store, through which the ranks agree on the step to stop at, is gone."""
+        fail(f"error: rank {self.peers[1]}: {self.signal} came, but {self.watchdog.store_gone()}: no step to stop "
+             "at can be agreed, so nothing is saved: the last checkpoint stays; resume from it with --resume")  # fmt: skip
 
     def exit_code(self):
         """A run stopped by a signal exits as the shell reports a process that signal ended: 128 + its number."""
@@ -162,6 +179,24 @@ class Preemption:
             stop(f"error: rank {rank}: --checkpoint-minutes called for a save, but rank {', '.join(missing)} did not "
                  f"agree on a step to save at within --dist-timeout {self.timeout} s: the last checkpoint stays")  # fmt: skip
         return max(int(store.get(key)) for key in keys)
+
+
+def shield_worker():
+    """In a DataLoader worker this process forked (os.register_at_fork): the signals that stop a run are its
+    rank's to handle. Slurm sends them to every process of a step, Ctrl-C to the process group, torchrun to each
+    worker's group: a worker they ended would end the run unsaved ("killed by signal: Terminated"). The worker
+    ignores them, but for its rank's own SIGTERM, torch's way of ending it (at the latest at the rank's exit)."""
+    for signum in (signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # and in every thread started here: drop() takes it
+    rank = os.getppid()
+
+    def drop():
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank:
+            pass
+        os._exit(0)  # as torch's own handler ends a worker
+
+    threading.Thread(target=drop, daemon=True).start()
 
 
 def job_signal(job):

@@ -77,10 +77,9 @@ class Guard:
         self.states, self.sharded = states, sharded
         if sharded and dist.is_initialized():
             preflight.check_shared(self.args.output_dir)
-        peers = self.watchdog.peers() if self.watchdog else None
-        self.preemption = Preemption(peers, self.args.dist_timeout)
+        self.preemption = Preemption(self.watchdog, self.args.dist_timeout)
         self.preemption.catch()
-        if peers:  # a rank may hear of the stop from the store before its own signal arrives
+        if self.watchdog:  # a rank may hear of the stop from the store before its own signal arrives
             self.watchdog.listen(self.preemption.poll)
         state = resume.state_to_resume(self.args, sharded, self.data)
         if state is not None and state["folder"]:  # every rank reads its shards: .metadata too, building nothing else
