@@ -51,8 +51,11 @@ def atomic(path, mode="wb"):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
-    except OSError as err:  # a full disk names the file it could not write
-        raise OSError(err.errno, err.strerror, str(path)) from None
+    except (OSError, RuntimeError) as err:  # a full disk (torch.save reports it as a RuntimeError): name the file
+        cause = err.__context__ if isinstance(err, RuntimeError) else err
+        if not isinstance(cause, OSError):
+            raise
+        raise OSError(cause.errno, cause.strerror, str(path)) from None
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -81,8 +81,7 @@ class Log:
         return {"rows": self.rows}
 
     def load_state_dict(self, state):
-        """A resumed run rewrites the CSV from the checkpoint's rows, so an epoch that was logged but not
-        checkpointed before a crash is not counted twice."""
+        """A resumed run rewrites the CSV from the checkpoint's rows: an epoch logged but not saved counts once."""
         self.rows = list(state["rows"])
         self.write()
 
@@ -102,8 +101,7 @@ class Log:
                 writer.writerows(self.rows)
 
     def epoch(self, epoch, lr, seconds, totals):
-        """`totals`: sums over all ranks of train loss and samples, then loss, correct answers and
-        samples of the validation set (zeros without one) and of the test set."""
+        """`totals`: over all ranks, train loss and samples, then loss, correct and samples of validation and test."""
         train_loss, seen, val_loss, val_correct, validated, test_loss, correct, tested = totals
         if self.cut[0] == epoch:  # the steps before an interruption count too
             train_loss, seen = train_loss + self.cut[1][0], seen + self.cut[1][1]
@@ -130,8 +128,7 @@ class Log:
         self.write()
 
     def reached(self, target, patience):
-        """--target-accuracy: have the last `patience` evaluations (validation if any, else test) all reached it?
-        The rows are the same on every rank, and in the checkpoint: all stop together, after a resume too."""
+        """--target-accuracy: did the last `patience` evaluations (validation, else test) reach it? Alike on every rank."""
         last = [r["test_accuracy"] if r["val_accuracy"] == "" else r["val_accuracy"] for r in self.rows[-patience:]]
         if target is None or len(last) < patience or min(last) < target:
             return False

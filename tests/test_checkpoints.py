@@ -35,6 +35,7 @@ from helpers import (
 )  # fmt: skip
 
 from common import checkpoint as lesson
+from common import cli
 from common.guards import rails, resume, safeload
 from common.models import Net
 
@@ -90,6 +91,40 @@ def test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint(tiny_data, tmp_
         assert (folder / "metrics.csv").read_text() == metrics
     kind = "it holds checkpoint, of stage 05"  # --resume in the other kind's folder says which it holds
     one_error(small(S01, tiny_data, sharded, "--epochs", 2, "--resume"), f"no checkpoint.pt in {sharded}", kind)
+
+
+def test_a_checkpoint_that_is_not_a_regular_file_is_refused_before_it_is_opened(tiny_data, tmp_path):
+    """A FIFO blocks torch.load for ever, where SIGTERM is only noted: neither the output folder's own checkpoint
+    (a bare --resume, the automatic resume of a requeued job) nor the previous one is opened unless a file."""
+    fifo = tmp_path / "checkpoint.pt"
+    os.mkfifo(fifo)
+    out = run([sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--resume")], timeout=30)
+    one_error(out, f"{fifo} is not a regular file")
+    fifo.unlink()
+    fifo.write_bytes(b"damaged")
+    os.mkfifo(tmp_path / resume.PREVIOUS)
+    requeued = clean_env(SLURM_JOB_ID=77, SLURM_RESTART_COUNT=1)
+    out = run([sys.executable, str(S01), *stage_args(tiny_data, tmp_path)], env=requeued, timeout=30)
+    assert "is complete" not in one_error(
+        out, f"{fifo} is not a checkpoint this code wrote, or is damaged", "delete it"
+    )
+
+
+def test_a_resume_past_its_epochs_is_refused(tiny_data, tmp_path):
+    """A checkpoint of epoch 2 resumed with --epochs 1 printed "done" and exported the weights of more epochs than
+    asked for, or of an epoch cut short: refused, naming both and the --epochs that continues it."""
+    assert small(S01, tiny_data, tmp_path, "--epochs", 2).returncode == 0
+    state = checkpoint(tmp_path)
+    torch.save(state | {"step": 1}, tmp_path / "checkpoint.pt")  # as if saved one step into epoch 2
+    out = small(S01, tiny_data, tmp_path, "--epochs", 1, "--resume", "--save-model")
+    one_error(out, "holds epoch 2, step 1, past --epochs 1: nothing to do; give --epochs 2 or more to continue it")
+    assert not (tmp_path / "model.pt").exists()
+    torch.save(state, tmp_path / "checkpoint.pt")  # the end of epoch 2: rank 0's verdict, in this process
+    args, _ = cli.parse_args(stage_args(tiny_data, tmp_path, "--limit", 64, "--epochs", 1, "--resume"))
+    with pytest.raises(SystemExit, match="holds epoch 2, past --epochs 1: nothing to do; give --epochs 3 or more"):
+        resume.find(args, resume.WHOLE, False, state["run"]["data"])
+    args.epochs = 2  # the run is done: it says so, and --save-model exports it
+    assert resume.find(args, resume.WHOLE, False, state["run"]["data"])["epoch"] == 2
 
 
 def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeypatch):

@@ -7,11 +7,11 @@ tests/FAILURES.md names the test of each row.
 """
 
 import csv
-import fcntl
 import json
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +26,7 @@ import torch
 from helpers import (
     INJECT,
     REPO,
+    TRAIN_SIZE,
     clean_env,
     free_port,
     one_error,
@@ -37,10 +38,11 @@ from helpers import (
     torchrun,
     torchrun_cmd,
     wait_for,
+    write_idx_subset,
 )  # fmt: skip
 
-from common import cli
-from common.guards import divergence, lock, rails
+from common import checkpoint, cli, data
+from common.guards import divergence, lock, preflight, rails, resume
 
 S01, S03, S04 = (REPO / s / "train.py" for s in ("01_single_gpu", "03_ddp_single_node", "04_ddp_multi_node"))
 STEPS = 4  # optimizer steps per epoch: 256 training images, batch 64
@@ -162,17 +164,80 @@ def test_a_lock_left_by_a_dead_run_is_taken_over(tiny_data, tmp_path):
 def test_a_requeued_job_takes_over_its_own_lock_only(tmp_path):
     """A lock held under the same Slurm job id is taken over only after a requeue (a higher restart count):
     two runs in one job (an salloc shell, two steps into one --output-dir) never displace each other."""
-    holder = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)  # as a node that died holding it
-    fcntl.flock(holder, fcntl.LOCK_EX)
-    os.write(holder, json.dumps({"host": "node7", "pid": 99, "job": "77", "restart": 0}).encode())
+    # as a node that died holding it; another process: a POSIX lock never stops the process that holds it
+    hold = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.lockf(fd, fcntl.LOCK_EX); print(flush=True); sys.stdin.read()")  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", hold, tmp_path / ".lock"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder.stdout.readline()  # locked
+    (tmp_path / ".lock").write_text(json.dumps({"host": "node7", "pid": 99, "job": "77", "restart": 0}))
     for env in ({"SLURM_JOB_ID": "78", "SLURM_RESTART_COUNT": "1"}, {"SLURM_JOB_ID": "77"}):
         with pytest.raises(SystemExit, match="in use by another run .host node7, pid 99, Slurm job 77"):
             lock.claim(tmp_path, env=env)
     lock.claim(tmp_path, env={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})  # the same job, requeued
     assert json.loads((tmp_path / ".lock").read_text())["restart"] == 1
-    os.pwrite(holder, b"[1, 2]" + b" " * 100, 0)  # a lock file some other program wrote
+    (tmp_path / ".lock").write_text("[1, 2]")  # a lock file some other program wrote
     with pytest.raises(SystemExit, match=r"in use by another run \(host \?, pid \?, since \?\)"):
         lock.claim(tmp_path, env={})
+    holder.communicate("")
+
+
+def test_a_killed_run_leaves_its_folder_free_at_once_with_dataloader_workers(tiny_data, tmp_path):
+    """SIGKILL (the out-of-memory killer, a lost node) ends a run whose DataLoader workers notice it seconds
+    later: they must not keep the folder, or its resume is refused, naming the dead run."""
+    args = stage_args(tiny_data, tmp_path, "--epochs", 3, "--num-workers", 1)  # the last --num-workers wins
+    run_id = str(uuid.uuid4())
+    first = subprocess.Popen([sys.executable, str(S01), *args], env=clean_env(TEST_RUN=run_id), cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    started(first, tmp_path)
+    workers = [pid for pid in processes_with(f"TEST_RUN={run_id}") if pid != first.pid]
+    for pid in workers:  # held up, as by a slow batch: they notice the end of their process only later
+        os.kill(pid, signal.SIGSTOP)
+    first.kill()
+    first.wait()
+    try:
+        resumed = python(S01, *args, "--resume")
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+    assert workers and resumed.returncode == 0 and "resumed after epoch" in resumed.stdout, resumed.stderr
+
+
+def test_a_live_run_on_this_host_is_never_displaced(tmp_path):
+    """A requeue of the same job takes over a lock whose holder Slurm has ended, never one alive on this host:
+    a second copy of the job (restart count 1) displaced a live one, and both wrote one checkpoint."""
+    hold = ("import sys; from pathlib import Path; from common.guards import lock; "
+            "lock.claim(Path(sys.argv[1]), env={'SLURM_JOB_ID': '77'}); print('held', flush=True); sys.stdin.read()")  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path)], env=clean_env(), cwd=REPO, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        requeued = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"}
+        with pytest.raises(SystemExit, match=f"in use by another run .host {socket.gethostname()}, pid {holder.pid}, "):
+            lock.claim(tmp_path, env=requeued)
+    finally:
+        holder.communicate("", timeout=30)
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == holder.pid
+
+
+def test_two_writers_of_one_file_never_share_its_temporary_file(tmp_path):
+    """Each writer writes its own temporary file: a second one (another process) that opened the same name
+    truncated the first's half-written file, and the first's switch then failed. What a killed writer left goes
+    when the next run claims the folder."""
+    path = tmp_path / "checkpoint.pt"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / f"checkpoint.pt.tmp{gone.pid}").write_bytes(b"half")  # a killed writer's
+    other = ("import sys; from pathlib import Path; from common import checkpoint\n"
+             "with checkpoint.atomic(Path(sys.argv[1])) as f: f.write(b'B' * 1000)")  # fmt: skip
+    with checkpoint.atomic(path) as f:
+        f.write(b"A" * 500)
+        f.flush()
+        assert run([sys.executable, "-c", other, str(path)]).returncode == 0  # complete while this one writes
+        f.write(b"A" * 500)
+    assert path.read_bytes() == b"A" * 1000
+    lock.sweep(tmp_path)  # the next run's start, once it holds the folder
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
 
 
 def test_two_runs_in_one_job_get_their_own_folders_and_a_requeue_finds_its_own(tmp_path):
@@ -234,6 +299,60 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tiny_data, tmp_p
     assert state["epoch"] == 1 and divergence.finite(state) and not list(tmp_path.glob("*.tmp*"))
 
 
+def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(tiny_data, tmp_path):
+    """The checkpoint records what it was trained on (common.data.fingerprint): a resume on more images, or
+    on shifted labels, ran to the end without a word. A checkpoint from before it was recorded resumes."""
+    out, more, shifted = tmp_path / "out", tmp_path / "more", tmp_path / "shifted"
+    assert python(S01, *stage_args(tiny_data, out, "--epochs", 1)).returncode == 0
+    for folder in (more, shifted):
+        shutil.copytree(tiny_data / "MNIST", folder / "MNIST")
+    for kind in ("images-idx3", "labels-idx1"):  # 32 images more
+        write_idx_subset(REPO / "data" / "MNIST" / "raw" / f"train-{kind}-ubyte.gz",
+                         more / "MNIST" / "raw" / f"train-{kind}-ubyte", TRAIN_SIZE + 32)  # fmt: skip
+    labels = shifted / "MNIST" / "raw" / "train-labels-idx1-ubyte"
+    labels.write_bytes(labels.read_bytes()[:8] + bytes((y + 1) % 10 for y in labels.read_bytes()[8:]))
+    recorded = torch.load(out / "checkpoint.pt", weights_only=True)["run"]["data"]
+    assert recorded == preflight.fingerprint(data.dataset(tiny_data, "mnist", train=True))
+    resumed = python(S01, *stage_args(more, out, "--epochs", 2, "--resume"))
+    one_error(resumed, "was trained on other data", f"training set was {recorded}, here {TRAIN_SIZE + 32}-")
+    # rank 0's verdict, in this process: the same number of images, other labels
+    args, _ = cli.parse_args(stage_args(shifted, out, "--epochs", 2, "--resume"))
+    now = preflight.fingerprint(data.dataset(shifted, "mnist", train=True))
+    with pytest.raises(SystemExit, match=f"training set was {recorded}, here {now} in --data-dir {shifted}"):
+        resume.find(args, resume.WHOLE, False, now)
+    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    del state["run"]["data"]  # as written before the data was recorded: nothing to compare
+    torch.save(state, out / "checkpoint.pt")
+    assert resume.find(args, resume.WHOLE, False, now)["epoch"] == 1
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real tmpfs of 20 MiB: stage 01's first checkpoint (14 MiB) fits, a second one beside it does not."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs the tests as root)")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", disk], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", disk], check=True)
+
+
+@pytest.mark.parametrize("full", ["checkpoint.pt", "metrics.csv"])
+def test_a_real_full_disk_keeps_the_previous_checkpoint(full, small_disk, tiny_data):
+    """On a real full disk torch.save raises a RuntimeError ('unexpected pos'), not the OSError the test above
+    injects. metrics.csv: the disk fills up (another job) during epoch 2, before its row is written."""
+    fill = {"metrics.csv": dict(PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_FULL=STEPS + 1)}.get(full, {})
+    folder = small_disk / "run"
+    out = python(S01, *stage_args(tiny_data, folder, "--epochs", 3), **fill)
+    one_error(out, f"could not write {folder / full}: No space left on device", "MiB free", f"previous {full} is kept")
+    state = torch.load(folder / "checkpoint.pt", weights_only=True)
+    assert state["epoch"] == 1 and divergence.finite(state) and not list(folder.glob("*.tmp*"))
+    assert len(list(csv.DictReader(open(folder / "metrics.csv")))) == (2 if full == "checkpoint.pt" else 1)
+
+
 # --- ranks agree before the first step ----------------------------------------------------------------
 
 
@@ -259,6 +378,22 @@ def test_ranks_reading_different_data_stop_naming_the_data(tiny_data, tmp_path):
     rank0, rank1 = finish(ranks([stage_args(tiny_data, out), stage_args(other, out)]))
     one_error(rank0, "the ranks differ in the training data set", "rank 1")
     assert rank1.returncode != 0
+
+
+def test_a_timed_save_is_made_by_every_rank_at_one_step_without_a_collective_per_step(tiny_data, tmp_path):
+    """Rank 1's own clock never calls for a save (--checkpoint-minutes 1000: a free option, the ranks may
+    differ in it): it hears of rank 0's proposal through the store, and both save at the same step, mid-epoch
+    though an epoch is shorter than --log-interval. Saves at different steps would pair rank 0's collectives
+    of the save with rank 1's of its next step: an error or a hang, never exit status 0."""
+    slow = dict(PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_SLEEP=0.1)  # steps longer than 0.001 minutes
+    timed = stage_args(tiny_data, tmp_path, "--epochs", 2, "--dist-timeout", 20)
+    rank0, rank1 = finish(
+        ranks([[*timed, "--checkpoint-minutes", 0.001], [*timed, "--checkpoint-minutes", 1000]], **slow)
+    )
+    assert rank0.returncode == 0 and rank1.returncode == 0, rank0.stderr + rank1.stderr
+    steps = re.findall(r"saved at epoch [12], step (\d) \(--checkpoint-minutes", rank0.stdout)
+    assert len(steps) >= 2 and all(0 < int(s) <= STEPS for s in steps), rank0.stdout
+    kept(tmp_path, 2)
 
 
 # --- bounded waits ------------------------------------------------------------------------------------
@@ -332,14 +467,15 @@ def started(proc, folder):
         time.sleep(0.05)
 
 
-def test_ctrl_c_is_one_line_and_keeps_the_checkpoint(tiny_data, tmp_path):
-    cmd = [sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--epochs", 50)]
+@pytest.mark.parametrize("workers", [0, 1])
+def test_ctrl_c_is_one_line_and_keeps_the_checkpoint(workers, tiny_data, tmp_path):
+    cmd = [sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--epochs", 50, "--num-workers", workers)]
     # as from a terminal: a shell's background job (`make test &`) passes SIGINT on ignored, which Python keeps
     default = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     proc = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=default)  # fmt: skip
+                            preexec_fn=default, start_new_session=True)  # fmt: skip
     started(proc, tmp_path)
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: to the process group, DataLoader workers included
     out = subprocess.CompletedProcess(cmd, proc.wait(timeout=30), *proc.communicate())
     assert out.returncode == 130
     one_error(out, "interrupted (Ctrl-C)", "--resume")
@@ -388,7 +524,7 @@ def test_a_run_that_succeeded_ends_with_status_0_when_gloo_frees_a_tensor_at_exi
 
 
 def test_a_run_started_with_stdout_closed_ends_with_status_0(tiny_data, tmp_path):
-    """`>&-`: Python's sys.stdout is None; the ranks' own ending (common/errors.py) flushes only what exists."""
+    """`>&-`: Python's sys.stdout is None; the ranks' own ending (common/guards/ending.py) flushes only what exists."""
     cmd = torchrun_cmd(2, S03, *stage_args(tiny_data, tmp_path, "--epochs", 1))
     out = subprocess.run(cmd, env=clean_env(), cwd=REPO, stderr=subprocess.PIPE, text=True, timeout=120,
                          preexec_fn=lambda: os.close(1))  # fmt: skip

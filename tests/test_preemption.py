@@ -3,11 +3,15 @@ saves the run where it stands, in seconds, with one line, and the resumed run is
 been (bit-identical weights; at another world size, every sample of the epoch seen once)."""
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +25,8 @@ from helpers import (
     TRAIN_SIZE,
     checkpoint,
     clean_env,
+    one_error,
+    processes_with,
     python,
     srun_start,
     stage_args,
@@ -30,6 +36,7 @@ from helpers import (
 )  # fmt: skip
 
 from common.guards import resume
+from common.guards.versions import release
 
 BATCH = 32  # 8 steps per epoch of the 256 training images
 SLOW = dict(PYTHONPATH=INJECT, FAULT_RANK=0, FAULT_SLEEP=0.3)  # rank 0's steps take 0.3 s: time to signal mid-epoch
@@ -39,14 +46,22 @@ def args(data, out, *extra):
     return stage_args(data, out, "--epochs", 2, "--batch-size", BATCH, *extra)
 
 
-def signal_mid_epoch_2(proc, out, signum, *others):
-    """Once epoch 1 is saved, wait two steps, then send `signum` to `proc` (and to `others`); returns its
-    output and the seconds from the signal to its exit."""
+def signal_mid_epoch_2(proc, out, signum, *others, everyone=None):
+    """Once epoch 1 is saved, wait two steps, then send `signum` to `proc` (and to `others`), or to every
+    process whose environment holds `everyone` (NAME=value), as Slurm signals every process of a step: the
+    launcher, the ranks and their DataLoader workers. Returns its output and the seconds from the signal to its
+    exit."""
     wait_for(lambda: (out / "metrics.csv").exists() and "\n1," in (out / "metrics.csv").read_text(), timeout=90)
     time.sleep(0.6)
     sent = time.monotonic()
-    for p in (proc, *others):
-        p.send_signal(signum)
+    if everyone:
+        pids = processes_with(everyone)
+        assert "pt_data_worker\n" in [Path(f"/proc/{pid}/comm").read_text() for pid in pids]  # torch names them
+        for pid in pids:
+            os.kill(pid, signum)
+    else:
+        for p in (proc, *others):
+            p.send_signal(signum)
     output = proc.communicate(timeout=60)[0]
     return output, time.monotonic() - sent
 
@@ -95,6 +110,47 @@ def test_stage03_under_torchrun_stopped_by_sigterm_resumes_bit_identical(tiny_da
     assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
     for key, weights in checkpoint(whole)["model"].items():
         assert torch.equal(checkpoint(cut)["model"][key], weights), key
+
+
+def test_stage01_with_dataloader_workers_saves_when_every_process_is_signalled(tiny_data, tmp_path):
+    """Slurm signals every process of a step (scancel, a preemption), `kill -- -PGID` a process group: the
+    DataLoader workers get the signal too, and leave it to their rank, which saves."""
+    cut, run = tmp_path / "cut", str(uuid.uuid4())
+    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, cut, "--num-workers", 1))],
+                            env=clean_env(**SLOW, TEST_RUN=run), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    output, seconds = signal_mid_epoch_2(proc, cut, signal.SIGTERM, everyone=f"TEST_RUN={run}")
+    step = saved_mid_epoch(cut, output, 128 + signal.SIGTERM, proc)
+    assert "error" not in output and seconds < 15, output
+    resumed = python(S01, *args(tiny_data, cut, "--resume", "--num-workers", 1))
+    assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
+
+
+PASS_ON = re.search(r"PET_SIGNALS_TO_HANDLE=(\S+)", (REPO / "03_ddp_single_node/job.slurm").read_text())[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "signum, everyone",
+    [(signal.SIGTERM, True), (signal.SIGUSR1, False), (signal.SIGUSR1, True)],
+    ids=["SIGTERM to every process", "SIGUSR1 to torchrun", "SIGUSR1 to every process"],
+)
+def test_stage03_under_torchrun_with_workers_saves_however_the_signal_comes(signum, everyone, tiny_data, tmp_path):
+    """torchrun passes the signal on to each worker's process group, DataLoader workers included, or Slurm
+    signals all of them at once (--signal=USR1@90 without B:, scancel --signal=USR1): SIGUSR1 as the job
+    scripts' PET_SIGNALS_TO_HANDLE tells torchrun to, from torch 2.10."""
+    if signum == signal.SIGUSR1 and release(torch.__version__) < (2, 10):
+        pytest.skip("torchrun passes SIGUSR1 on from torch 2.10; an older one ends by it (README)")
+    cut, run = tmp_path / "cut", str(uuid.uuid4())
+    env = clean_env(**SLOW, TEST_RUN=run, PET_SIGNALS_TO_HANDLE=PASS_ON)  # as the job scripts export it
+    proc = subprocess.Popen(torchrun_cmd(2, S03, *args(tiny_data, cut, "--num-workers", 1)), env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    output, seconds = signal_mid_epoch_2(proc, cut, signum, everyone=everyone and f"TEST_RUN={run}")
+    assert proc.returncode != 0 and seconds < 35 and "error:" not in output, output
+    step = saved_mid_epoch(cut, output, proc.returncode, proc)
+    assert f"({signal.Signals(signum).name})" in output
+    resumed = torchrun(2, S03, *args(tiny_data, cut, "--resume", "--num-workers", 1))
+    assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
 
 
 @pytest.mark.slow
@@ -152,6 +208,44 @@ def test_a_second_signal_during_the_save_changes_nothing(tiny_data, tmp_path):
         assert torch.equal(checkpoint(cut)["model"][key], weights), key
 
 
+def test_signals_during_the_exit_change_neither_the_status_nor_the_line(tiny_data, tmp_path):
+    """SIGTERM again and again once the run has saved, while it exits (a second scancel, Slurm's signal to
+    every process): the exit status stays 143, not the end by a signal that Python's teardown would allow."""
+    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, tmp_path))], env=clean_env(**SLOW),
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    wait_for(lambda: (tmp_path / "metrics.csv").exists() and "\n1," in (tmp_path / "metrics.csv").read_text(), 90)
+    time.sleep(0.6)
+    proc.send_signal(signal.SIGTERM)
+    lines = []
+    while not (lines and lines[-1].startswith("saved at")) and proc.poll() is None:
+        lines.append(proc.stdout.readline())
+    sent = 0
+    while proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        sent += 1
+        time.sleep(0.005)
+    saved_mid_epoch(tmp_path, "".join(lines) + proc.stdout.read(), 128 + signal.SIGTERM, proc)
+    assert sent >= 10, sent  # the exit took long enough for them to land in it
+
+
+@pytest.mark.slow
+def test_a_signal_after_rank_0_was_killed_is_one_line_per_rank_left(tiny_data, tmp_path):
+    """The out-of-memory killer takes rank 0, whose process served the rendezvous store; srun
+    (--kill-on-bad-exit) then sends the others SIGTERM. No step can be agreed without the store: one line
+    naming it, no traceback, and the last checkpoint stays."""
+    procs = srun_start(2, S04, *args(tiny_data, tmp_path), **SLOW)
+    wait_for(lambda: (tmp_path / "metrics.csv").exists() and "\n1," in (tmp_path / "metrics.csv").read_text(), 90)
+    time.sleep(0.6)
+    procs[0].kill()
+    time.sleep(0.5)  # rank 1 is in the collective that fails, or naming the rank that went silent
+    procs[1].send_signal(signal.SIGTERM)
+    output = procs[1].communicate(timeout=60)[0]
+    procs[0].wait()
+    one_error(subprocess.CompletedProcess(procs[1].args, procs[1].returncode, output, output),
+              "rank 1: SIGTERM came, but the rendezvous store", "is gone", "the last checkpoint stays")  # fmt: skip
+    assert checkpoint(tmp_path)["epoch"] == 1 and checkpoint(tmp_path)["step"] == 0
+
+
 @pytest.mark.slow
 def test_checkpoint_minutes_saves_mid_epoch_for_a_sigkill(tiny_data, tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
@@ -164,6 +258,25 @@ def test_checkpoint_minutes_saves_mid_epoch_for_a_sigkill(tiny_data, tmp_path):
     proc.wait()
     step = checkpoint(cut)["step"]
     resumed = python(S01, *args(tiny_data, cut, "--resume"))  # a free option: resumes without it
+    assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
+    for key, weights in checkpoint(whole)["model"].items():
+        assert torch.equal(checkpoint(cut)["model"][key], weights), key
+
+
+def test_checkpoint_minutes_saves_mid_epoch_in_an_epoch_shorter_than_the_log_interval(tiny_data, tmp_path):
+    """8 steps an epoch and a progress line every 100 (the default): the clock was looked at on progress lines
+    only, so no save ever came mid-epoch. It is looked at every step now."""
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert python(S01, *args(tiny_data, whole)).returncode == 0
+    slow = clean_env(**SLOW | {"FAULT_SLEEP": 0.1})  # steps longer than the 0.06 s of --checkpoint-minutes 0.001
+    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, cut, "--checkpoint-minutes", 0.001))],
+                            env=slow, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    wait_for(lambda: (cut / "checkpoint.pt").exists() and checkpoint(cut)["epoch"] == 2 and checkpoint(cut)["step"])
+    proc.kill()
+    output = proc.communicate()[0]
+    assert "saved at epoch 1, step " in output, output  # mid-epoch in the first epoch too
+    step = checkpoint(cut)["step"]
+    resumed = python(S01, *args(tiny_data, cut, "--resume"))
     assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
     for key, weights in checkpoint(whole)["model"].items():
         assert torch.equal(checkpoint(cut)["model"][key], weights), key

@@ -3,6 +3,7 @@ a rank of a process group ends without the interpreter's teardown (end())."""
 
 import atexit
 import os
+import signal
 import sys
 
 from common.environment import is_rank0
@@ -19,7 +20,11 @@ def end(code, joined):
     C++ into Python is stopped inside C++, which aborts the process (SIGABRT, "terminate called without an
     active exception") after a run that succeeded. gloo's threads do that when they release a finished
     collective's tensor. Without a process group, Python ends the run as usual (kernprof writes its profile
-    after it)."""
+    after it). From here on the signals that stop a run are ignored: the status is decided, and a late one
+    (Slurm's SIGTERM again, a second Ctrl-C) would end the process by the signal instead, Python's teardown
+    having given them back their default action."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
     if not joined:
         if code:
             raise SystemExit(code) from None

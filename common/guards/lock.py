@@ -14,10 +14,11 @@ from common.guards.check import integer
 
 def claim(output_dir, env=os.environ):
     """Take --output-dir for this run before anything else, or exit naming the run that holds it. A lock
-    (flock) on output_dir/.lock, released by the kernel when its process ends, however it ends: a lock
+    (lockf) on output_dir/.lock, released by the kernel when its process ends, however it ends: a lock
     left by a dead run is free. A live holder is never displaced, with one exception: this same Slurm job
     before its requeue (a higher SLURM_RESTART_COUNT now), whose processes Slurm has ended although on a
-    network filesystem a dead node's lock lingers. Rank 0 alone claims: only its node needs the folder.
+    network filesystem a dead node's lock lingers; never a holder alive on this host, which Slurm did not
+    end (a second copy of the job). Rank 0 alone claims: only its node needs the folder.
     Returns the open lock file, which the guard rails keep for as long as the run lasts."""
     if not is_rank0(env):
         return None
@@ -31,15 +32,18 @@ def claim(output_dir, env=os.environ):
             f"error: cannot write to --output-dir {output_dir}: {err.strerror}: choose a folder you can write"
         ) from None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        # a POSIX lock, this process's alone: the DataLoader workers it forks do not inherit it, as they would
+        # a flock, which they kept after a SIGKILL of this process until they noticed (seconds). It ends when
+        # this process closes any descriptor of the file: nothing else here opens it
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: held by another process
         try:
             held = json.loads(os.pread(fd, 4096, 0))
         except ValueError:  # caught between the holder's truncate and write, or not ours
             held = {}
         held = held if isinstance(held, dict) else {}
         requeued = me["job"] and held.get("job") == me["job"] and held.get("restart", 0) < me["restart"]
-        if not requeued:
+        if not requeued or (held.get("host") == me["host"] and alive(held.get("pid"))):
             job = f", Slurm job {held['job']}" if held.get("job") else ""
             raise SystemExit(
                 f"error: --output-dir {output_dir} is in use by another run (host {held.get('host', '?')}, pid "
@@ -52,3 +56,23 @@ def claim(output_dir, env=os.environ):
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode(), 0)
     return fd
+
+
+def alive(pid):
+    """Is process `pid` of this host running? (One that is not ours to signal is.)"""
+    if not isinstance(pid, int) or pid <= 0:  # a lock file some other program wrote
+        return False
+    try:
+        os.kill(pid, 0)  # no signal: only whether there is a process to send one to
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        pass
+    return True
+
+
+def sweep(output_dir):
+    """After claim(): what writers killed mid-write left (checkpoint.atomic()'s temporary files, *.tmp<pid>).
+    The folder is this run's alone now, so none of them is still being written."""
+    for left in output_dir.glob("*.tmp[0-9]*"):
+        left.unlink(missing_ok=True)

@@ -8,7 +8,10 @@ the step after the one it is in; the others propose theirs when they hear of it 
 the store, polled with every heartbeat); each rank waits for every proposal at its next step
 boundary and stops at the largest. No rank can be past it (DDP keeps the ranks within a step of each
 other) and no collective is added to a step. The guard rails then save the run mid-epoch and end it. A
-second signal while that happens is noted and ignored."""
+second signal while that happens is noted and ignored. Without the store (rank 0, which served it, was
+killed first) no step can be agreed: each rank left ends in one line, the last checkpoint kept. torchrun
+hands SIGTERM on to its workers, and SIGUSR1 as the job scripts tell it to (torch >= 2.10); DataLoader
+workers leave both to their rank (shield_worker())."""
 
 import datetime
 import math
@@ -24,25 +27,30 @@ import torch.distributed as dist
 from common.distributed import print0
 from common.environment import is_rank0
 from common.guards.ending import stop
+from common.guards.watchdog import fail
 
 MARGIN = 30  # seconds beyond a save: the step in flight, the requeue, a save slower than the last
 
 
 class Preemption:
-    """This process's stop: the signal that came, the step it proposed, the step all ranks agreed on. `peers`:
-    (store, rank, world size) of the process group's rendezvous, or None without one; `timeout`: the longest
-    wait for the other ranks' proposals."""
+    """This process's stop: the signal that came, the step it proposed, the step all ranks agreed on.
+    `watchdog`: the process group's rendezvous (watchdog.Watchdog), or None without one; `timeout`: the
+    longest wait for the other ranks' proposals."""
 
-    def __init__(self, peers, timeout):
-        self.peers, self.timeout = peers, timeout
+    def __init__(self, watchdog, timeout):
+        self.watchdog, self.peers, self.timeout = watchdog, watchdog.peers() if watchdog else None, timeout
         self.signal, self.proposal, self.at, self.step = None, None, None, 0
         self.saved_at, self.warned = time.monotonic(), False
         self.once = threading.RLock()  # re-entrant: a second signal can interrupt the handler of the first
+        # --checkpoint-minutes: the saves made so far; the one coming: heard of, this rank's proposal, the step
+        # all agreed on; and the lock that keeps the heartbeat's thread and this one to one proposal
+        self.timed = dict(round=0, heard=False, proposal=None, at=None, lock=threading.Lock())
 
     def catch(self):
         """From here on, SIGTERM and SIGUSR1 stop the run at a step boundary that every rank agrees on."""
         for signum in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(signum, self.received)
+        os.register_at_fork(after_in_child=shield_worker)  # the DataLoader workers this process forks from now on
 
     def received(self, signum, frame):
         """The signal handler: note the first signal and propose a step; a second one changes nothing."""
@@ -58,9 +66,12 @@ class Preemption:
 
     def poll(self, store):
         """With every heartbeat: a rank whose signal is late (or never comes: a signal sent to one rank by hand)
-        proposes its step as soon as another rank's proposal is in the store."""
+        proposes its step as soon as another rank's proposal is in the store; likewise for a timed save."""
         if self.signal is None and store.check(["stop"]):
             self.note(store.get("stop").decode())  # another rank's signal: this one stops alike
+        with self.timed["lock"]:
+            if not self.timed["heard"] and store.check([f"save/{self.timed['round']}"]):
+                self.offer()
 
     def propose(self):
         """This rank's stop step, after the signal is noted: the step after the last one it finished. The
@@ -68,8 +79,11 @@ class Preemption:
         self.proposal = self.step + 1
         if self.peers:
             store, rank, _ = self.peers
-            store.set(f"stop/{rank}", str(self.proposal))
-            store.set("stop", self.signal)
+            try:
+                store.set(f"stop/{rank}", str(self.proposal))
+                store.set("stop", self.signal)
+            except dist.DistError:  # rank 0 was killed first (srun then signals the others): in the handler, one line
+                self.fail_without_store()
 
     def check(self, step):
         """At a step boundary, with `step` steps done (counted over the whole run): True where the run must stop
@@ -89,11 +103,20 @@ class Preemption:
         keys = [f"stop/{r}" for r in range(world_size)]
         try:
             store.wait(keys, datetime.timedelta(seconds=self.timeout))
-        except dist.DistError:
+            return max(int(store.get(key)) for key in keys)
+        except dist.DistError:  # a timeout, or the store is gone
+            pass
+        try:
             missing = [k[5:] for k in keys if not store.check([k])]
-            stop(f"error: rank {rank}: {self.signal} came, but rank {', '.join(missing)} did not agree on a step to "
-                 f"stop at within --dist-timeout {self.timeout} s: the last checkpoint stays")  # fmt: skip
-        return max(int(store.get(key)) for key in keys)
+        except dist.DistError:
+            self.fail_without_store()
+        stop(f"error: rank {rank}: {self.signal} came, but rank {', '.join(missing)} did not agree on a step to "
+             f"stop at within --dist-timeout {self.timeout} s: the last checkpoint stays")  # fmt: skip
+
+    def fail_without_store(self):
+        """End this rank in one line: the store, through which the ranks agree on the step to stop at, is gone."""
+        fail(f"error: rank {self.peers[1]}: {self.signal} came, but {self.watchdog.store_gone()}: no step to stop "
+             "at can be agreed, so nothing is saved: the last checkpoint stays; resume from it with --resume")  # fmt: skip
 
     def exit_code(self):
         """A run stopped by a signal exits as the shell reports a process that signal ended: 128 + its number."""
@@ -112,13 +135,68 @@ class Preemption:
                    f"{lead(spec)} s before its time limit: set #SBATCH --signal=B:USR1@{lead_needed(seconds)} or "
                    "more, or the time limit may cut the last save short")  # fmt: skip
 
-    def due(self, minutes):
-        """--checkpoint-minutes: has rank 0's clock run `minutes` since the last save? Rank 0 decides for all
-        (one small broadcast, at the progress lines only), so that every rank saves at the same step."""
-        verdict = [time.monotonic() - self.saved_at >= 60 * minutes]
-        if dist.is_initialized():
-            dist.broadcast_object_list(verdict, src=0)
-        return verdict[0]
+    def due(self, minutes, step):
+        """--checkpoint-minutes, at the end of every step (`step` counted as check() counts): True where every rank
+        saves here. A rank whose own clock has run `minutes` since the last save proposes the step after this
+        one; the others propose theirs when their own clocks or the store (polled with every heartbeat) tell
+        them, and each saves at the largest proposal, as for a signal: no collective is added to a step, only a
+        clock read. Without other ranks, this process's clock decides at once."""
+        timed = self.timed
+        if not timed["heard"] and time.monotonic() - self.saved_at < 60 * minutes:
+            return False
+        if not self.peers:
+            return True
+        with timed["lock"]:
+            if not timed["heard"]:
+                self.offer()
+        if step < timed["proposal"]:
+            return False
+        if timed["at"] is None:
+            timed["at"] = self.settle()
+        if step < timed["at"]:
+            return False
+        with timed["lock"]:
+            timed.update(round=timed["round"] + 1, heard=False, proposal=None, at=None)
+        return True
+
+    def offer(self):
+        """Propose this rank's step for the coming timed save: the step after the last one it finished (noted
+        first, then the step read, as in propose())."""
+        timed, (store, rank, _) = self.timed, self.peers
+        timed["heard"], timed["proposal"] = True, self.step + 1
+        store.set(f"save/{timed['round']}/{rank}", str(timed["proposal"]))
+        store.set(f"save/{timed['round']}", str(rank))
+
+    def settle(self):
+        """The step of the coming timed save: the largest of every rank's proposals, waited for at most the
+        timeout."""
+        (store, rank, world_size), round_ = self.peers, self.timed["round"]
+        keys = [f"save/{round_}/{r}" for r in range(world_size)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except dist.DistError:
+            missing = [k.rpartition("/")[2] for k in keys if not store.check([k])]
+            stop(f"error: rank {rank}: --checkpoint-minutes called for a save, but rank {', '.join(missing)} did not "
+                 f"agree on a step to save at within --dist-timeout {self.timeout} s: the last checkpoint stays")  # fmt: skip
+        return max(int(store.get(key)) for key in keys)
+
+
+def shield_worker():
+    """In a DataLoader worker this process forked (os.register_at_fork): the signals that stop a run are its
+    rank's to handle. Slurm sends them to every process of a step, Ctrl-C to the process group, torchrun to each
+    worker's group: a worker they ended would end the run unsaved ("killed by signal: Terminated"). The worker
+    ignores them, but for its rank's own SIGTERM, torch's way of ending it (at the latest at the rank's exit)."""
+    for signum in (signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # and in every thread started here: drop() takes it
+    rank = os.getppid()
+
+    def drop():
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank:
+            pass
+        os._exit(0)  # as torch's own handler ends a worker
+
+    threading.Thread(target=drop, daemon=True).start()
 
 
 def job_signal(job):

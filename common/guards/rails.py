@@ -34,6 +34,7 @@ class Guard:
         self.args, self.lock, self.watchdog, self.preemption = None, None, None, None
         self.sampler, self.states, self.sharded, self.epoch_done, self.so_far = None, None, False, None, None
         self.doing = None  # a stage 05 checkpoint read or written from here on: for a failure's one line
+        self.data = None  # the training set's fingerprint (preflight.fingerprint())
 
     def start(self, args):
         """Claim --output-dir, check the launch, and meet the other ranks: returns the rendezvous store for
@@ -42,6 +43,7 @@ class Guard:
         check.check_environment()  # every launcher variable, before anything reads it
         check.check_args(args)
         self.lock = lock.claim(args.output_dir)  # first: one run per folder, and a folder it can write
+        lock.sweep(args.output_dir)
         return self.meet(args)
 
     def meet(self, args):
@@ -58,8 +60,10 @@ class Guard:
         self.watchdog.watch()  # heartbeats: a failed collective names the rank that went silent
         return store
 
-    def agree(self, *datasets):
-        preflight.agree(self.args, *datasets)
+    def agree(self, train_set, test_set):
+        """Every rank trains the same run on the same data; the checkpoints record what it is trained on."""
+        self.data = preflight.fingerprint(train_set)
+        preflight.agree(self.args, train_set, test_set)
 
     def resumable(self, sampler):
         """`sampler`, made able to start an epoch part-way (resume.Sampler)."""
@@ -73,12 +77,11 @@ class Guard:
         self.states, self.sharded = states, sharded
         if sharded and dist.is_initialized():
             preflight.check_shared(self.args.output_dir)
-        peers = self.watchdog.peers() if self.watchdog else None
-        self.preemption = Preemption(peers, self.args.dist_timeout)
+        self.preemption = Preemption(self.watchdog, self.args.dist_timeout)
         self.preemption.catch()
-        if peers:  # a rank may hear of the stop from the store before its own signal arrives
+        if self.watchdog:  # a rank may hear of the stop from the store before its own signal arrives
             self.watchdog.listen(self.preemption.poll)
-        state = resume.state_to_resume(self.args, sharded)
+        state = resume.state_to_resume(self.args, sharded, self.data)
         if state is not None and state["folder"]:  # every rank reads its shards: .metadata too, building nothing else
             state["reader"] = safeload.reader(state["folder"])
             self.doing = f"read {state['folder']}"
@@ -96,13 +99,14 @@ class Guard:
             self.preemption.saved(time.monotonic() - self.epoch_done)
             self.epoch_done = None
         self.doing = None
+        count = epoch * 2**32 + step  # a step count that grows across epochs
         if batch % args.log_interval == 0:
             divergence.check_loss(epoch, step - 1, totals, args.output_dir)
-        if self.preemption.check(epoch * 2**32 + step):  # a step count that grows across epochs
+        if self.preemption.check(count):
             self.save(epoch, step, totals)
             distributed.print0(f"saved at epoch {epoch}, step {step}: resume with --resume ({self.preemption.signal})")
             raise SystemExit(self.preemption.exit_code())
-        if args.checkpoint_minutes and batch % args.log_interval == 0 and self.preemption.due(args.checkpoint_minutes):
+        if args.checkpoint_minutes and self.preemption.due(args.checkpoint_minutes, count):
             self.save(epoch, step, totals)
             distributed.print0(f"saved at epoch {epoch}, step {step} (--checkpoint-minutes {args.checkpoint_minutes})")
 
@@ -148,7 +152,7 @@ class Guard:
     def state_dict(self):
         """What a checkpoint keeps of how the run was made (the stage puts the guard among its states), to
         refuse a resume that would change it (resume.find())."""
-        return {"flags": preflight.defining(self.args), "cut": self.so_far}
+        return {"flags": preflight.defining(self.args), "data": self.data, "cut": self.so_far}
 
     def load_state_dict(self, state):
         """Nothing to load: resume() compared the checkpoint with this run before anything was loaded."""

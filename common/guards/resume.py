@@ -49,7 +49,7 @@ def restarts(env=os.environ):
     return integer("SLURM_RESTART_COUNT", 0, env=env), integer("TORCHELASTIC_RESTART_COUNT", 0, env=env)
 
 
-def state_to_resume(args, sharded):
+def state_to_resume(args, sharded, fingerprint):
     """Every rank: the checkpoint this run continues, read by rank 0 and handed to all (only its node needs the
     folder, except in stage 05), or None to start afresh; where it cannot continue, every rank ends with rank
     0's reason."""
@@ -61,7 +61,7 @@ def state_to_resume(args, sharded):
     box = [None, None]
     if is_rank0():
         try:
-            box[0] = find(args, SHARDED if sharded else WHOLE, restarted)
+            box[0] = find(args, SHARDED if sharded else WHOLE, restarted, fingerprint)
         except SystemExit as verdict:  # for every rank: they end together, rank 0 says why
             box[1] = verdict.code
     if dist.is_initialized():
@@ -76,9 +76,10 @@ def state_to_resume(args, sharded):
     return state
 
 
-def find(args, name, restarted):
+def find(args, name, restarted, fingerprint):
     """Rank 0: the state of the checkpoint to resume from (a stage 05 folder: its state.pt, with "folder"
-    added), or None to start afresh; a SystemExit saying why where it cannot."""
+    added), or None to start afresh; a SystemExit saying why where it cannot. `fingerprint`: that of the
+    training set this run reads (preflight.fingerprint())."""
     if args.resume is None and not restarted:
         for found in (args.output_dir / WHOLE, args.output_dir / SHARDED):
             if found.exists():  # whole or sharded, of any stage: a fresh run would overwrite its metrics.csv
@@ -103,25 +104,38 @@ def find(args, name, restarted):
     if state["folder"] and name == WHOLE:
         raise SystemExit(f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
                          "weights with its --save-model")  # fmt: skip
-    # a checkpoint from before an option existed does not record it: what it records must match
-    now = defining(args)
-    differ = [
-        f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in state["run"]["flags"].items() if now.get(k) != v
-    ]
-    if differ:
-        raise SystemExit(f"error: {path} was written with {', '.join(differ)}: resume with the same options, or "
-                         "use another --output-dir")  # fmt: skip
+    if problem := mismatch(state, args, fingerprint):
+        raise SystemExit(f"error: {path} {problem}")
     return state
+
+
+def mismatch(state, args, fingerprint):
+    """Why this run cannot continue the one a checkpoint's `state` holds, or None. A checkpoint from before an
+    option (or the data's fingerprint) was recorded does not record it: what it records must match."""
+    now, run = defining(args), state["run"]
+    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in run["flags"].items() if now.get(k) != v]
+    if differ:
+        return f"was written with {', '.join(differ)}: resume with the same options, or use another --output-dir"
+    if run.get("data", fingerprint) != fingerprint:  # <samples>-<hash> (preflight.fingerprint)
+        return (f"was trained on other data: its training set was {run['data']}, here {fingerprint} in --data-dir "
+                f"{args.data_dir}: resume on the data it was trained on, or use another --output-dir")  # fmt: skip
+    epoch, step = state["epoch"], state["step"]
+    if args.epochs < epoch:  # "done", and --save-model would export more epochs than asked for, or a part of one
+        return (f"holds epoch {epoch}{f', step {step}' if step else ''}, past --epochs {args.epochs}: nothing to "
+                f"do; give --epochs {epoch if step else epoch + 1} or more to continue it")  # fmt: skip
+    return None
 
 
 def load(path):
     """A checkpoint's run state: checkpoint.pt, or a sharded folder's state.pt with its shards checked and
     "folder" added; Unusable if it is damaged or no training checkpoint, Planted if it would run code."""
     folder = path.resolve() if path.is_dir() else None
+    file = folder / "state.pt" if folder else path
+    if file.exists() and not file.is_file():  # a FIFO blocks the read for ever, where a signal is only noted
+        raise Unusable(f"{file} is not a regular file (a FIFO, a socket or a device)")
     try:
         state = read(path)
     except pickle.UnpicklingError:  # it names what weights_only refuses to call: a pickle that would run code
-        file = folder / "state.pt" if folder else path
         raise Planted(f"{file} is not a checkpoint this repository wrote (torch.load with weights_only=True "
                       "refuses it): it may be planted") from None  # fmt: skip
     except Exception as err:  # a truncated file

@@ -166,6 +166,11 @@ class Watchdog:
         closes (the preemption guard hears there of a stop another rank proposed)."""
         self.listeners.append(fn)
 
+    def store_gone(self):
+        """In words, why the store fails once the process that served it has ended."""
+        return (f"the rendezvous store at {self.where} is gone: rank 0 (or torchrun), which served it, ended first "
+                "(killed, out of memory; its own error, if it had one, is above)")  # fmt: skip
+
     def peers(self):
         """(store, rank, world size) of this process's process group, for the guard rails that talk through the
         store; None before rendezvous()."""

@@ -8,6 +8,8 @@
   FAULT_RANK=r FAULT_SLOW=f   rank r's matrix products (torch.mm) take f times as long (a slow GPU or node);
   FAULT_RANK=r FAULT_TORCH=v  rank r's torch reports version v (another environment on one node);
   FAULT_RANK=r FAULT_SLOW_SAVE=s  every torch.save of rank r waits s seconds first (a slow file system);
+  FAULT_RANK=r FAULT_FULL=n   after rank r's n-th optimizer step, a file fills the disk of its --output-dir
+                              (another job that fills a shared disk);
   RECORD_SAMPLES=path         every DistributedSampler appends (rank, epoch, indices) to path;
   RECORD_BATCHES=path         every batch the default loader builds appends (rank, set size, indices) to path;
   NO_DROPOUT=1                every dropout layer passes its input through: each rank draws its own
@@ -34,6 +36,7 @@ if "FAULT_RANK" in env and rank == env["FAULT_RANK"]:
     import errno
     import io
     import signal
+    import sys
     import time
 
     import torch
@@ -50,7 +53,20 @@ if "FAULT_RANK" in env and rank == env["FAULT_RANK"]:
         if calls["step"] == int(env.get("FAULT_NAN", 0)):
             with torch.no_grad():
                 self.param_groups[0]["params"][0].fill_(float("nan"))
+        if calls["step"] == int(env.get("FAULT_FULL", 0)):
+            fill(sys.argv[sys.argv.index("--output-dir") + 1])
         return result
+
+    def fill(folder):
+        fd = os.open(os.path.join(folder, "filler"), os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(fd, bytes(2**16)):
+                pass
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+        finally:
+            os.close(fd)
 
     def faulty_save(obj, f, *args, **kwargs):
         calls["save"] += 1
