@@ -15,8 +15,7 @@ Changes from stage 04:
   - mixed precision: FSDP's policies (amp.policies) instead of autocast;
   - sharded checkpoints: checkpoint.save_sharded(), each rank writing its own shards;
   - --compile: per block, before fully_shard, instead of the whole DDP model;
-  - memory: the memory line, and two memory savers, which the other stages refuse: micro-batches
-    (--grad-accum, the loop in train()) and recomputed activations (--checkpoint-activations).
+  - memory: the memory line; two savers the other stages lack: --grad-accum, --checkpoint-activations.
 
 Reading it: the model, data and loss come from the task (--task FILE; MNIST by default); each line that
 uses `guard` is a guard rail (common/guards/) that says what it guards: the training reads the same without.
@@ -113,13 +112,14 @@ def main(guard):
     test_loader = data.loader(test_set, test_shard.indices, args.test_batch_size, args, device)
 
     model = task.model(args).to(device)
+    units = getattr(task, "blocks", blocks)(model)  # the task's, else the layers its nn.Sequential or ModuleList lists
     mesh = distributed.mesh(args, world_size, device)  # several nodes: shard within each, replicate across (HSDP)
     metrics.memory(model, args, world_size, mesh)
     if args.checkpoint_activations:  # a memory saver: keep each block's input only, rerun its forward in backward()
-        for block in blocks(model):
+        for block in units:
             recompute(block)
     if args.compile:  # per block, the unit FSDP gathers and frees, as PyTorch documents for FSDP2
-        for block in blocks(model):
+        for block in units:
             block.compile()
     block_policy, norm_policy, root_policy = amp.policies(device, args)  # --amp: FSDP's bf16 compute over fp32 shards
     if dist.is_initialized():  # a plain `python train.py` has no process group: nothing to wrap
@@ -127,7 +127,7 @@ def main(guard):
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         for norm in norms(model):  # BatchNorm layers: units of their own, in fp32 under --amp
             fully_shard(norm, mesh=mesh, mp_policy=norm_policy)
-        for block in blocks(model):  # each block's weights are gathered just before it runs, then freed
+        for block in units:  # each block's weights are gathered just before it runs, then freed
             fully_shard(block, mesh=mesh, mp_policy=block_policy)
         fully_shard(model, mesh=mesh, mp_policy=root_policy)  # the rest at the root; gradients reduce-scattered
     optimizer = optim.optimizer(args, model.parameters())

@@ -3,6 +3,8 @@ takes one with --task FILE (this file by default), a Python file that defines:
 
   model(args)           the nn.Module to train
   datasets(args)        (training set, test set) of (input, label) pairs, the label a class number
+  loss(output, target)  optional: the loss to train with (default: cross-entropy, on logits or log-probabilities)
+  blocks(model)         optional: what stage 05 shards one at a time and recomputes (default: common/models.py)
   add_arguments(group)  optional: the task's own options
   check(args)           optional: what is wrong with them, in a few words, or None
 
