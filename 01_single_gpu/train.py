@@ -120,7 +120,7 @@ def main(guard):
         train_totals = train(model, device, train_loader, optimizer, scaler, loss_fn, epoch, args, guard)
         seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
         totals = torch.cat([train_totals, evaluate(model, device, val_loader, loss_fn, len(val_set)),
-                            evaluate(model, device, test_loader, loss_fn, len(test_set))])
+                            evaluate(model, device, test_loader, loss_fn, len(test_set))])  # fmt: skip
         guard.check_epoch(epoch, totals.tolist())  # guard: nothing non-finite is logged or saved
         log.epoch(epoch, scheduler.get_last_lr()[0], seconds, totals.tolist())
         scheduler.step()

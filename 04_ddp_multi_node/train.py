@@ -131,7 +131,7 @@ def main(guard):
         train_totals = train(model, device, train_loader, optimizer, scaler, loss_fn, epoch, args, guard)
         seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
         totals = torch.cat([train_totals, evaluate(model, device, val_loader, loss_fn, val_shard.samples),
-                            evaluate(model, device, test_loader, loss_fn, test_shard.samples)])
+                            evaluate(model, device, test_loader, loss_fn, test_shard.samples)])  # fmt: skip
         if dist.is_initialized():
             dist.all_reduce(totals)  # sums over the ranks: losses, samples, correct answers
         guard.check_epoch(epoch, totals.tolist())  # guard: nothing non-finite is logged or saved
