@@ -35,9 +35,10 @@ XDIST = $(shell $(PYTHON) -c "import xdist" 2>/dev/null && echo "--numprocesses 
 test: $(VENV) $(DATA)  ## everyday: CPU only, no root, under 3 minutes on 2 cores (WORKERS tests at a time, default 2)
 	$(PYTHON) -m pytest -m "not slow and not slurm" $(XDIST)
 
-test-all: $(VENV) $(DATA)  ## everything: the real Slurm cluster's tests (root) one at a time, then the rest WORKERS at a time
+# test-all runs make test first, once per make call: `make test test-all` (.ci/run) runs each test once
+test-all: test  ## everything: make test, the real Slurm cluster's tests (root) one at a time, then the slow ones WORKERS at a time
 	$(PYTHON) -m pytest -m slurm
-	$(PYTHON) -m pytest -m "not slurm" $(XDIST)
+	$(PYTHON) -m pytest -m "slow and not slurm" $(XDIST)
 
 # The oldest torch each stage and the doctor run on (common/guards/versions.py), each from PyPI into .venv-min/<torch>/
 # with the torchvision built for it; tests/test_versions.py runs there what each is the minimum of (one epoch,

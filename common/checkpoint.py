@@ -90,7 +90,7 @@ def save_sharded(output_dir, epoch, states, step=0):
         shutil.rmtree(folder, ignore_errors=True)  # what a save killed half-way left behind
     if dist.is_initialized():
         dist.barrier()
-    # tensors only: DCP loads any other item with torch.load(weights_only=False), which would run what it names
+    # tensors only: DCP unpickles any other item unrestricted, which would run whatever it names
     dcp.save({"model": weights, "optimizer": optimizer_state["state"]}, checkpoint_id=folder)
     if is_rank0():
         rest = {name: thing for name, thing in states.items() if name not in SPLIT}

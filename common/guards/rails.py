@@ -17,6 +17,7 @@ import re
 import shutil
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -157,15 +158,16 @@ class Guard:
     def load_state_dict(self, state):
         """Nothing to load: resume() compared the checkpoint with this run before anything was loaded."""
 
-    def close(self):
+    def close(self, together):
+        """Stop the heartbeat; with `together`, rank 0 (which serves the store) waits until every rank has left."""
         if self.watchdog:
-            self.watchdog.leave()
+            self.watchdog.leave(together)
 
 
 def run(main):
     """main(guard), the last line of every stage: any way it ends, the run ends with one line that says what
     happened and what to do, instead of a traceback; nothing is lost that a checkpoint holds."""
-    guard = Guard()
+    guard, together = Guard(), True  # together: every rank ends here alike, and rank 0 waits for the others
     try:
         main(guard)
         code = 0
@@ -173,14 +175,17 @@ def run(main):
         if is_rank0():  # Ctrl-C reaches every rank of the terminal's launch: one says it
             print("error: interrupted (Ctrl-C): the checkpoint of the last finished epoch is kept in --output-dir: "
                   "continue with --resume", file=sys.stderr, flush=True)  # fmt: skip
-        code = 130  # the shell's code for a run ended by SIGINT
-    except SystemExit as stop:
+        code, together = 130, False  # the shell's code for a run ended by SIGINT
+    except SystemExit as stop:  # the end of a run, a verdict every rank reached, or a usage error
         code = stop.code
-    except Exception as err:  # each kind explain() knows becomes one line; any other is re-raised as it was
-        code = explain(err, guard)
-        if code is None:
+    except BaseException as err:  # each kind explain() knows becomes one line (CheckpointException is no Exception)
+        code, together = explain(err, guard), False
+        if code is None and guard.watchdog is None:
             raise
-    guard.close()
+        if code is None:  # a rank of a process group: the traceback, then no teardown that could hang or abort
+            traceback.print_exc()
+            code = 1
+    guard.close(together)
     end(code, joined=guard.watchdog is not None)
 
 

@@ -211,9 +211,10 @@ class Watchdog:
         return (f"error: rank {rank}: a collective failed within --dist-timeout {timeout} s: {cause} "
                 f"[{type(error).__name__}: {str(error).splitlines()[0][:160]}]")  # fmt: skip
 
-    def leave(self):
-        """Stop the heartbeat, then wait for every rank to leave if this one serves the store (rank 0, unless
-        torchrun's agent does): a heartbeat sent to a closed store prints a C++ stack trace after the summary."""
+    def leave(self, together=True):
+        """Stop the heartbeat, then, where every rank ends `together`, wait for all to leave if this one serves the
+        store (rank 0, unless torchrun's agent does): a heartbeat sent to a closed store prints a C++ stack trace
+        after the summary. After a failure the others may never come: no wait."""
         if not self.beat:
             return
         self.stopping.set()
@@ -222,7 +223,7 @@ class Watchdog:
         store, end = self.store, time.monotonic() + self.timeout
         try:
             store.add("left", 1)
-            while self.serves and store.add("left", 0) < self.world_size and time.monotonic() < end:
+            while together and self.serves and store.add("left", 0) < self.world_size and time.monotonic() < end:
                 time.sleep(0.05)
         except dist.DistError:
             pass
