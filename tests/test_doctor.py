@@ -6,10 +6,13 @@ import shutil
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 from helpers import REPO, clean_env, free_port, one_error, srun_like
 
+from common import cli
 from common.guards import preflight
 
 DOCTOR = REPO / "tools" / "doctor.py"
@@ -67,12 +70,54 @@ def test_faults_on_one_rank_are_fail_lines_naming_it(tiny_data, tmp_path):
     assert "rank 0 (" in failed["GPU per rank"] and "rank 1 (" in failed["GPU per rank"], rank0
     assert "rank 1 (" in failed["torch version"] and ": 2.0.0, the others" in failed["torch version"]
     assert failed["torch minimum"].startswith("rank 1 (") and "2.0.0, where 01_single_gpu needs ≥ 2.3" in rank0
-    assert "t10k-labels-idx1-ubyte missing on rank 1 (" in failed["data"] and "rank 0" not in failed["data"]
+    assert failed["data"].startswith("rank 1 (") and "cannot load it" in failed["data"], failed["data"]
+    assert "(missing t10k-labels-idx1-ubyte)" in failed["data"] and "rank 0" not in failed["data"]
     assert failed["output folder"].startswith("rank 1 (") and "cannot write out" in failed["output folder"]
     assert failed["stragglers"].startswith("rank 1 (")
     assert set(failed) == {"ranks per node", "GPU per rank", "torch version", "torch minimum", "data", "output folder",
                            "stragglers"}  # fmt: skip
     assert json.loads((nodes[0] / "out/doctor.json").read_text())["checks"][0]["status"] == "PASS"
+
+
+VECTORS = """# A task of its own: vectors of 12 numbers in 3 classes, saved in --data-dir/vectors.pt
+import torch
+from torch import nn
+
+
+def model(args):
+    return nn.Linear(12, 3)
+
+
+def datasets(args):
+    vectors, labels = torch.load(args.data_dir / "vectors.pt")
+    return torch.utils.data.TensorDataset(vectors[:32], labels[:32]), torch.utils.data.TensorDataset(vectors[32:], labels[32:])
+"""
+
+
+@pytest.mark.parametrize("theirs", ["the same", "other"])
+def test_another_tasks_data_is_compared_across_ranks(tmp_path, theirs):
+    """--task: two srun-style ranks, each in its own working folder, load the task's own data (no MNIST
+    anywhere). The same vectors pass, the line naming the fingerprints of its training and test sets; other
+    vectors on rank 1 are a FAIL line naming rank 1."""
+    task = tmp_path / "vectors.py"
+    task.write_text(VECTORS)
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node, seed in zip(nodes, (0, 0 if theirs == "the same" else 1), strict=True):
+        (node / "data").mkdir(parents=True)
+        generator = torch.Generator().manual_seed(seed)
+        vectors = (torch.randn(40, 12, generator=generator), torch.randint(3, (40,), generator=generator))
+        torch.save(vectors, node / "data/vectors.pt")
+    codes, (rank0, rank1) = srun_like(2, DOCTOR, "--task", task, "--data-dir", "data", "--output-dir", "out",
+                                      "--dist-timeout", 10, cwds=nodes, timeout=60)  # fmt: skip
+    assert "Traceback" not in rank0 + rank1 and not rank1.strip(), rank0 + rank1
+    status, detail = table(rank0)["data"]
+    if theirs == "the same":
+        sets = cli.load_task(task).datasets(SimpleNamespace(data_dir=nodes[0] / "data"))
+        assert status == "PASS" and " / ".join(map(preflight.fingerprint, sets)) in detail, rank0
+        assert codes == [0, 0], rank0
+    else:
+        assert status == "FAIL" and detail.startswith("rank 1 (") and "rank 0" not in detail, rank0
+        assert codes == [1, 1], rank0
 
 
 @pytest.mark.slow

@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from helpers import REPO, free_port, run
 from test_equivalence import ARGS, CPU, RUN, stage
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from common import amp, models, optim
+from common import amp, cli, models, optim
 
 sys.path.insert(0, str(REPO / "tools"))
 import plan  # noqa: E402
@@ -76,6 +77,15 @@ def test_the_plans_activations_are_what_a_training_step_saves(tiny_data):
     args = plan.parse(["--batch-size", "8", "--optimizer", "adadelta"])
     planned = plan.per_gpu(args, 1, plan.measure(args))["DDP"]["activations"]
     model = plan.build(args)
+    batch = [(torch.randn(8, 1, 28, 28), torch.randint(10, (8,)))]
+    optimizer = torch.optim.Adadelta(model.parameters())
+    scaler, loss_fn = amp.scaler(CPU, ARGS), F.cross_entropy  # the built-in task's loss: the stage's default
+    train = stage("01_single_gpu").train
+    assert saved_bytes(model, lambda: train(model, CPU, batch, optimizer, scaler, loss_fn, 1, ARGS, RUN)) == planned > 0
+
+
+def saved_bytes(model, step):
+    """Bytes of the tensors `step` saves for backward, counted once by storage, the weights of `model` left out."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = {}
 
@@ -84,11 +94,54 @@ def test_the_plans_activations_are_what_a_training_step_saves(tiny_data):
             saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 
-    batch = [(torch.randn(8, 1, 28, 28), torch.randint(10, (8,)))]
-    optimizer = torch.optim.Adadelta(model.parameters())
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        stage("01_single_gpu").train(model, CPU, batch, optimizer, amp.scaler(CPU, ARGS), 1, ARGS, RUN)
-    assert sum(saved.values()) == planned > 0
+        step()
+    return sum(saved.values())
+
+
+MLP = """# A task of its own: an MLP on random vectors of 12 numbers in 3 classes, with its own loss and blocks.
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def model(args):
+    return nn.Sequential(nn.Linear(12, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+
+
+def datasets(args):
+    generator = torch.Generator().manual_seed(0)
+    vectors = torch.randn(40, 12, generator=generator)
+    labels = torch.randint(3, (40,), generator=generator)
+    return torch.utils.data.TensorDataset(vectors[:32], labels[:32]), torch.utils.data.TensorDataset(vectors[32:], labels[32:])
+
+
+def loss(output, target):
+    return F.cross_entropy(output**2, target)  # the square saves the output: more than cross-entropy alone
+
+
+def blocks(model):
+    return [model[:2], model[2:]]
+"""
+
+
+def test_another_tasks_model_data_loss_and_blocks_are_planned(tmp_path, capsys):
+    """--task: its model, a batch shaped as its training samples, its loss and its blocks (the largest unit
+    FSDP gathers is its second block, not the largest Linear that common/models.py's blocks() would find)."""
+    path = tmp_path / "mlp.py"
+    path.write_text(MLP)
+    args = plan.parse(["--task", str(path), "--batch-size", "8"])
+    measured = plan.measure(args)
+    task = cli.load_task(path)
+    assert sum(p.numel() for p in measured[0].parameters()) == 12 * 64 + 64 + 64 * 64 + 64 + 64 * 3 + 3
+    assert measured[3] == 64 * 64 + 64 + 64 * 3 + 3
+    model = plan.build(args)
+    x, y = (t.clone() for t in task.datasets(args)[0][:8])  # a batch of its own, as a DataLoader collates it
+    real = saved_bytes(model, lambda: task.loss(model(x), y).backward())
+    assert plan.per_gpu(args, 1, measured)["DDP"]["activations"] == real > 0
+    plan.main(["--task", str(path), "--batch-size", "8", "--max-gpus", "2"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"{path} (0.0 M parameters), global batch 8, adadelta") and "| 2 | FSDP |" in out
 
 
 def test_the_plan_answers_with_sbatch_lines_in_seconds():

@@ -98,6 +98,31 @@ def test_rows_on_paper_with_bandwidth(tmp_path, capsys):
     )
 
 
+def test_the_models_size_is_the_one_the_checkpoint_records(tmp_path, capsys):
+    """A run of a task of its own names no model of common/models.py: its checkpoint records the parameter
+    count, which the rows on paper use (before a count that models.build() would make of its options);
+    --params overrides it."""
+    one = write_run(tmp_path / "one", 1, [500, 1000], [90, 95], seconds=(1, 1))
+    two = write_run(tmp_path / "two", 2, [500, 1500], [90, 95], seconds=(1, 1))
+    torch.save({"run": {"flags": {"batch_size": 64, "task": "mlp.py"}, "parameters": 1_000_000}}, one / "checkpoint.pt")
+    named = {"batch_size": 64, "model": "net", "dataset": "mnist"}  # the recorded count wins over Net's 1,199,882
+    torch.save({"run": {"flags": named, "parameters": 3_000_000}}, two / "checkpoint.pt")
+    assert "1,000,000 fp32 gradients (4.0 MB) at 1 GB/s" in report(capsys, one, two, "--bandwidth", 1)
+    assert "3,000,000 fp32 gradients" in report(capsys, two, "--bandwidth", 1)
+    assert "250,000 fp32 gradients (1.0 MB)" in report(capsys, one, two, "--bandwidth", 1, "--params", 250_000)
+
+
+@pytest.mark.slow
+def test_a_sharded_run_records_the_whole_models_size(tiny_data, tmp_path, capsys):
+    """Stage 05 on 2 ranks: each holds half of every parameter, its checkpoint records the whole Net's count."""
+    args = stage_args(tiny_data, tmp_path / "run", "--epochs", 1, "--batch-size", 28, "--dist-timeout", 30)
+    result = torchrun(2, REPO / "05_fsdp/train.py", *args)
+    assert result.returncode == 0, result.stderr[-2000:]
+    state = torch.load(tmp_path / "run/checkpoint/state.pt", weights_only=True)
+    assert state["run"]["parameters"] == 1_199_882  # models.Net
+    assert "1,199,882 fp32 gradients" in report(capsys, tmp_path / "run", "--bandwidth", 1)
+
+
 @pytest.mark.slow
 def test_without_matplotlib_a_plot_is_refused(tmp_path):
     hide = "import sys, runpy; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rpartition('/')[0]); runpy.run_path(sys.argv[0], run_name='__main__')"

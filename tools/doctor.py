@@ -6,14 +6,15 @@ per line, PASS, WARN or FAIL, each with its fix.
     torchrun --standalone --nproc-per-node=N tools/doctor.py
     cd tools && sbatch doctor.slurm                   # your cluster: give it your job's #SBATCH lines
 
-Every rank gathers its facts (GPU, CPUs, versions, network, files, Slurm) and runs the collectives
-(exact all-reduces, a bandwidth sweep, a fixed computation to find a slow rank); rank 0 prints the
-table and writes it, with every rank's facts, to <output-dir>/doctor.json. Exit status 1 if a line FAILs.
+Every rank gathers its facts (GPU, CPUs, versions, network, the data of the task (--task, as the stages'),
+files, Slurm) and runs the collectives (exact all-reduces, a bandwidth sweep, a fixed computation to find a
+slow rank); rank 0 prints the table and writes it, with every rank's facts, to <output-dir>/doctor.json.
+Exit status 1 if a line FAILs.
 A rank that never arrives, or stops answering, ends the doctor within --dist-timeout with the one-line
 error a training run would print.
 """
 
-import hashlib
+import argparse
 import ipaddress
 import json
 import os
@@ -31,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
-from common import cli, data, distributed  # noqa: E402
+from common import cli, distributed  # noqa: E402
 from common.environment import cpus_per_rank  # noqa: E402
-from common.guards import preemption, rails, versions  # noqa: E402
+from common.guards import preemption, preflight, rails, versions  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]  # every dtype the stages all-reduce or train in
 FLOOR_GBPS = {"within nodes": 5, "across nodes": 1}  # busbw below PCIe 3 x16 / 10 GbE: the fast links are not used
@@ -42,19 +43,31 @@ FIX = {
     "gpu": "ask Slurm for one task per GPU (--ntasks-per-node = the N of --gres=gpu:N) and let setup() pick local_rank's GPU",
     "software": "use one environment on every node: the same module, venv or container, and the same checkout",
     "network": "set MASTER_ADDR to rank 0's host name (srun tasks find it themselves), resolving alike on every node",
-    "data": "copy MNIST/raw/ to every node's --data-dir (`make data` on a login node), or put it on a shared filesystem",
+    "data": "give every rank the same data: copy it to every node's --data-dir (`make data` on a login node), or put it on a shared filesystem",
     "output": "choose an --output-dir every node can write",
     "slow": "look at that host: another job on its GPU or CPUs, thermal throttling, a lower clock (nvidia-smi -q -d CLOCK)",
 }
 
 
 def parse_args():
+    """The doctor's options and those of its task (--task, as the stages take it): (args, the task, the
+    arguments the task's datasets() sees: a training run's defaults, with --data-dir and the task's options)."""
+    first = argparse.ArgumentParser(add_help=False)  # --task first: the task file adds options of its own
+    first.add_argument("--task", type=Path, default=cli.TASK)
+    path = first.parse_known_args()[0].task
+    task = cli.load_task(path)
     p = cli.Parser(description="check a cluster for multi-node training, launched as a training stage is")
+    p.add_argument(
+        "--task",
+        type=Path,
+        default=cli.TASK,
+        help="as the stages': its training and test sets are loaded and compared on every rank (default: common/tasks/images.py, MNIST)",
+    )
     p.add_argument(
         "--data-dir",
         type=Path,
         default=cli.REPO / "data",
-        help="as the stages': MNIST/raw/ is checked on every rank (default: the repository's data/)",
+        help="as the stages': where the task finds its data (default: the repository's data/)",
     )
     p.add_argument(
         "--output-dir",
@@ -74,8 +87,14 @@ def parse_args():
         help="seconds any wait for the other ranks may last (default: 60)",
     )
     p.add_argument("--no-cuda", action="store_true", help="check the CPU and gloo path even where GPUs are visible")
+    if hasattr(task, "add_arguments"):
+        task.add_arguments(p.add_argument_group(f"the task's options ({path.name})"))
     p.set_defaults(batch_size=0, sync_bn=False)  # what setup() checks of a training run: the doctor trains nothing
-    return p.parse_args()
+    args = p.parse_args()
+    training = argparse.Namespace(**vars(cli.parser(Path(__file__)).parse_args([])) | vars(args))
+    if hasattr(task, "check") and (problem := task.check(training)):
+        p.error(problem)
+    return args, task, training
 
 
 def run(*cmd):
@@ -107,12 +126,19 @@ def interface_to(ip):
     return mine
 
 
-def file_facts(args, rank, world_size):
-    """The checksums of the MNIST files this rank sees; whether it can write --output-dir, which ranks'
-    files it sees there (on a shared folder, all of them), and the free space."""
-    folder = args.data_dir / data.SETS["mnist"].folder
-    files = {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() if (folder / name).is_file() else "missing"
-             for name in data.FILES}  # fmt: skip
+def data_facts(task, training):
+    """The fingerprints (preflight.fingerprint) of the task's training and test sets as this rank loads
+    them, or why it cannot load them."""
+    try:
+        return {"fingerprints": [preflight.fingerprint(s) for s in task.datasets(training)[:2]], "error": None}
+    except (Exception, SystemExit) as err:  # the task's own code, or its one-line error: anything can fail
+        cause = str(err).removeprefix("error: ") if isinstance(err, SystemExit) else f"{type(err).__name__}: {err}"
+        return {"fingerprints": None, "error": cause.splitlines()[0] if cause.strip() else type(err).__name__}
+
+
+def file_facts(args, task, training, rank, world_size):
+    """The task's data as this rank sees it; whether it can write --output-dir, which ranks' files it sees
+    there (on a shared folder, all of them), and the free space."""
     try:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         (args.output_dir / f".doctor-{rank}").write_text(socket.gethostname())
@@ -123,7 +149,7 @@ def file_facts(args, rank, world_size):
         dist.barrier()  # every rank has written its file
     sees = [r for r in range(world_size) if (args.output_dir / f".doctor-{r}").exists()]
     return {
-        "data": files,
+        "data": data_facts(task, training),
         "output": problem,
         "sees": sees,
         "free_gb": 0 if problem else disk.f_bavail * disk.f_frsize / 1e9,
@@ -362,14 +388,19 @@ def check_stragglers(run):
 
 
 def check_data(run):
-    first = run.everyone[0]["data"]
-    odd = [f"{n} {'missing' if f['data'][n] == 'missing' else 'differs from rank 0'} on {who([f])}"
-           for f in run.everyone for n in data.FILES if f["data"][n] != first[n] or f["data"][n] == "missing"]  # fmt: skip
-    unpublished = (
-        [] if first == data.FILES else ["the same files on every rank, but not MNIST's published ones (sha256)"]
-    )
-    ok = f"MNIST's files on every rank under {run.args.data_dir}"
-    yield verdict("data", odd or unpublished, ok, FIX["data"], "FAIL" if odd else "WARN")
+    """The task's training and test sets: loaded on every rank, and alike (as preflight.agree() will require)."""
+    broken = [f"{who([f])}: cannot load it ({f['data']['error']})" for f in run.everyone if f["data"]["error"]]
+    loaded = by([f | {"sets": " / ".join(f["data"]["fingerprints"])} for f in run.everyone if not f["data"]["error"]],
+                "sets")  # fmt: skip
+    usual = max(loaded, key=lambda v: len(loaded[v]), default=None)
+    differ = [
+        f"{who([f])}: training / test set {sets}, the others {usual}"
+        for sets, fs in loaded.items()
+        if sets != usual
+        for f in fs
+    ]
+    ok = f"{run.args.task.name}'s training / test set alike on every rank: {usual}"
+    yield verdict("data", broken + differ, ok, FIX["data"])
 
 
 def check_output_folder(run):
@@ -434,7 +465,7 @@ def judge(args, everyone, device):
 
 def main(guard):
     versions.require(__file__)
-    args = parse_args()
+    args, task, training = parse_args()
     nccl_log = None
     if torch.cuda.is_available() and not args.no_cuda and "NCCL_DEBUG" not in os.environ:
         # NCCL names the transport of each connection: into a file per process, read after the collectives
@@ -442,7 +473,7 @@ def main(guard):
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_FILE=str(args.output_dir / "nccl-%h-%p.log"))
         args.output_dir.mkdir(parents=True, exist_ok=True)
     rank, local_rank, world_size, device = distributed.setup(args, guard.meet(args))  # bounded, and named
-    mine = {"rank": rank, **facts(args, local_rank, device), **file_facts(args, rank, world_size)}
+    mine = {"rank": rank, **facts(args, local_rank, device), **file_facts(args, task, training, rank, world_size)}
     hosts = gather(mine["host"])
     mine.update(all_reduce=[], bandwidth={}, compute_s=compute_time(device), requeue=None)
     if world_size > 1:

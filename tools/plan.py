@@ -2,7 +2,9 @@
 03, 04), FSDP and HSDP (stage 05) on every allocation up to --max-gpus (part of one node, or whole nodes),
 and the smallest allocation that fits, as #SBATCH lines. `make plan ARGS="--model wideresnet --depth 28
 --width 10 --dataset cifar100 --batch-size 512 --amp --optimizer sgd --momentum 0.9 --gpu-memory 80
---gpus-per-node 4"`. No data is read: the shapes come from the data set's description.
+--gpus-per-node 4"`. The model, its blocks and its loss are the task's (--task FILE, as the stages take it);
+the batch is shaped as one sample of the task's training set, which is loaded for it. The built-in task's
+shapes come from common/data.py's description of its data sets: planning a CIFAR-100 job needs no download.
 
 Per GPU:
   - weights, gradients and optimizer state: exact, from the model and the optimizer; FSDP and HSDP keep
@@ -33,11 +35,25 @@ MiB = 2**20
 ALLOWANCE = 1024 * MiB  # the CUDA context, cuBLAS/cuDNN workspaces and NCCL's buffers, per GPU
 
 
+def builtin(args):
+    """Whether --task is the built-in one, whose data sets common/data.py describes."""
+    return args.task.resolve() == cli.TASK
+
+
 def build(args):
-    """The stage's model for the data set's image shape, on the CPU, in the order fully_shard sees it."""
-    spec = data.SETS[args.dataset]
+    """The task's model, on the CPU, in the order fully_shard sees it."""
     torch.manual_seed(0)
-    return models.build(args.model, len(spec.mean), spec.classes, spec.size, args.depth, args.width)
+    return cli.load_task(args.task).model(args)
+
+
+def sample(args, task):
+    """(input, label) shaped as one of the task's training samples: for the built-in task, from the
+    description of its data set (its files need not be here); for another, the first of its training set."""
+    if builtin(args):
+        spec = data.SETS[args.dataset]
+        return torch.zeros(len(spec.mean), spec.size, spec.size), torch.tensor(0)
+    x, y = task.datasets(args)[0][0]
+    return torch.as_tensor(x), torch.as_tensor(y)
 
 
 def shard_bytes(model, ranks):
@@ -50,13 +66,12 @@ def shard_bytes(model, ranks):
     return total
 
 
-def activation_bytes(args, model, batch):
-    """Bytes saved for backward by one forward at `batch` images, as the stages train (dropout, BatchNorm in
-    train mode; --amp in bf16; --checkpoint-activations per block): tensors counted once by storage,
-    parameters left out (they are the weights). Fake tensors have no addresses: a storage is told by its object."""
-    spec = data.SETS[args.dataset]
-    x = torch.randn(batch, len(spec.mean), spec.size, spec.size)
-    y = torch.randint(spec.classes, (batch,))
+def activation_bytes(args, model, loss_fn, example, batch):
+    """Bytes saved for backward by one forward and loss at `batch` samples shaped as `example`, as the stages
+    train (dropout, BatchNorm in train mode; --amp in bf16; --checkpoint-activations per block): tensors
+    counted once by storage, parameters left out (they are the weights). Fake tensors have no addresses: a
+    storage is told by its object."""
+    x, y = (torch.zeros(batch, *t.shape, dtype=t.dtype) for t in example)  # fake: shapes and dtypes, no values
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
     saved = {}
 
@@ -69,7 +84,7 @@ def activation_bytes(args, model, batch):
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp):
-            loss = F.nll_loss(model(x), y)
+            loss = loss_fn(model(x), y)
     loss.backward()
     model.zero_grad(set_to_none=True)
     return sum(saved.values())
@@ -79,15 +94,20 @@ def measure(args):
     """What does not depend on the number of GPUs: the model, its activations at per-rank batches 1 and 2,
     and the largest unit FSDP gathers (a block, or the root's own first and last layers). On fake tensors
     that pass for the CPU's, so that autocast casts them as in the stage (meta tensors it leaves in fp32);
-    under --amp they keep BatchNorm's per-channel statistics in bf16 where the CPU keeps fp32: a few bytes."""
+    under --amp they keep BatchNorm's per-channel statistics in bf16 where the CPU keeps fp32: a few bytes.
+    The task's parts as the stages take them: its loss, else cross-entropy; its blocks, else models.blocks()."""
+    task = cli.load_task(args.task)
+    example = sample(args, task)  # real data, read before the fake mode
+    loss_fn, blocks = getattr(task, "loss", F.cross_entropy), getattr(task, "blocks", models.blocks)
     with FakeTensorMode():
         model = build(args)
         if args.checkpoint_activations:
-            for block in models.blocks(model):
+            for block in blocks(model):
                 recompute(block)
-        units = [sum(p.numel() for p in block.parameters()) for block in models.blocks(model)]
+        units = [sum(p.numel() for p in block.parameters()) for block in blocks(model)]
         units.append(sum(p.numel() for p in model.parameters()) - sum(units))
-        return model, activation_bytes(args, model, 1), activation_bytes(args, model, 2), max(units)
+        one, two = (activation_bytes(args, model, loss_fn, example, batch) for batch in (1, 2))
+        return model, one, two, max(units)
 
 
 def per_gpu(args, world_size, measured):
@@ -149,9 +169,9 @@ def bandwidth(args):
     return speed
 
 
-def parse(argv=None):
-    p = cli.parser(Path(__file__), [cli.large_models])  # the stages' own flags: --batch-size --amp ...
-    cli.load_task(cli.TASK).add_arguments(p)  # the built-in task's: --model --depth --width --dataset
+def options(p):
+    """The planner's own, beside the stages' flags (--batch-size --amp ...) and its task's (the built-in
+    task's --model --depth --width --dataset)."""
     p.description = "will it fit, and on how many GPUs: memory per GPU under DDP, FSDP and HSDP"
     p.add_argument("--gpu-memory", type=cli.number(float, "(0, inf)"), default=80.0, metavar="GiB",
                    help="memory of one GPU (default: 80, an H100)")  # fmt: skip
@@ -161,7 +181,10 @@ def parse(argv=None):
     p.add_argument("--doctor", metavar="doctor.json",
                    help="the report of tools/doctor.py: the slowest bandwidth it measured, instead of --bandwidth")  # fmt: skip
     p.add_argument("--max-gpus", type=cli.POSITIVE, default=16, help="the largest allocation to show (default: 16)")
-    return p.parse_args(argv)
+
+
+def parse(argv=None):
+    return cli.parse_args(argv, [cli.large_models, options])[0]
 
 
 def main(argv=None):
@@ -170,9 +193,12 @@ def main(argv=None):
     try:
         measured = measure(args)
     except RuntimeError as err:  # a tensor of more than 2^63 bytes, even fake: --width 1000000000
-        sys.exit(f"error: this model cannot be counted ({str(err).splitlines()[0]}): a smaller --width or --depth")
+        fix = "a smaller --width or --depth" if builtin(args) else f"smaller options of {args.task}"
+        sys.exit(f"error: this model cannot be counted ({str(err).splitlines()[0]}): {fix}")
     model_bytes = shard_bytes(measured[0], 1)
-    print(f"{args.model} ({model_bytes / 4 / 1e6:.1f} M parameters) on {args.dataset}, global batch {args.batch_size}"
+    count = f"{model_bytes / 4 / 1e6:.1f} M parameters"
+    name = f"{args.model} ({count}) on {args.dataset}" if builtin(args) else f"{args.task} ({count})"
+    print(f"{name}, global batch {args.batch_size}"
           f"{', --amp' if args.amp else ''}{', --checkpoint-activations' if args.checkpoint_activations else ''}, "
           f"{args.optimizer}; GPUs of {args.gpu_memory:g} GiB, {args.gpus_per_node} per node"
           + (f"; links of {speed:g} GB/s" if speed else ""))  # fmt: skip

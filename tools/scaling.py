@@ -2,8 +2,9 @@
 
     python tools/scaling.py RUN... [--target-accuracy 99] [--out scaling.md] [--plot scaling.png] [--bandwidth GBps]
 
-RUNs as for tools/plot.py. The global batch and the model are read from the run's checkpoint (checkpoint.pt,
-or stage 05's checkpoint/state.pt); the nodes from metrics.csv (runs from before it was recorded: 1 for one
+RUNs as for tools/plot.py. The global batch and the model's size are read from the run's checkpoint
+(checkpoint.pt, or stage 05's checkpoint/state.pt; one written before the size was recorded: the size of the
+built-in task's model its options name); the nodes from metrics.csv (runs from before it was recorded: 1 for one
 process, else "?"). A run resumed at another world size (stage 05 after a requeue onto fewer nodes) gives one
 row per world size. Runs of different stages, or whose checkpoints record different options (beside the
 batch and the learning rate, which scaling studies change), are named in a note above the table.
@@ -34,7 +35,8 @@ HEADER = (
 
 
 def recorded(folder):
-    """The options that define a run, as its checkpoint (whole, or stage 05's sharded one) records them, else {}.
+    """What the run's checkpoint (whole, or stage 05's sharded one) records of the run, else {}: the options
+    that define it ("flags") and, since it was recorded, the model's parameter count ("parameters").
     A file that is no checkpoint of these stages (damaged, or a pickle that would run code) is one line."""
     for saved in (folder / "checkpoint.pt", folder / "checkpoint" / "state.pt"):
         if saved.is_file():
@@ -50,7 +52,7 @@ def recorded(folder):
             if cause:
                 sys.exit(f"error: {saved} is not a checkpoint of these stages, or is damaged ({cause}): leave the run "
                          "out, or move the file away (the table then reads its metrics.csv alone)")  # fmt: skip
-            return flags
+            return run
     return {}
 
 
@@ -75,23 +77,30 @@ def differences(names, runs):
 
 
 def measure(folder, rows, target):
-    """One run: world size, nodes, global batch, images/s, seconds to `target` % (None: not reached), flags."""
-    flags = recorded(folder)
+    """One run: world size, nodes, global batch, images/s, seconds to `target` % (None: not reached), flags,
+    parameters (None: not recorded)."""
+    run = recorded(folder)
+    flags = run.get("flags", {})
     seconds = itertools.accumulate(r["epoch_seconds"] for r in rows)
     accuracy = [r["test_accuracy"] if r.get("val_accuracy") is None else r["val_accuracy"] for r in rows]
     world, first = int(rows[0]["world_size"]), rows[0]
     return dict(
         world=world, nodes=first.get("nodes") or (1 if world == 1 else None), flags=flags, stage=folder.resolve().parent.name,
+        parameters=run.get("parameters"),
         batch=first.get("global_batch") or flags.get("batch_size"),
         rate=statistics.median(r["images_per_s"] for r in rows[1:] or rows),  # a one-epoch run: that epoch
         to_target=next((s for s, a in zip(seconds, accuracy, strict=True) if a >= target), None),
     )  # fmt: skip
 
 
-def parameters(flags, given):
-    """Values each step all-reduces: the parameters of the model the checkpoint names, else --params."""
+def parameters(run, given):
+    """Values each step all-reduces: --params, else the parameters the run's checkpoint records, else (one
+    written before they were) those of the built-in task's model its options name."""
+    flags = run["flags"]
+    if count := given or run["parameters"]:
+        return count
     if "model" not in flags or "dataset" not in flags:
-        return given or sys.exit("error: --bandwidth needs --params: no checkpoint.pt names the model")
+        sys.exit("error: --bandwidth needs --params: no checkpoint.pt records the model's size")
     spec, shape = data.SETS[flags["dataset"]], (flags.get("depth", 16), flags.get("width", 4))
     size = 28 if len(spec.mean) == 1 else 32  # the 1-channel sets are 28x28, the others 32x32: what build() checks
     return sum(p.numel() for p in models.build(flags["model"], len(spec.mean), spec.classes, size, *shape).parameters())
@@ -110,7 +119,7 @@ def report(names, runs, args):
     """The Markdown text, and the (world size, images/s) points on paper."""
     base, paper, lines = runs[0], [], [NOTE.format(args.target_accuracy), *differences(names, runs)]
     if args.bandwidth is not None:
-        params = parameters(base["flags"], args.params)
+        params = parameters(base, args.params)
         lines.append(PAPER.format(params, 4 * params / 1e6, args.bandwidth))
     lines.append(HEADER.format(args.target_accuracy))
     for name, r in zip(names, runs, strict=True):
@@ -150,7 +159,7 @@ def main(argv=None):
                    help="draw images/s against world size into this image, in a folder that exists; its suffix names the format (needs matplotlib)")  # fmt: skip
     p.add_argument("--bandwidth", type=cli.number(float, "(0, inf)"), metavar="GBps",
                    help="GB/s of the all-reduce links: adds the rows on paper")  # fmt: skip
-    p.add_argument("--params", type=int, help="the model's parameters, where no checkpoint.pt names the model")
+    p.add_argument("--params", type=int, help="the model's parameters (default: as the run's checkpoint records them)")
     args = p.parse_args(argv)
     if args.plot and Figure is None:
         sys.exit("error: --plot needs matplotlib: pip install matplotlib")

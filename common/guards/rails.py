@@ -152,8 +152,10 @@ class Guard:
 
     def state_dict(self):
         """What a checkpoint keeps of how the run was made (the stage puts the guard among its states), to
-        refuse a resume that would change it (resume.find())."""
-        return {"flags": preflight.defining(self.args), "data": self.data, "cut": self.so_far}
+        refuse a resume that would change it (resume.find()); and the size of the model, for tools/scaling.py:
+        the whole model's, where each rank holds a shard too (a sharded parameter has its global shape)."""
+        parameters = sum(p.numel() for p in self.states["model"].parameters())
+        return {"flags": preflight.defining(self.args), "data": self.data, "cut": self.so_far, "parameters": parameters}
 
     def load_state_dict(self, state):
         """Nothing to load: resume() compared the checkpoint with this run before anything was loaded."""

@@ -84,7 +84,8 @@ def test_data_and_output_folder_that_differ_on_one_node_are_named(slurm_cluster)
         failed = verdicts(output)["FAIL"]
         assert len(failed) == 2, output
         data, out = failed
-        assert all(f"train-labels-idx1-ubyte missing on rank {r} (node2)" in data for r in (2, 3)), data
+        assert all(f"rank {r} (node2): cannot load it (" in data for r in (2, 3)), data
+        assert "(missing train-labels-idx1-ubyte)" in data, data
         assert "node1" not in data
         assert "rank 2 (node2): cannot write" in out and "rank 3 (node2): cannot write" in out and "node1" not in out
         checks = json.loads((nodes / "node1/out/doctor.json").read_text())["checks"]
