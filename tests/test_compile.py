@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from helpers import REPO, checkpoint, free_port, one_error, python, stage_args
 from test_equivalence import ARGS, BATCH, CPU, RUN, STEPS, model_without_dropout, stage
 from torch.distributed.fsdp import fully_shard
@@ -41,7 +42,7 @@ def both(rank, world_size, port, data_dir, name, result):
                 model.compile()
         optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
         args = type(ARGS)(**vars(ARGS), grad_accum=1)  # stage 05's train() reads it
-        totals = stage(name).train(model, CPU, loader, optimizer, amp.scaler(CPU, args), 1, args, RUN)
+        totals = stage(name).train(model, CPU, loader, optimizer, amp.scaler(CPU, args), F.cross_entropy, 1, args, RUN)
         if world_size > 1:
             dist.all_reduce(totals)
         weights = {k.removeprefix("module."): v for k, v in model.state_dict().items()}

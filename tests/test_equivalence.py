@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from helpers import REPO, TEST_SIZE, free_port, stage_args, torchrun
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
@@ -56,7 +57,9 @@ def ddp_rank(rank, world_size, port, data_dir, result):
     loader = data.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, ARGS, CPU)
     model = DDP(model_without_dropout())
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    stage("03_ddp_single_node").train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), 1, ARGS, RUN)
+    stage("03_ddp_single_node").train(
+        model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), F.cross_entropy, 1, ARGS, RUN
+    )
     if rank == 0:
         torch.save(model.module.state_dict(), result)
     dist.destroy_process_group()
@@ -68,7 +71,7 @@ def test_two_ranks_with_half_batches_equal_one_process(tiny_data, tmp_path):
     loader = data.loader(data.dataset(tiny_data, "mnist", train=True), range(BATCH * STEPS), BATCH, ARGS, CPU)
     model = model_without_dropout()
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    stage("01_single_gpu").train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), 1, ARGS, RUN)
+    stage("01_single_gpu").train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), F.cross_entropy, 1, ARGS, RUN)
     ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
     start = model_without_dropout().state_dict()
     for name, value in model.state_dict().items():
@@ -84,14 +87,16 @@ def assert_counted_once(output, model_file, data_dir, val_fraction=0.0):
     model.load_state_dict(torch.load(model_file, weights_only=True))
     test_set = data.dataset(data_dir, "mnist", train=False)
     loader = data.loader(test_set, range(TEST_SIZE), 1000, ARGS, CPU)
-    loss, correct, count = stage("01_single_gpu").evaluate(model, CPU, loader).tolist()
+    loss, correct, count = stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, TEST_SIZE).tolist()
     assert count == TEST_SIZE
     assert f"accuracy {int(correct)}/{TEST_SIZE} ({100 * correct / count:.2f}%)" in line, line
     assert f"test loss {loss / count:.4f}" in line, line
     if val_fraction:
         _, val_set = data.split(data.dataset(data_dir, "mnist", train=True), val_fraction, seed=1)
         loader = data.loader(val_set, range(len(val_set)), 1000, ARGS, CPU)
-        loss, correct, count = stage("01_single_gpu").evaluate(model, CPU, loader).tolist()
+        loss, correct, count = (
+            stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, len(val_set)).tolist()
+        )
         assert f"val loss {loss / count:.4f} ({100 * correct / count:.2f}%)" in line, line
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from helpers import (
     INJECT,
     REPO,
@@ -64,7 +65,7 @@ def test_stage05_exports_stage01s_model(tiny_data, tmp_path):
     model = models.Net()
     model.load_state_dict(weights(tmp_path), strict=True)
     loader = data.loader(data.dataset(tiny_data, "mnist", train=False), range(TEST_SIZE), 1000, ARGS, CPU)
-    correct = stage("01_single_gpu").evaluate(model, CPU, loader)[1]
+    correct = stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, TEST_SIZE)[1]
     assert 100 * correct.item() / TEST_SIZE == pytest.approx(float(rows[-1]["test_accuracy"]))
 
 
@@ -116,7 +117,7 @@ def ranks(rank, world_size, port, data_dir, result):
         optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
         args = type(ARGS)(**vars(ARGS), grad_accum=accum)
         stage("05_fsdp" if way != "ddp" else "03_ddp_single_node").train(
-            model, CPU, loader, optimizer, amp.scaler(CPU, args), 1, args, RUN
+            model, CPU, loader, optimizer, amp.scaler(CPU, args), F.cross_entropy, 1, args, RUN
         )
         trained[way] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     if rank == 0:
