@@ -89,6 +89,7 @@ BAD = {  # a task file, and what its error line says is wrong
     "one data set": (HEAD + MODEL + "def datasets(args):\n    return sequences.datasets(args)[0]\n", "(training set, test set)"),
     "no data sets": (HEAD + MODEL + "def datasets(args):\n    return None\n", "(training set, test set)"),
     "items without labels": (HEAD + MODEL + "def datasets(args):\n    tokens = sequences.TensorDataset(sequences.sequences(8, 16, 16, 0)[0])\n    return tokens, tokens\n", "items are (input, label)"),
+    "float labels": (HEAD + MODEL + "def datasets(args):\n    tokens, labels = sequences.sequences(8, 16, 16, 0)\n    return (sequences.TensorDataset(tokens, labels.float()),) * 2\n", "a label of torch.float32"),
     "a model that is no Module": (HEAD + DATA + "def model(args):\n    return sequences.model(args).state_dict()\n", "not a torch.nn.Module"),
 }  # fmt: skip
 
