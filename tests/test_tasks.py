@@ -82,16 +82,30 @@ def test_the_example_task_in_stage_05_at_two_ranks_resumes_at_one(amp, tmp_path)
 
 HEAD = "from common.tasks import sequences\nadd_arguments = sequences.add_arguments\n"  # the example's options
 MODEL, DATA = "model = sequences.model\n", "datasets = sequences.datasets\n"
+PAIR = "(training set, test set)"
 BAD = {  # a task file, and what its error line says is wrong
     "a syntax error": ("def model(args)\n    return None\n", "line 1"),
     "no model()": (HEAD + DATA, "defines no model()"),
     "no datasets()": (HEAD + MODEL, "defines no datasets()"),
-    "one data set": (HEAD + MODEL + "def datasets(args):\n    return sequences.datasets(args)[0]\n", "(training set, test set)"),
-    "no data sets": (HEAD + MODEL + "def datasets(args):\n    return None\n", "(training set, test set)"),
-    "items without labels": (HEAD + MODEL + "def datasets(args):\n    tokens = sequences.TensorDataset(sequences.sequences(8, 16, 16, 0)[0])\n    return tokens, tokens\n", "items are (input, label)"),
-    "float labels": (HEAD + MODEL + "def datasets(args):\n    tokens, labels = sequences.sequences(8, 16, 16, 0)\n    return (sequences.TensorDataset(tokens, labels.float()),) * 2\n", "a label of torch.float32"),
-    "a model that is no Module": (HEAD + DATA + "def model(args):\n    return sequences.model(args).state_dict()\n", "not a torch.nn.Module"),
-}  # fmt: skip
+    "one data set": (HEAD + MODEL + "def datasets(args):\n    return sequences.datasets(args)[0]\n", PAIR),
+    "no data sets": (HEAD + MODEL + "def datasets(args):\n    return None\n", PAIR),
+    "items without labels": (
+        HEAD + MODEL + "def datasets(args):\n"
+        "    tokens = sequences.TensorDataset(sequences.sequences(8, 16, 16, 0)[0])\n"
+        "    return tokens, tokens\n",
+        "items are (input, label)",
+    ),
+    "float labels": (
+        HEAD + MODEL + "def datasets(args):\n"
+        "    tokens, labels = sequences.sequences(8, 16, 16, 0)\n"
+        "    return (sequences.TensorDataset(tokens, labels.float()),) * 2\n",
+        "a label of torch.float32",
+    ),
+    "a model that is no Module": (
+        HEAD + DATA + "def model(args):\n    return sequences.model(args).state_dict()\n",
+        "not a torch.nn.Module",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", ["a missing file", *BAD])
