@@ -1,6 +1,7 @@
 """A task that is not about images: a small transformer tells which of 4 marker tokens occurs most often in a
 sequence of random tokens. The data is made in memory from --seed, the same on every rank; an epoch takes
-seconds on a CPU. Copy this file to start your own (README, "Your own model and data"):
+about a second on a CPU, and stage 01 reaches 95 % after one. Copy this file to start your own (README, "Your
+own model and data"):
 
     python 01_single_gpu/train.py --task common/tasks/sequences.py --epochs 2
     torchrun --standalone --nproc_per_node=2 05_fsdp/train.py --task common/tasks/sequences.py --epochs 2 --amp
