@@ -126,6 +126,8 @@ def check_datasets(args, *datasets):
     for name, found in zip(("training", "test"), datasets, strict=False):
         try:
             x, y = found[0]
+            if torch.as_tensor(y).is_floating_point():  # int() would pass it, and cross-entropy fail with a traceback
+                raise TypeError(f"a label of {torch.as_tensor(y).dtype}")
             int(y)
         except Exception as err:  # the user's data set: anything can fail here
             stop(f"error: --task {args.task}: datasets() must return (training set, test set) of torch.utils.data "

@@ -63,8 +63,8 @@ class Guard:
 
     def agree(self, train_set, test_set):
         """Every rank trains the same run on the same data; the checkpoints record what it is trained on."""
+        preflight.agree(self.args, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.data = preflight.fingerprint(train_set)
-        preflight.agree(self.args, train_set, test_set)
 
     def resumable(self, sampler):
         """`sampler`, made able to start an epoch part-way (resume.Sampler)."""
@@ -203,6 +203,10 @@ def explain(err, guard):
     if isinstance(err, AttributeError) and err.name == "to" and guard.args is not None:  # task.model(args).to()
         return once(f"error: --task {guard.args.task}: model(args) returned a {type(err.obj).__name__}, not a "
                     "torch.nn.Module")  # fmt: skip
+    raised = traceback.extract_tb(err.__traceback__)[-1].line or ""  # the source line, where Python finds it
+    if isinstance(err, (TypeError, ValueError)) and "task.datasets(" in raised:  # unpacking what datasets() returned
+        return once(f"error: --task {guard.args.task}: datasets(args) must return (training set, test set), two "
+                    f"torch.utils.data Datasets of (input, label) pairs ({err})")  # fmt: skip
     if guard.watchdog and (message := guard.watchdog.explain(err)):  # a failed collective: who went silent
         return message
     # "DataLoader worker (pid(s) 812) exited unexpectedly", caused by "... (pid 812) is killed by signal: Killed."

@@ -1,0 +1,129 @@
+"""Your own model and data (--task FILE): the worked example common/tasks/sequences.py, a transformer over token
+sequences, gets what MNIST gets (exact-once evaluation at any world size, a mid-epoch stop that resumes
+bit-identical, stage 05 resumed at another world size, with and without --amp), and a task file that is wrong
+ends the run with one line naming it."""
+
+import argparse
+import re
+import signal
+import subprocess
+
+import pytest
+import torch
+from helpers import REPO, S01, S03, S05, checkpoint, clean_env, one_error, python, stage_args, torchrun, torchrun_cmd
+from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
+
+from common.tasks import sequences
+
+TASK = REPO / "common" / "tasks" / "sequences.py"
+SAMPLES, BATCH = 256, 32  # as test_preemption's MNIST: 8 steps per epoch
+TESTS = SAMPLES // 5  # 51 test sequences: 2 ranks do not divide them
+
+
+def args(out, *extra):
+    """Two epochs of the example task; its options as in the README. --data-dir: it reads none."""
+    task = ["--task", TASK, "--samples", SAMPLES, "--dim", 16, "--layers", 2]
+    return stage_args(REPO / "data", out, *task, "--epochs", 2, "--batch-size", BATCH, *extra)
+
+
+def accuracy(output):
+    """(correct, samples) of the last epoch line."""
+    return tuple(map(int, re.findall(r"accuracy (\d+)/(\d+)", output)[-1]))
+
+
+def test_the_example_task_learns_in_an_epoch_in_stage_01(tmp_path):
+    out = python(S01, *stage_args(REPO / "data", tmp_path, "--task", TASK, "--epochs", 1))
+    assert out.returncode == 0, out.stderr[-2000:]
+    correct, samples = accuracy(out.stdout)
+    assert samples == 800 and correct > 0.8 * samples, out.stdout  # 4 classes: a quarter by chance
+
+
+def test_the_example_task_at_two_ranks_counts_every_test_sample_once(tmp_path):
+    out = torchrun(2, S03, *args(tmp_path, "--epochs", 1, "--save-model", "--test-batch-size", 8))
+    assert out.returncode == 0, out.stderr[-2000:]
+    options = argparse.Namespace(samples=SAMPLES, seq_len=16, vocab=16, dim=16, layers=2, heads=2, seed=1, limit=None)
+    model = sequences.model(options)
+    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    tokens, labels = sequences.datasets(options)[1].tensors
+    with torch.no_grad():
+        correct = int((model.eval()(tokens).argmax(1) == labels).sum())
+    assert len(labels) == TESTS and TESTS % 2 and accuracy(out.stdout) == (correct, TESTS), out.stdout
+
+
+@pytest.mark.slow
+def test_the_example_task_stopped_mid_epoch_at_two_ranks_resumes_bit_identical(tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert torchrun(2, S03, *args(whole)).returncode == 0
+    proc = subprocess.Popen(torchrun_cmd(2, S03, *args(cut)), env=clean_env(**SLOW), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
+    step = saved_mid_epoch(cut, output, proc.returncode, proc)
+    resumed = torchrun(2, S03, *args(cut, "--resume"))
+    assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
+    assert accuracy(resumed.stdout)[1] == TESTS
+    for key, weights in checkpoint(whole)["model"].items():
+        assert torch.equal(checkpoint(cut)["model"][key], weights), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
+def test_the_example_task_in_stage_05_at_two_ranks_resumes_at_one(amp, tmp_path):
+    """Each transformer layer a block of its own, the head at the root; under --amp FSDP's bf16 meets the root's
+    head after the last block. One rank: torchrun, as FSDP's mixed precision needs a process group."""
+    extra = ["--amp"] if amp else []
+    first = torchrun(2, S05, *args(tmp_path, "--epochs", 1, *extra))
+    assert first.returncode == 0 and accuracy(first.stdout)[1] == TESTS, first.stderr[-2000:]
+    resumed = torchrun(1, S05, *args(tmp_path, "--resume", *extra))
+    assert resumed.returncode == 0 and "resumed after epoch 1" in resumed.stdout, resumed.stderr[-2000:]
+    assert accuracy(resumed.stdout)[1] == TESTS
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert [row.split(",")[10] for row in rows[1:]] == ["2", "1"]  # the world size of each epoch
+
+
+HEAD = "from common.tasks import sequences\nadd_arguments = sequences.add_arguments\n"  # the example's options
+MODEL, DATA = "model = sequences.model\n", "datasets = sequences.datasets\n"
+PAIR = "(training set, test set)"
+BAD = {  # a task file, and what its error line says is wrong
+    "a syntax error": ("def model(args)\n    return None\n", "line 1"),
+    "no model()": (HEAD + DATA, "defines no model()"),
+    "no datasets()": (HEAD + MODEL, "defines no datasets()"),
+    "one data set": (HEAD + MODEL + "def datasets(args):\n    return sequences.datasets(args)[0]\n", PAIR),
+    "no data sets": (HEAD + MODEL + "def datasets(args):\n    return None\n", PAIR),
+    "items without labels": (
+        HEAD + MODEL + "def datasets(args):\n"
+        "    tokens = sequences.TensorDataset(sequences.sequences(8, 16, 16, 0)[0])\n"
+        "    return tokens, tokens\n",
+        "items are (input, label)",
+    ),
+    "float labels": (
+        HEAD + MODEL + "def datasets(args):\n"
+        "    tokens, labels = sequences.sequences(8, 16, 16, 0)\n"
+        "    return (sequences.TensorDataset(tokens, labels.float()),) * 2\n",
+        "a label of torch.float32",
+    ),
+    "a model that is no Module": (
+        HEAD + DATA + "def model(args):\n    return sequences.model(args).state_dict()\n",
+        "not a torch.nn.Module",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ["a missing file", *BAD])
+def test_a_wrong_task_file_is_one_line_naming_it(case, tmp_path):
+    task = tmp_path / "my_task.py"
+    if case in BAD:
+        task.write_text(BAD[case][0])
+    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", task, "--epochs", 1))
+    one_error(out, f"--task {task}", BAD.get(case, (None, "No such file"))[1])
+
+
+@pytest.mark.parametrize("change", ["an option", "the task"])
+def test_a_resume_with_another_task_or_task_option_is_refused_naming_it(change, tiny_data, tmp_path):
+    first = python(S01, *args(tmp_path, "--epochs", 1))
+    assert first.returncode == 0, first.stderr[-2000:]
+    if change == "an option":
+        out, named = python(S01, *args(tmp_path, "--resume", "--dim", 8)), "--dim 16 (now 8)"
+    else:  # the built-in task, on MNIST: the example's options are not its own
+        out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--batch-size", BATCH, "--resume"))
+        named = "--task sequences.py (now images.py)"
+    one_error(out, "checkpoint.pt was written with", named)
