@@ -130,7 +130,7 @@ def test_every_option_is_classified():
 def test_defining_values_and_the_cosine_rule():
     step = preflight.defining(parse(["--epochs", "3"]))
     assert step["lr"] == 1.0 and step["dataset"] == "mnist" and step["task"] == "images.py"
-    assert list(step) == list(cli.DEFINING)
+    assert set(step) == set(cli.DEFINING)  # the built-in task's options among them
     cosine = preflight.defining(parse(["--epochs", "3", "--scheduler", "cosine"]))
     assert cosine == step | {"scheduler": "cosine", "epochs": 3}
     assert all(type(value) in (str, int, float, bool, type(None)) for value in cosine.values())  # weights_only loads

@@ -101,4 +101,7 @@ def check_args(args, warn=True):
 
 if __name__ == "__main__":
     versions.require(Path("train.py"))  # job scripts run in the stage's folder
-    check_args(cli.parse_args(sys.argv[1:])[0], warn=False)
+    try:
+        check_args(cli.parse_args(sys.argv[1:])[0], warn=False)
+    except (OSError, SyntaxError) as err:  # reading the options: the task file
+        sys.exit(f"error: --task {err.filename}: {getattr(err, 'strerror', None) or err.msg}")

@@ -12,6 +12,7 @@ may skip each of them: the training reads the same without. What each one holds 
   run(main)       any failure ends the run with one line instead of a traceback
 """
 
+import os
 import pickle
 import re
 import shutil
@@ -218,7 +219,8 @@ def explain(err, guard):
     if isinstance(err, OSError) and err.filename:  # a write: checkpoint.atomic() removed its temporary file
         folder = guard.args.output_dir if guard.args else "."
         return (f"error: could not write {err.filename}: {err.strerror} ({free_mib(folder):.0f} MiB free there): the "
-                "previous checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
+                f"previous {os.path.basename(err.filename)} is kept; free some space or choose another --output-dir, "
+                "then resume")  # fmt: skip
     if type(err).__name__ == "CheckpointException":  # torch.distributed.checkpoint: every rank gets all failures
         verb, folder = (guard.doing or "read or write the checkpoint in --output-dir").split(" ", 1)
         if verb == "read":

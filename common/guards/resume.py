@@ -135,7 +135,9 @@ def load(path):
         raise Unusable(f"{file} is not a regular file (a FIFO, a socket or a device)")
     try:
         state = read(path)
-    except pickle.UnpicklingError:  # it names what weights_only refuses to call: a pickle that would run code
+    except pickle.UnpicklingError as err:
+        if "Weights only load failed" not in str(err):  # not a pickle at all: damaged
+            raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged (UnpicklingError)") from None
         raise Planted(f"{file} is not a checkpoint this repository wrote (torch.load with weights_only=True "
                       "refuses it): it may be planted") from None  # fmt: skip
     except Exception as err:  # a truncated file
