@@ -36,7 +36,7 @@ from helpers import (
 
 from common import checkpoint as lesson
 from common import cli
-from common.guards import rails, resume, safeload
+from common.guards import resume, safeload
 from common.models import Net
 
 
@@ -287,7 +287,7 @@ def test_a_sharded_checkpoints_metadata_is_read_running_nothing(tmp_path):
             dcp.load(loaded, storage_reader=safeload.reader(tmp_path / kind))
         if names is None:  # the metadata is DCP's own
             assert safeload.damage(tmp_path / kind) is None
-            assert rails.describe(refused.value) == (
+            assert safeload.describe(refused.value) == (
                 "rank 0: a shard holds a pickle that torch.load(weights_only=True) refuses: it may be planted"
             )
             continue

@@ -13,7 +13,6 @@ may skip each of them: the training reads the same without. What each one holds 
 """
 
 import os
-import pickle
 import re
 import shutil
 import sys
@@ -224,8 +223,8 @@ def explain(err, guard):
     if type(err).__name__ == "CheckpointException":  # torch.distributed.checkpoint: every rank gets all failures
         verb, folder = (guard.doing or "read or write the checkpoint in --output-dir").split(" ", 1)
         if verb == "read":
-            return f"error: cannot load the checkpoint {folder}: {describe(err)}: resume from a complete one"
-        return (f"error: could not write {folder}: {describe(err)} ({free_mib(guard.args.output_dir):.0f} MiB free "
+            return f"error: cannot load the checkpoint {folder}: {safeload.describe(err)}: resume from a complete one"
+        return (f"error: could not write {folder}: {safeload.describe(err)} ({free_mib(guard.args.output_dir):.0f} MiB free "
                 "there): the previous checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
     if isinstance(err, RuntimeError) and str(err).startswith("Error(s) in loading state_dict"):
         return f"error: the checkpoint does not match this model: {str(err).splitlines()[0][:300]}"
@@ -239,13 +238,3 @@ def once(message):
 
 def free_mib(folder):
     return shutil.disk_usage(folder).free / 2**20
-
-
-def describe(err):
-    """The first failure of a torch.distributed.checkpoint save or load, in a few words: which rank, what."""
-    rank, (cause, _) = next(iter(err.failures.items())) if hasattr(err, "failures") else ("?", (err, None))
-    if isinstance(cause, OSError) and cause.strerror:
-        return f"rank {rank}: {cause.strerror}" + (f" ({cause.filename})" if cause.filename else "")
-    if isinstance(cause, pickle.UnpicklingError):  # torch's own words would suggest weights_only=False
-        return f"rank {rank}: a shard holds a pickle that torch.load(weights_only=True) refuses: it may be planted"
-    return f"rank {rank}: {str(cause).splitlines()[0][:200]}"

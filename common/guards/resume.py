@@ -136,7 +136,7 @@ def load(path):
     try:
         state = read(path)
     except pickle.UnpicklingError as err:
-        if "Weights only load failed" not in str(err):  # not a pickle at all: damaged
+        if "global" not in str(err).lower():  # not what a pickle would call (a GLOBAL): a damaged file
             raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged (UnpicklingError)") from None
         raise Planted(f"{file} is not a checkpoint this repository wrote (torch.load with weights_only=True "
                       "refuses it): it may be planted") from None  # fmt: skip

@@ -94,3 +94,13 @@ def damage(folder):
         if file.stat().st_size < end:
             return f"{file} is truncated ({file.stat().st_size} of at least {end} bytes)"
     return None
+
+
+def describe(err):
+    """The first failure of a torch.distributed.checkpoint save or load, in a few words: which rank, what."""
+    rank, (cause, _) = next(iter(err.failures.items())) if hasattr(err, "failures") else ("?", (err, None))
+    if isinstance(cause, OSError) and cause.strerror:
+        return f"rank {rank}: {cause.strerror}" + (f" ({cause.filename})" if cause.filename else "")
+    if isinstance(cause, pickle.UnpicklingError):  # torch's own words would suggest weights_only=False
+        return f"rank {rank}: a shard holds a pickle that torch.load(weights_only=True) refuses: it may be planted"
+    return f"rank {rank}: {str(cause).splitlines()[0][:200]}"
