@@ -222,9 +222,11 @@ def explain(err, guard):
                 "then resume")  # fmt: skip
     if type(err).__name__ == "CheckpointException":  # torch.distributed.checkpoint: every rank gets all failures
         verb, folder = (guard.doing or "read or write the checkpoint in --output-dir").split(" ", 1)
-        if verb == "read":
-            return f"error: cannot load the checkpoint {folder}: {safeload.describe(err)}: resume from a complete one"
-        return (f"error: could not write {folder}: {safeload.describe(err)} ({free_mib(guard.args.output_dir):.0f} MiB free "
+        if verb == "read":  # every rank gets every rank's failures: rank 0 says it
+            return once(
+                f"error: cannot load the checkpoint {folder}: {safeload.describe(err)}: resume from a complete one"
+            )
+        return once(f"error: could not write {folder}: {safeload.describe(err)} ({free_mib(guard.args.output_dir):.0f} MiB free "
                 "there): the previous checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
     if isinstance(err, RuntimeError) and str(err).startswith("Error(s) in loading state_dict"):
         return f"error: the checkpoint does not match this model: {str(err).splitlines()[0][:300]}"

@@ -9,6 +9,7 @@ stages resume an epoch part-way, at the sample where it stopped."""
 import math
 import os
 import pickle
+import pickletools
 import shutil
 
 import torch
@@ -38,6 +39,15 @@ def keep_previous(output_dir):
     except OSError:
         shutil.copyfile(output_dir / WHOLE, link)
     os.replace(link, output_dir / PREVIOUS)
+
+
+def calls(file):
+    """Does `file` read as a pickle that names something to call (read by pickletools, which runs nothing)?"""
+    try:
+        with open(file, "rb") as f:
+            return any(op.name in ("GLOBAL", "STACK_GLOBAL", "INST", "OBJ") for op, _, _ in pickletools.genops(f))
+    except Exception:  # no pickle at all
+        return False
 
 
 class Unusable(Exception):
@@ -136,7 +146,7 @@ def load(path):
     try:
         state = read(path)
     except pickle.UnpicklingError as err:
-        if "global" not in str(err).lower():  # not what a pickle would call (a GLOBAL): a damaged file
+        if "global" not in str(err).lower() and not calls(file):  # a pickle that calls nothing: a damaged file
             raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged (UnpicklingError)") from None
         raise Planted(f"{file} is not a checkpoint this repository wrote (torch.load with weights_only=True "
                       "refuses it): it may be planted") from None  # fmt: skip

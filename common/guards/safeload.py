@@ -17,7 +17,7 @@ class Planted(Exception):
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds what DCP's metadata is made of and nothing else: find_class is the only way a pickle reaches
     a callable, and it refuses every name but these. Not BytesStorageMetadata either, the entry of an item
-    that is not a tensor, which DCP loads with torch.load(weights_only=False): our saves write none (the
+    that is not a tensor, which DCP would unpickle unrestricted: our saves write none (the
     optimizer's param_groups go to state.pt), so no item of a shard is ever unpickled but as a tensor, by
     torch.load(weights_only=True). Loading such items with weights_only=True instead would take a load
     planner of our own, built on DCP's private helpers."""
