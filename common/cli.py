@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import time
+from importlib.machinery import SourceFileLoader  # any path, a folder too: read as Python, or an OSError
 from pathlib import Path
 
 from common.environment import is_rank0
@@ -162,7 +163,7 @@ def large_models(p):
 
 def load_task(path):
     """The task file `path` as a module: its model(), datasets(), options and loss (common/tasks/images.py)."""
-    spec = importlib.util.spec_from_file_location(f"task_{path.stem}", path)
+    spec = importlib.util.spec_from_loader(f"task_{path.stem}", SourceFileLoader(f"task_{path.stem}", str(path)))
     task = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(task)
     return task

@@ -108,13 +108,17 @@ BAD = {  # a task file, and what its error line says is wrong
 }
 
 
-@pytest.mark.parametrize("case", ["a missing file", *BAD])
+@pytest.mark.parametrize("case", ["a missing file", "a folder", *BAD])
 def test_a_wrong_task_file_is_one_line_naming_it(case, tmp_path):
     task = tmp_path / "my_task.py"
     if case in BAD:
         task.write_text(BAD[case][0])
+    if case == "a folder":  # gave an AttributeError traceback: no loader for a folder
+        task.mkdir()
     out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", task, "--epochs", 1))
-    one_error(out, f"--task {task}", BAD.get(case, (None, "No such file"))[1])
+    one_error(
+        out, f"--task {task}", BAD.get(case, (None, "Is a directory" if case == "a folder" else "No such file"))[1]
+    )
 
 
 @pytest.mark.parametrize("change", ["an option", "the task"])
