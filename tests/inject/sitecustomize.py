@@ -1,29 +1,31 @@
-"""Test-only fault injection, from outside train.py: put this folder on PYTHONPATH and set
+"""Test-only fault injection, from outside the stages. With this folder on PYTHONPATH, Python imports this file
+at start-up in every process, the launchers included; a variable touches only the processes it names, and
+nothing is imported without one. The FAULT_ variables act on rank FAULT_RANK=r alone (RANK, or SLURM_PROCID in
+an srun step); tests/test_inject.py fires each of them through its hook and keeps this table and the code equal.
 
-  FAULT_RANK=r FAULT_STEP=n   rank r raises at its n-th optimizer step;
-  FAULT_RANK=r FAULT_NAN=n    rank r's weights turn NaN after its n-th optimizer step (a divergence);
-  FAULT_RANK=r FAULT_SLEEP=s  rank r sleeps s seconds in every optimizer step (a slow node);
-  FAULT_RANK=r FAULT_ENOSPC=n rank r's n-th torch.save fails half-way with "No space left on device";
-  FAULT_RANK=r FAULT_SAVE=n   rank r dies (SIGKILL) half-way through writing its n-th torch.save;
-  FAULT_RANK=r FAULT_SLOW=f   rank r's matrix products (torch.mm) take f times as long (a slow GPU or node);
-  FAULT_RANK=r FAULT_TORCH=v  rank r's torch reports version v (another environment on one node);
-  FAULT_RANK=r FAULT_SLOW_SAVE=s  every torch.save of rank r waits s seconds first (a slow file system);
-  FAULT_RANK=r FAULT_FULL=n   after rank r's n-th optimizer step, a file fills the disk of its --output-dir
-                              (another job that fills a shared disk);
-  RECORD_SAMPLES=path         every DistributedSampler appends (rank, epoch, indices) to path;
-  RECORD_BATCHES=path         every batch the default loader builds appends (rank, set size, indices) to path;
-  NO_DROPOUT=1                every dropout layer passes its input through: each rank draws its own
-                              masks, so runs at different world sizes differ by them alone;
-  LATE_RELEASE=s              rank 0's last collective ends in gloo's thread while rank 0 holds the GIL
-                              for s seconds after destroy_process_group (a teardown that aborts);
-  NO_UNPICKLE=1               in a stage's train.py (not torchrun's agent, whose rendezvous pickles its own
-                              state), pickle.load, pickle.loads and torch.load(weights_only=False) raise: a
-                              resume reads nothing with an unpickler that may run what the file names. The
-                              tensors of the ranks' object collectives are excepted (torch.storage's
-                              _load_from_bytes): they carry what rank 0 has already read.
-
-Python imports sitecustomize at start-up in every process, the launchers included; only the
-processes a variable names are touched, and nothing else is imported otherwise.
+variable           hook patched                           what it does
+FAULT_STEP=n       torch.optim.Adadelta.step              raises at the n-th optimizer step (a crash on one rank)
+FAULT_NAN=n        torch.optim.Adadelta.step              the weights turn NaN after the n-th step (a divergence)
+FAULT_SLEEP=s      torch.optim.Adadelta.step              every optimizer step first sleeps s seconds (a slow node)
+FAULT_FULL=n       torch.optim.Adadelta.step              after the n-th step, a file fills the disk of --output-dir
+                                                          (another job filling a shared disk)
+FAULT_ENOSPC=n     torch.save                             the n-th save fails half-way: "No space left on device"
+FAULT_SAVE=n       torch.save                             the rank dies (SIGKILL) half-way through its n-th save
+FAULT_SLOW_SAVE=s  torch.save                             every save first waits s seconds (a slow file system)
+FAULT_SLOW=f       torch.mm                               matrix products take f times as long (a slow GPU or node)
+FAULT_TORCH=v      torch.__version__                      torch says it is version v (another environment on a node)
+RECORD_SAMPLES=p   DistributedSampler.__iter__            each sampler's epoch appends (rank, epoch, indices) to p
+RECORD_BATCHES=p   common.data.Images.__getitem__         each batch an Images set builds appends (rank, set size,
+                                                          indices) to p
+NO_DROPOUT=1       torch.nn.Dropout.forward               dropout passes its input through: each rank draws its own
+                                                          masks, so runs at two world sizes differ by sums' order alone
+LATE_RELEASE=s     destroy_process_group                  rank 0's last collective ends in gloo's thread while rank 0
+                                                          holds the GIL for s seconds after destroy_process_group (a
+                                                          teardown that aborts)
+NO_UNPICKLE=1      torch.load, pickle.load, pickle.loads  unpickling that may run what a file names raises, in a
+                                                          stage's train.py only (torchrun's agent pickles its own
+                                                          state); the ranks' object collectives are excepted: they
+                                                          carry what rank 0 has already read
 """
 
 import os
