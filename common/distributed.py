@@ -51,8 +51,7 @@ def expand_hostlist(hostlist):
 
 
 def master_port(job_id):
-    """A port derived from the job id, so two jobs sharing a node do not collide. job_torchrun.slurm
-    repeats this formula in shell (tests/test_job_script_blocks.py keeps the two equal)."""
+    """A port from the job id: two jobs on a node do not collide. job_torchrun.slurm repeats it (a test checks)."""
     return 20000 + job_id % 40000
 
 
@@ -114,8 +113,9 @@ def use_device(local_rank, args):
 
 
 def cleanup():
-    """Leave the process group."""
+    """Leave the process group together: torch < 2.8 deadlocks destroying a gloo group still freeing tensors."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
