@@ -1,5 +1,8 @@
-"""What the tests share: the stage scripts as real processes, and a tiny MNIST in the real file format."""
+"""What the tests share, one helper for each thing a test does: start a stage (python, torchrun, srun's variables,
+ranks by hand), find and signal a rank, wait for its files, read a checkpoint or the metrics; and a tiny MNIST in
+the real file format."""
 
+import csv
 import gzip
 import os
 import signal
@@ -104,6 +107,54 @@ def srun_start(world_size, script, *args, job_id=None, nodelist="localhost", cwd
     return procs
 
 
+def start(script, *args, nproc=None, env=None):
+    """A stage started and left running, by python or by torchrun with `nproc` ranks; its stdout and stderr in
+    one stream, as in a job's log."""
+    cmd = torchrun_cmd(nproc, script, *args) if nproc else [sys.executable, str(script), *map(str, args)]
+    return subprocess.Popen(cmd, env=env or clean_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+
+
+def nodes(script, *args, nproc=(1, 1), restarts=0, env=None):
+    """torchrun agents meeting in a c10d rendezvous as on len(nproc) nodes, nproc[i] ranks on node i: started and
+    left running. The store is not shared with the ranks, as in the job scripts."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(nproc)}", f"--max-restarts={restarts}",
+                "--rdzv_backend=c10d", "--rdzv_id=1", f"--rdzv_endpoint=127.0.0.1:{free_port()}"]  # fmt: skip
+    env = (env or clean_env()) | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    cmds = [[*launcher, f"--nproc_per_node={n}", str(script), *map(str, args)] for n in nproc]
+    return [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for cmd in cmds]  # fmt: skip
+
+
+def ranks(script, args_per_rank, port=None, addr="127.0.0.1", **env):
+    """One process per entry of `args_per_rank` (None: that rank is never started), with RANK, WORLD_SIZE and
+    MASTER_ADDR set by hand, as a user would; stdout and stderr apart. finish() waits for them."""
+    port = port or free_port()
+    procs = []
+    for rank, args in enumerate(args_per_rank):
+        if args is not None:
+            e = clean_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=len(args_per_rank), MASTER_ADDR=addr, MASTER_PORT=port,
+                          **env)  # fmt: skip
+            procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], env=e, cwd=REPO, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+    return procs
+
+
+def finish(procs, timeout=60):
+    """Wait for `procs` (killing what is left after `timeout`): their CompletedProcess, with .seconds taken."""
+    start, outs = time.monotonic(), []
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=timeout)
+            outs.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    finally:
+        for p in procs:
+            p.kill()
+    for out in outs:
+        out.seconds = time.monotonic() - start
+    return outs
+
+
 def processes_with(marker):
     """PIDs of the live processes whose environment holds `marker` (NAME=value): what a run left behind."""
     found = []
@@ -114,6 +165,16 @@ def processes_with(marker):
         except OSError:  # gone meanwhile, or not ours to read
             pass
     return found
+
+
+def rank_pid(marker, rank):
+    """The PID of rank `rank` among the processes whose environment holds `marker`: a launcher's worker."""
+    [pid] = [
+        p
+        for p in processes_with(marker)
+        if f"RANK={rank}".encode() in Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+    ]
+    return pid
 
 
 def one_error(out, *words):
@@ -142,11 +203,18 @@ def assert_same_state(a, b, path="checkpoint"):
         assert a == b, path
 
 
-def wait_for(condition, timeout=60):
+def wait_for(condition, timeout=60, proc=None):
+    """Until `condition()` holds; failing at `timeout`, or at once if `proc` ended meanwhile."""
     deadline = time.monotonic() + timeout
     while not condition():
+        assert proc is None or proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def wait_for_epoch(folder, epoch, proc=None, timeout=90):
+    """Until metrics.csv in `folder` holds `epoch`'s row: that epoch is saved."""
+    wait_for(lambda: len(metrics(folder)) >= epoch, timeout, proc)
 
 
 # 2: a killed job loses its progress
@@ -157,11 +225,8 @@ def kill_rank_1_after_a_checkpoint(script, args, checkpoint):
     proc = subprocess.Popen(
         torchrun_cmd(2, script, *args, restarts=1), env=env, cwd=REPO, stdout=subprocess.PIPE, text=True
     )
-    wait_for(checkpoint.exists)
-    rank1 = [
-        pid for pid in processes_with(marker) if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-    ]
-    os.kill(rank1[0], signal.SIGKILL)
+    wait_for(checkpoint.exists, proc=proc)
+    os.kill(rank_pid(marker, 1), signal.SIGKILL)
     output = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0 and "torchrun restart 1" in output, output
 
@@ -173,5 +238,12 @@ def python(script, *args, timeout=120, **env):
     return out
 
 
-def checkpoint(folder):
-    return torch.load(folder / "checkpoint.pt", weights_only=True)
+def checkpoint(folder, name="checkpoint.pt"):
+    """A file of tensors the run saved in `folder`: its checkpoint, or its model with name="model.pt"."""
+    return torch.load(folder / name, weights_only=True)
+
+
+def metrics(folder):
+    """The rows of metrics.csv in `folder`, as dicts; none before the file exists."""
+    path = folder / "metrics.csv"
+    return list(csv.DictReader(open(path))) if path.exists() else []

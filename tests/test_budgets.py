@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, STAGES
+from helpers import REPO, S05, STAGES
 
 TRAIN_BUDGETS = {("01_single_gpu", "02_dataparallel"): 12, ("02_dataparallel", "03_ddp_single_node"): 60,
                  ("03_ddp_single_node", "04_ddp_multi_node"): 10, ("04_ddp_multi_node", "05_fsdp"): 40}  # fmt: skip
@@ -89,7 +89,7 @@ def test_values_travel_as_arguments_not_through_the_environment():
 def test_all_of_the_sharding_is_in_the_stage():
     """fully_shard is called in stage files only, where the 04 -> 05 diff shows it."""
     calls = [p.relative_to(REPO).as_posix() for p in LESSON_AND_TOOLS if "fully_shard(" in p.read_text()]
-    assert calls == [] and "fully_shard(" in (REPO / "05_fsdp/train.py").read_text()
+    assert calls == [] and "fully_shard(" in (S05).read_text()
 
 
 def test_the_lesson_reads_in_one_sitting():

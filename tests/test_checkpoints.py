@@ -8,7 +8,6 @@ import pickle
 import re
 import shutil
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -30,6 +29,7 @@ from helpers import (
     run,
     srun_like,
     stage_args,
+    start,
     torchrun,
     wait_for,
 )  # fmt: skip
@@ -47,7 +47,7 @@ def small(script, data_dir, out, *extra):
 def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(tiny_data, tmp_path):
     assert small(S01, tiny_data, tmp_path, "--epochs", 2).returncode == 0
     previous = tmp_path / resume.PREVIOUS
-    assert torch.load(previous, weights_only=True)["epoch"] == 1  # the epoch before checkpoint.pt's
+    assert checkpoint(tmp_path, resume.PREVIOUS)["epoch"] == 1  # the epoch before checkpoint.pt's
     latest = tmp_path / "checkpoint.pt"
     latest.write_bytes(latest.read_bytes()[:1000])  # truncated by a failing disk, or by hand
     out = small(S01, tiny_data, tmp_path, "--epochs", 3, "--resume")
@@ -59,7 +59,7 @@ def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(tiny_dat
     )
     out = small(S01, tiny_data, tmp_path, "--epochs", 3, "--resume", previous)
     assert out.returncode == 0, out.stderr
-    assert "resumed after epoch 1" in out.stdout and torch.load(latest, weights_only=True)["epoch"] == 3
+    assert "resumed after epoch 1" in out.stdout and checkpoint(tmp_path)["epoch"] == 3
 
 
 @pytest.mark.slow  # the whole-checkpoint case above runs in make test
@@ -80,6 +80,7 @@ def test_a_damaged_shard_or_missing_metadata_is_named_by_file(tiny_data, tmp_pat
     assert [f.name for f in lesson.epochs(tmp_path)] == ["epoch-3", "epoch-2"]
 
 
+@pytest.mark.slow
 def test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint(tiny_data, tmp_path):
     """Without --resume, neither stage 01 over stage 05's sharded checkpoint nor 05 over 01's whole one."""
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
@@ -93,6 +94,7 @@ def test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint(tiny_data, tmp_
     one_error(small(S01, tiny_data, sharded, "--epochs", 2, "--resume"), f"no checkpoint.pt in {sharded}", kind)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_is_not_a_regular_file_is_refused_before_it_is_opened(tiny_data, tmp_path):
     """A FIFO blocks torch.load for ever, where SIGTERM is only noted: neither the output folder's own checkpoint
     (a bare --resume, the automatic resume of a requeued job) nor the previous one is opened unless a file."""
@@ -110,6 +112,7 @@ def test_a_checkpoint_that_is_not_a_regular_file_is_refused_before_it_is_opened(
     )
 
 
+@pytest.mark.slow
 def test_a_resume_past_its_epochs_is_refused(tiny_data, tmp_path):
     """A checkpoint of epoch 2 resumed with --epochs 1 printed "done" and exported the weights of more epochs than
     asked for, or of an epoch cut short: refused, naming both and the --epochs that continues it."""
@@ -152,10 +155,8 @@ def test_killed_rank_restarts_and_resumes_under_torchrun(tiny_data, tmp_path):
 def test_interrupted_run_resumes_with_flag(tiny_data, tmp_path):
     assert python(S01, *stage_args(tiny_data, tmp_path / "whole", "--epochs", 3)).returncode == 0
     cut = tmp_path / "cut"
-    proc = subprocess.Popen(
-        [sys.executable, str(S01), *stage_args(tiny_data, cut, "--epochs", 3)], env=clean_env(), cwd=REPO
-    )
-    wait_for(lambda: (cut / "checkpoint.pt").exists())
+    proc = start(S01, *stage_args(tiny_data, cut, "--epochs", 3))
+    wait_for((cut / "checkpoint.pt").exists, proc=proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert python(S01, *stage_args(tiny_data, cut, "--epochs", 3)).returncode != 0  # no silent restart...

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, clean_env, run
+from helpers import S03, S05, clean_env, run
 
 from common import cli
 from common.guards import check, preflight
@@ -119,7 +119,7 @@ def test_num_workers_capped_by_cpus_per_rank(monkeypatch, capsys):
 
 
 def test_every_option_is_classified():
-    p = cli.parser(REPO / "05_fsdp/train.py", [cli.large_models])
+    p = cli.parser(S05, [cli.large_models])
     cli.load_task(cli.TASK).add_arguments(p)  # the built-in task's own options
     dests = [action.dest for action in p._actions if action.dest != "help"]
     assert not set(cli.DEFINING) & set(cli.FREE)
@@ -175,12 +175,13 @@ def test_module_checks_arguments_fast_without_torch():
     assert run([sys.executable, "-c", code], timeout=30).returncode == 0
 
 
+@pytest.mark.slow
 def test_check_validates_a_stages_own_options_from_any_folder(tmp_path):
     """`train.py --check ARGS`, the pre-check before torchrun: stage 05 accepts its own flags, stage 03
     refuses them in one line, from a folder outside the repository."""
-    ok = run([sys.executable, REPO / "05_fsdp/train.py", "--check", "--grad-accum", "2"], cwd=tmp_path)
+    ok = run([sys.executable, S05, "--check", "--grad-accum", "2"], cwd=tmp_path)
     assert ok.returncode == 0 and ok.stdout == "" and ok.stderr == "", ok.stderr
-    refused = run([sys.executable, REPO / "03_ddp_single_node/train.py", "--check", "--grad-accum", "2"], cwd=tmp_path)
+    refused = run([sys.executable, S03, "--check", "--grad-accum", "2"], cwd=tmp_path)
     assert refused.returncode == 2 and refused.stderr.startswith("error: --grad-accum is taught in stage 05_fsdp")
 
 

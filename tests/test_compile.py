@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import REPO, checkpoint, free_port, one_error, python, stage_args
+from helpers import S01, checkpoint, free_port, one_error, python, stage_args
 from test_equivalence import ARGS, BATCH, CPU, RUN, STEPS, model_without_dropout, stage
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -15,7 +15,6 @@ from torch.utils.data.distributed import DistributedSampler
 from common import amp, data, models
 from common.models import Net
 
-S01 = REPO / "01_single_gpu" / "train.py"
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # after 6 Adadelta steps of the Net; bitwise equality is not expected
 
 
@@ -92,6 +91,7 @@ def test_compiled_and_eager_checkpoints_are_one_format(tiny_data, tmp_path):
     one_error(python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--resume")), "--compile True (now False)")
 
 
+@pytest.mark.slow
 def test_compile_without_a_cpp_compiler_is_one_line(tiny_data, tmp_path):
     out = python(S01, *stage_args(tiny_data, tmp_path, "--compile"), PATH="/nonexistent", CXX="")
     one_error(out, "--compile on the CPU needs a C++ compiler")

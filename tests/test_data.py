@@ -11,13 +11,11 @@ from urllib.error import URLError
 
 import pytest
 import torch
-from helpers import INJECT, REPO, TRAIN_SIZE, clean_env, run, stage_args, torchrun_cmd, write_idx_subset
+from helpers import INJECT, REPO, S03, TRAIN_SIZE, clean_env, run, stage_args, torchrun_cmd, write_idx_subset
 from torch.utils.data.distributed import DistributedSampler
 
 from common import data
 from common.guards import preflight
-
-S03 = REPO / "03_ddp_single_node" / "train.py"
 
 sys.path.insert(0, str(REPO / "tools"))  # tools/prepare_data.py, as `make data` runs it
 import prepare_data  # noqa: E402
@@ -45,6 +43,7 @@ def test_every_loader_gives_the_batches_of_the_default(loader, name, held_out, t
         torch.testing.assert_close(x, ref_x, rtol=0, atol=1e-5)  # ToTensor()/Normalize() round differently
 
 
+@pytest.mark.slow
 def test_stage01s_default_path_never_imports_torchvision(tiny_data, tmp_path):
     """A run of stage 01 with the batched loader, in a fresh interpreter, ends without torchvision loaded: it
     doubles the time torch takes to import, which every rank would pay. --help imports less than a run."""

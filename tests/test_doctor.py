@@ -94,7 +94,7 @@ def datasets(args):
 """
 
 
-@pytest.mark.parametrize("theirs", ["the same", "other"])
+@pytest.mark.parametrize("theirs", [pytest.param("the same", marks=pytest.mark.slow), "other"])
 def test_another_tasks_data_is_compared_across_ranks(tmp_path, theirs):
     """--task: two srun-style ranks, each in its own working folder, load the task's own data (no MNIST
     anywhere). The same vectors pass, the line naming the fingerprints of its training and test sets; other

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import REPO, TEST_SIZE, free_port, stage_args, torchrun
+from helpers import REPO, S03, S05, TEST_SIZE, free_port, stage_args, torchrun
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
@@ -104,7 +104,7 @@ def test_evaluation_counts_every_test_image_once(tiny_data, tmp_path):
     """World size 3 over 10 test images in batches of 3 (4, 3, 3 images: 2, 1, 1 batches before padding): the
     all-reduced count is 10, the result the single-process one."""
     args = stage_args(tiny_data, tmp_path, "--epochs", 1, "--batch-size", 63, "--test-batch-size", 3, "--save-model")
-    out = torchrun(3, REPO / "03_ddp_single_node/train.py", *args)
+    out = torchrun(3, S03, *args)
     assert out.returncode == 0, out.stderr
     assert_counted_once(out.stdout, tmp_path / "model.pt", tiny_data)
 
@@ -120,7 +120,7 @@ def test_fsdp_evaluates_uneven_shards_without_waiting(tiny_data, tmp_path, world
     extra = ["--epochs", 1, "--batch-size", 14 * world_size, "--test-batch-size", batch, "--dist-timeout", 30]
     args = stage_args(tiny_data, tmp_path, *extra, "--val-fraction", 0.05, "--save-model")
     start = time.monotonic()
-    out = torchrun(world_size, REPO / "05_fsdp/train.py", *args)
+    out = torchrun(world_size, S05, *args)
     assert out.returncode == 0, out.stderr[-2000:]
     assert time.monotonic() - start < 25 + 5 * world_size  # no rank waited for a partner
     assert_counted_once(out.stdout, tmp_path / "model.pt", tiny_data, val_fraction=0.05)

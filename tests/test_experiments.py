@@ -1,12 +1,11 @@
 """The workshop flags: optimizers, schedules, the learning-rate rule, early stopping, validation."""
 
-import csv
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import REPO, run, stage_args, torchrun
+from helpers import S03, metrics, run, stage_args, torchrun
 
 from common import cli, optim
 
@@ -49,6 +48,7 @@ def test_parser_refuses_untested_pairs(pair, capsys):
     assert f"--model {pair[0]} is tested with" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_validation_and_early_stop(tiny_data, tmp_path):
     """A validation split is reported each epoch; --target-accuracy stops every rank at the same epoch,
     and the count survives a resume (the rows it is made of are in the checkpoint)."""
@@ -57,7 +57,7 @@ def test_validation_and_early_stop(tiny_data, tmp_path):
     assert out.returncode == 0, out.stderr
     assert [line.split("|")[0].strip() for line in out.stdout.splitlines() if line.startswith("epoch ")] == [
         "epoch   1", "epoch   2"]  # fmt: skip
-    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    rows = metrics(tmp_path)
     assert len(rows) == 2 and all(0 <= float(r["val_accuracy"]) <= 100 for r in rows)
     again = run([sys.executable, "01_single_gpu/train.py", *stage_args(tiny_data, tmp_path, *flags, "--resume")])
     assert again.returncode == 0 and "epoch   3" not in again.stdout and "done: 2 epochs" in again.stdout
@@ -68,8 +68,8 @@ def test_stage03_wideresnet_on_cifar_with_two_ranks(tiny_sets, tmp_path):
     """WideResNet-16-4 on CIFAR-10's real file format, DDP over two gloo ranks, with a validation split."""
     flags = ("--dataset", "cifar10", "--model", "wideresnet", "--optimizer", "sgd", "--momentum", 0.9, "--lr", 0.05,
              "--scheduler", "cosine", "--val-fraction", 0.2, "--batch-size", 8, "--epochs", 2)  # fmt: skip
-    out = torchrun(2, REPO / "03_ddp_single_node/train.py", *stage_args(tiny_sets, tmp_path, *flags))
+    out = torchrun(2, S03, *stage_args(tiny_sets, tmp_path, *flags))
     assert out.returncode == 0, out.stderr
-    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    rows = metrics(tmp_path)
     assert [int(r["world_size"]) for r in rows] == [2, 2] and all(r["val_accuracy"] != "" for r in rows)
     assert float(rows[1]["lr"]) < float(rows[0]["lr"])  # cosine

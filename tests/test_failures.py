@@ -6,7 +6,6 @@ The fast cases run in `make test`; those that wait on purpose (stalled ranks, ti
 tests/FAILURES.md names the test of each row.
 """
 
-import csv
 import json
 import math
 import os
@@ -26,69 +25,48 @@ import torch
 from helpers import (
     INJECT,
     REPO,
+    S01,
+    S03,
+    S04,
     TRAIN_SIZE,
+    checkpoint,
     clean_env,
-    free_port,
+    finish,
+    metrics,
     one_error,
     processes_with,
     python,
+    ranks,
     run,
     srun_like,
     stage_args,
+    start,
     torchrun,
     torchrun_cmd,
     wait_for,
     write_idx_subset,
 )  # fmt: skip
 
-from common import checkpoint, cli, data
+from common import cli, data
+from common.checkpoint import atomic
 from common.guards import divergence, lock, preflight, rails, resume
 
-S01, S03, S04 = (REPO / s / "train.py" for s in ("01_single_gpu", "03_ddp_single_node", "04_ddp_multi_node"))
 STEPS = 4  # optimizer steps per epoch: 256 training images, batch 64
 
 
 def kept(folder, epochs):
     """The run's first `epochs` epochs survive: the checkpoint loads, holds them, and is finite; so are the metrics."""
-    state = torch.load(folder / "checkpoint.pt", weights_only=True)
+    state = checkpoint(folder)
     assert state["epoch"] == epochs and divergence.finite(state)
-    rows = list(csv.DictReader(open(folder / "metrics.csv")))
+    rows = metrics(folder)
     assert len(rows) == epochs and all(math.isfinite(float(r["train_loss"])) for r in rows)
     assert not list(folder.glob("*.tmp*"))
-
-
-def ranks(args_per_rank, port=None, addr="127.0.0.1", **env):
-    """Start one process per entry of `args_per_rank` with RANK and WORLD_SIZE set by hand, as a user would."""
-    port = port or free_port()
-    procs = []
-    for rank, args in enumerate(args_per_rank):
-        if args is None:  # this rank is never started
-            continue
-        e = clean_env(
-            RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=len(args_per_rank), MASTER_ADDR=addr, MASTER_PORT=port, **env
-        )
-        procs.append(subprocess.Popen([sys.executable, str(S03), *map(str, args)], env=e, cwd=REPO, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
-    return procs
-
-
-def finish(procs, timeout=60):
-    start, outs = time.monotonic(), []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            outs.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            p.kill()
-    for out in outs:
-        out.seconds = time.monotonic() - start
-    return outs
 
 
 # --- divergence ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_nan_mid_run_stops_at_the_next_progress_line_and_keeps_the_checkpoint(tiny_data, tmp_path):
     # weights turn NaN after the 2nd step of epoch 2; the next progress line (batch 2) stops the run
     out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 3, "--log-interval", 2),
@@ -99,6 +77,7 @@ def test_a_nan_mid_run_stops_at_the_next_progress_line_and_keeps_the_checkpoint(
     kept(tmp_path, 1)
 
 
+@pytest.mark.slow
 def test_weights_that_diverge_in_the_last_step_are_never_saved(tiny_data, tmp_path):
     out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2),
                  PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_NAN=2 * STEPS)  # fmt: skip
@@ -106,6 +85,7 @@ def test_weights_that_diverge_in_the_last_step_are_never_saved(tiny_data, tmp_pa
     kept(tmp_path, 1)
 
 
+@pytest.mark.slow
 def test_a_huge_learning_rate_stops_in_the_first_epoch(tiny_data, tmp_path):
     out = python(S01, *stage_args(tiny_data, tmp_path, "--lr", 1e30, "--log-interval", 1))
     one_error(out, "not finite by epoch 1", "--lr")
@@ -129,7 +109,7 @@ def test_a_non_finite_tensor_is_never_written(tmp_path):
 
 
 def test_divergence_on_one_rank_stops_every_rank_at_the_same_batch(tiny_data, tmp_path):
-    procs = ranks([stage_args(tiny_data, tmp_path, "--epochs", 3, "--log-interval", 2)] * 2,
+    procs = ranks(S03, [stage_args(tiny_data, tmp_path, "--epochs", 3, "--log-interval", 2)] * 2,
                   PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=1, FAULT_NAN=STEPS + 1)  # fmt: skip
     rank0, rank1 = finish(procs)
     one_error(rank0, "not finite by epoch 2, batch 2")
@@ -142,11 +122,9 @@ def test_divergence_on_one_rank_stops_every_rank_at_the_same_batch(tiny_data, tm
 
 @pytest.mark.slow
 def test_a_second_run_into_the_same_folder_exits_at_once_naming_the_first(tiny_data, tmp_path):
-    first = subprocess.Popen([sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--epochs", 60)],
-                             env=clean_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = start(S01, *stage_args(tiny_data, tmp_path, "--epochs", 60))
     lock = tmp_path / ".lock"
-    while not (lock.exists() and lock.read_text()):
-        time.sleep(0.05)
+    wait_for(lambda: lock.exists() and lock.read_text(), proc=first)
     second = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 4))
     one_error(second, "is in use by another run", f"pid {first.pid}", socket.gethostname())
     assert second.seconds < 15
@@ -182,6 +160,7 @@ def test_a_requeued_job_takes_over_its_own_lock_only(tmp_path):
     holder.communicate("")
 
 
+@pytest.mark.slow
 def test_a_killed_run_leaves_its_folder_free_at_once_with_dataloader_workers(tiny_data, tmp_path):
     """SIGKILL (the out-of-memory killer, a lost node) ends a run whose DataLoader workers notice it seconds
     later: they must not keep the folder, or its resume is refused, naming the dead run."""
@@ -189,7 +168,7 @@ def test_a_killed_run_leaves_its_folder_free_at_once_with_dataloader_workers(tin
     run_id = str(uuid.uuid4())
     first = subprocess.Popen([sys.executable, str(S01), *args], env=clean_env(TEST_RUN=run_id), cwd=REPO,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    started(first, tmp_path)
+    wait_for((tmp_path / "checkpoint.pt").exists, proc=first)
     workers = [pid for pid in processes_with(f"TEST_RUN={run_id}") if pid != first.pid]
     for pid in workers:  # held up, as by a slow batch: they notice the end of their process only later
         os.kill(pid, signal.SIGSTOP)
@@ -228,9 +207,9 @@ def test_two_writers_of_one_file_never_share_its_temporary_file(tmp_path):
     gone = subprocess.Popen(["true"])
     gone.wait()
     (tmp_path / f"checkpoint.pt.tmp{gone.pid}").write_bytes(b"half")  # a killed writer's
-    other = ("import sys; from pathlib import Path; from common import checkpoint\n"
-             "with checkpoint.atomic(Path(sys.argv[1])) as f: f.write(b'B' * 1000)")  # fmt: skip
-    with checkpoint.atomic(path) as f:
+    other = ("import sys; from pathlib import Path; from common.checkpoint import atomic\n"
+             "with atomic(Path(sys.argv[1])) as f: f.write(b'B' * 1000)")  # fmt: skip
+    with atomic(path) as f:
         f.write(b"A" * 500)
         f.flush()
         assert run([sys.executable, "-c", other, str(path)]).returncode == 0  # complete while this one writes
@@ -273,6 +252,7 @@ def test_an_unwritable_output_folder_fails_before_the_data_is_read(where, tmp_pa
 # --- a resumed run is the same run --------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_resume_with_a_changed_defining_option_is_refused_naming_both_values(tiny_data, tmp_path):
     assert python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1)).returncode == 0
     out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--resume", "--scheduler", "cosine",
@@ -295,10 +275,11 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tiny_data, tmp_p
     out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 3),
                  PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_ENOSPC=2)  # fmt: skip
     one_error(out, f"could not write {tmp_path / 'checkpoint.pt'}", "No space left", "MiB free", "kept")
-    state = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    state = checkpoint(tmp_path)
     assert state["epoch"] == 1 and divergence.finite(state) and not list(tmp_path.glob("*.tmp*"))
 
 
+@pytest.mark.slow
 def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(tiny_data, tmp_path):
     """The checkpoint records what it was trained on (common.data.fingerprint): a resume on more images, or
     on shifted labels, ran to the end without a word. A checkpoint from before it was recorded resumes."""
@@ -311,7 +292,7 @@ def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(tiny_data, t
                          more / "MNIST" / "raw" / f"train-{kind}-ubyte", TRAIN_SIZE + 32)  # fmt: skip
     labels = shifted / "MNIST" / "raw" / "train-labels-idx1-ubyte"
     labels.write_bytes(labels.read_bytes()[:8] + bytes((y + 1) % 10 for y in labels.read_bytes()[8:]))
-    recorded = torch.load(out / "checkpoint.pt", weights_only=True)["run"]["data"]
+    recorded = checkpoint(out)["run"]["data"]
     assert recorded == preflight.fingerprint(data.dataset(tiny_data, "mnist", train=True))
     resumed = python(S01, *stage_args(more, out, "--epochs", 2, "--resume"))
     one_error(resumed, "was trained on other data", f"training set was {recorded}, here {TRAIN_SIZE + 32}-")
@@ -320,7 +301,7 @@ def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(tiny_data, t
     now = preflight.fingerprint(data.dataset(shifted, "mnist", train=True))
     with pytest.raises(SystemExit, match=f"training set was {recorded}, here {now} in --data-dir {shifted}"):
         resume.find(args, resume.WHOLE, False, now)
-    state = torch.load(out / "checkpoint.pt", weights_only=True)
+    state = checkpoint(out)
     del state["run"]["data"]  # as written before the data was recorded: nothing to compare
     torch.save(state, out / "checkpoint.pt")
     assert resume.find(args, resume.WHOLE, False, now)["epoch"] == 1
@@ -340,6 +321,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", disk], check=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("full", ["checkpoint.pt", "metrics.csv"])
 def test_a_real_full_disk_keeps_the_previous_checkpoint(full, small_disk, tiny_data):
     """On a real full disk torch.save raises a RuntimeError ('unexpected pos'), not the OSError the test above
@@ -348,9 +330,9 @@ def test_a_real_full_disk_keeps_the_previous_checkpoint(full, small_disk, tiny_d
     folder = small_disk / "run"
     out = python(S01, *stage_args(tiny_data, folder, "--epochs", 3), **fill)
     one_error(out, f"could not write {folder / full}: No space left on device", "MiB free", f"previous {full} is kept")
-    state = torch.load(folder / "checkpoint.pt", weights_only=True)
+    state = checkpoint(folder)
     assert state["epoch"] == 1 and divergence.finite(state) and not list(folder.glob("*.tmp*"))
-    assert len(list(csv.DictReader(open(folder / "metrics.csv")))) == (2 if full == "checkpoint.pt" else 1)
+    assert len(metrics(folder)) == (2 if full == "checkpoint.pt" else 1)
 
 
 # --- ranks agree before the first step ----------------------------------------------------------------
@@ -360,7 +342,7 @@ def test_a_real_full_disk_keeps_the_previous_checkpoint(full, small_disk, tiny_d
     "--batch-size", 32, "--batch-size: rank 0: 64, rank 1: 32", marks=pytest.mark.slow)])  # fmt: skip
 def test_ranks_started_with_different_options_stop_naming_the_option(flag, other, named, tiny_data, tmp_path):
     args = stage_args(tiny_data, tmp_path, "--dist-timeout", 20)
-    rank0, rank1 = finish(ranks([args, [*args, flag, other]]))
+    rank0, rank1 = finish(ranks(S03, [args, [*args, flag, other]]))
     one_error(rank0, named)
     assert rank1.returncode != 0 and rank0.seconds < 20
 
@@ -375,7 +357,7 @@ def test_ranks_reading_different_data_stop_naming_the_data(tiny_data, tmp_path):
     raw[8], raw[9] = raw[9], raw[8]  # two labels swapped: same sizes, other data
     labels.write_bytes(bytes(raw))
     out = tmp_path / "out"
-    rank0, rank1 = finish(ranks([stage_args(tiny_data, out), stage_args(other, out)]))
+    rank0, rank1 = finish(ranks(S03, [stage_args(tiny_data, out), stage_args(other, out)]))
     one_error(rank0, "the ranks differ in the training data set", "rank 1")
     assert rank1.returncode != 0
 
@@ -388,7 +370,7 @@ def test_a_timed_save_is_made_by_every_rank_at_one_step_without_a_collective_per
     slow = dict(PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_SLEEP=0.1)  # steps longer than 0.001 minutes
     timed = stage_args(tiny_data, tmp_path, "--epochs", 2, "--dist-timeout", 20)
     rank0, rank1 = finish(
-        ranks([[*timed, "--checkpoint-minutes", 0.001], [*timed, "--checkpoint-minutes", 1000]], **slow)
+        ranks(S03, [[*timed, "--checkpoint-minutes", 0.001], [*timed, "--checkpoint-minutes", 1000]], **slow)
     )
     assert rank0.returncode == 0 and rank1.returncode == 0, rank0.stderr + rank1.stderr
     steps = re.findall(r"saved at epoch [12], step (\d) \(--checkpoint-minutes", rank0.stdout)
@@ -400,7 +382,7 @@ def test_a_timed_save_is_made_by_every_rank_at_one_step_without_a_collective_per
 
 
 def test_an_unresolvable_master_addr_fails_at_once(tiny_data, tmp_path):
-    (rank1,) = finish(ranks([None, stage_args(tiny_data, tmp_path)], addr="no-such-host.invalid"))
+    (rank1,) = finish(ranks(S03, [None, stage_args(tiny_data, tmp_path)], addr="no-such-host.invalid"))
     one_error(rank1, "MASTER_ADDR no-such-host.invalid does not resolve")
     assert rank1.seconds < 15
 
@@ -411,7 +393,7 @@ def test_a_master_port_in_use_is_named(tiny_data, tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        rank0, rank1 = finish(ranks([stage_args(tiny_data, tmp_path, "--dist-timeout", 3)] * 2, port=port))
+        rank0, rank1 = finish(ranks(S03, [stage_args(tiny_data, tmp_path, "--dist-timeout", 3)] * 2, port=port))
     one_error(rank0, f"MASTER_PORT {port} is in use")
     one_error(rank1, f"127.0.0.1:{port} accepts connections but is no rendezvous store")
     assert rank0.seconds < 15 and rank1.seconds < 3 + 5 + 10
@@ -421,7 +403,7 @@ def test_a_master_port_in_use_is_named(tiny_data, tmp_path):
 def test_a_rank_that_never_starts_is_named_within_the_timeout(started, tiny_data, tmp_path):
     args = [None, None]
     args[started] = stage_args(tiny_data, tmp_path, "--dist-timeout", 3)
-    (out,) = finish(ranks(args))
+    (out,) = finish(ranks(S03, args))
     if started == 0:
         one_error(out, "ranks 1 of 2 did not arrive", "within --dist-timeout 3 s", "srun")
     else:
@@ -431,10 +413,8 @@ def test_a_rank_that_never_starts_is_named_within_the_timeout(started, tiny_data
 
 @pytest.mark.slow
 def test_a_stalled_rank_is_named_within_the_timeout(tiny_data, tmp_path):
-    procs = ranks([stage_args(tiny_data, tmp_path, "--epochs", 50, "--dist-timeout", 5)] * 2)
-    while not (tmp_path / "checkpoint.pt").exists():  # training for an epoch: past the rendezvous
-        assert procs[0].poll() is None, procs[0].communicate()
-        time.sleep(0.05)
+    procs = ranks(S03, [stage_args(tiny_data, tmp_path, "--epochs", 50, "--dist-timeout", 5)] * 2)
+    wait_for((tmp_path / "checkpoint.pt").exists, proc=procs[0])  # training for an epoch: past the rendezvous
     procs[1].send_signal(signal.SIGSTOP)
     stopped = time.monotonic()
     try:
@@ -448,51 +428,43 @@ def test_a_stalled_rank_is_named_within_the_timeout(tiny_data, tmp_path):
 @pytest.mark.slow
 def test_a_killed_rank_is_named_by_the_others(tiny_data, tmp_path):
     """SIGKILL (the out-of-memory killer) leaves no message of its own: the survivors name the rank that ended."""
-    procs = ranks([stage_args(tiny_data, tmp_path, "--epochs", 50, "--dist-timeout", 30)] * 2)
-    while not (tmp_path / "checkpoint.pt").exists():  # training for an epoch: past the rendezvous
-        assert procs[0].poll() is None, procs[0].communicate()
-        time.sleep(0.05)
+    procs = ranks(S03, [stage_args(tiny_data, tmp_path, "--epochs", 50, "--dist-timeout", 30)] * 2)
+    wait_for((tmp_path / "checkpoint.pt").exists, proc=procs[0])  # training for an epoch: past the rendezvous
     procs[1].kill()
     killed = time.monotonic()
     rank0 = finish(procs[:1], timeout=60)[0]
     assert "message is above" not in one_error(rank0, "rank 1 (", "ended or stopped answering", "killed")
     assert time.monotonic() - killed < 15
-    kept(tmp_path, int(torch.load(tmp_path / "checkpoint.pt", weights_only=True)["epoch"]))
+    kept(tmp_path, int(checkpoint(tmp_path)["epoch"]))
 
 
-def started(proc, folder):
-    """Wait until the run in `proc` has saved its first checkpoint."""
-    while not (folder / "checkpoint.pt").exists():
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-
-
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_ctrl_c_is_one_line_and_keeps_the_checkpoint(workers, tiny_data, tmp_path):
     cmd = [sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--epochs", 50, "--num-workers", workers)]
     # as from a terminal: a shell's background job (`make test &`) passes SIGINT on ignored, which Python keeps
     default = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
     proc = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=default, start_new_session=True)  # fmt: skip
-    started(proc, tmp_path)
+    wait_for((tmp_path / "checkpoint.pt").exists, proc=proc)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal does: to the process group, DataLoader workers included
     out = subprocess.CompletedProcess(cmd, proc.wait(timeout=30), *proc.communicate())
     assert out.returncode == 130
     one_error(out, "interrupted (Ctrl-C)", "--resume")
-    kept(tmp_path, len(list(csv.DictReader(open(tmp_path / "metrics.csv")))))
+    kept(tmp_path, len(metrics(tmp_path)))
 
 
+@pytest.mark.slow
 def test_a_dataloader_worker_killed_is_named_with_the_fix(tiny_data, tmp_path):
     """The out-of-memory killer takes a worker: the run names it, the likely cause and --num-workers / --mem."""
     args = stage_args(tiny_data, tmp_path, "--epochs", 50, "--loader", "classic", "--num-workers", 1)  # the last wins
     cmd = [sys.executable, str(S01), *args]
     proc = subprocess.Popen(cmd, env=clean_env(), cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    started(proc, tmp_path)
+    wait_for((tmp_path / "checkpoint.pt").exists, proc=proc)
     worker = int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[0])
     os.kill(worker, signal.SIGKILL)
     out = subprocess.CompletedProcess(cmd, proc.wait(timeout=30), *proc.communicate())
     one_error(out, f"DataLoader worker of this rank (pid {worker})", "out-of-memory", "--num-workers", "--mem")
-    kept(tmp_path, len(list(csv.DictReader(open(tmp_path / "metrics.csv")))))
+    kept(tmp_path, len(metrics(tmp_path)))
 
 
 @pytest.mark.slow
@@ -501,8 +473,7 @@ def test_a_killed_torchrun_takes_its_workers_with_it(tiny_data, tmp_path):
     env = clean_env(RUN_MARKER=tmp_path.name)
     launcher = subprocess.Popen(torchrun_cmd(2, S03, *stage_args(tiny_data, tmp_path, "--epochs", 50)), env=env,
                                 cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    while not (tmp_path / "checkpoint.pt").exists():
-        time.sleep(0.1)
+    wait_for((tmp_path / "checkpoint.pt").exists, proc=launcher)
     workers = [pid for pid in processes_with(marker) if pid != launcher.pid]
     assert len(workers) == 2
     launcher.send_signal(signal.SIGKILL)
@@ -513,6 +484,7 @@ def test_a_killed_torchrun_takes_its_workers_with_it(tiny_data, tmp_path):
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_run_that_succeeded_ends_with_status_0_when_gloo_frees_a_tensor_at_exit(tiny_data, tmp_path):
     """gloo's thread frees a late collective's tensor after the rank's last line (tests/inject: LATE_RELEASE):
     it needs the GIL, and in the interpreter's teardown taking it ends the thread inside C++, which aborts
@@ -520,16 +492,17 @@ def test_a_run_that_succeeded_ends_with_status_0_when_gloo_frees_a_tensor_at_exi
     env = clean_env(PYTHONPATH=f"{INJECT}:{REPO}", LATE_RELEASE=2)
     out = torchrun(2, S03, *stage_args(tiny_data, tmp_path, "--epochs", 1), env=env)
     assert out.returncode == 0 and "terminate called" not in out.stderr, out.stderr[-3000:]
-    assert "done: 1 epochs" in out.stdout and len(list(csv.DictReader(open(tmp_path / "metrics.csv")))) == 1
+    assert "done: 1 epochs" in out.stdout and len(metrics(tmp_path)) == 1
 
 
+@pytest.mark.slow
 def test_a_run_started_with_stdout_closed_ends_with_status_0(tiny_data, tmp_path):
     """`>&-`: Python's sys.stdout is None; the ranks' own ending (common/guards/ending.py) flushes only what exists."""
     cmd = torchrun_cmd(2, S03, *stage_args(tiny_data, tmp_path, "--epochs", 1))
     out = subprocess.run(cmd, env=clean_env(), cwd=REPO, stderr=subprocess.PIPE, text=True, timeout=120,
                          preexec_fn=lambda: os.close(1))  # fmt: skip
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert len(list(csv.DictReader(open(tmp_path / "metrics.csv")))) == 1
+    assert len(metrics(tmp_path)) == 1
 
 
 def test_the_failure_table_names_real_tests():

@@ -1,10 +1,8 @@
 """Stage 05: sharded training trains as DDP does, its checkpoints survive a kill and a change of world
 size, and its exported model is stage 01's."""
 
-import csv
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -15,10 +13,15 @@ import torch.nn.functional as F
 from helpers import (
     INJECT,
     REPO,
+    S03,
+    S05,
     TEST_SIZE,
+    checkpoint,
     clean_env,
     free_port,
     kill_rank_1_after_a_checkpoint,
+    metrics,
+    nodes,
     python,
     run,
     srun_like,
@@ -35,14 +38,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common import amp, data, models
 
-S03, S05 = REPO / "03_ddp_single_node/train.py", REPO / "05_fsdp/train.py"
 STEPS = 4
 # what each claim is checked to: the same sums in another order (fp32 on CPU, a few steps of Adadelta at lr 1)
 TOLERANCE = dict(rtol=0, atol=1e-5)
-
-
-def weights(folder):
-    return torch.load(folder / "model.pt", weights_only=True)
 
 
 def assert_close_weights(a, b):
@@ -51,6 +49,7 @@ def assert_close_weights(a, b):
         torch.testing.assert_close(a[name], b[name], **TOLERANCE, msg=name)
 
 
+@pytest.mark.slow
 def test_stage05_exports_stage01s_model(tiny_data, tmp_path):
     """World size 2: the run of every stage, sharded checkpoints, the memory line, and a model.pt that stage
     01's Net loads strictly and evaluates to the accuracy of the last epoch."""
@@ -63,7 +62,7 @@ def test_stage05_exports_stage01s_model(tiny_data, tmp_path):
     )
     assert os.readlink(tmp_path / "checkpoint") == "epoch-2" and (tmp_path / "epoch-1" / "state.pt").exists()
     model = models.Net()
-    model.load_state_dict(weights(tmp_path), strict=True)
+    model.load_state_dict(checkpoint(tmp_path, "model.pt"), strict=True)
     loader = data.loader(data.dataset(tiny_data, "mnist", train=False), range(TEST_SIZE), 1000, ARGS, CPU)
     correct = stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, TEST_SIZE)[1]
     assert 100 * correct.item() / TEST_SIZE == pytest.approx(float(rows[-1]["test_accuracy"]))
@@ -76,16 +75,16 @@ def test_stage05_trains_as_stage03(tiny_data, tmp_path):
     for name, script in (("05", S05), ("03", S03)):
         out = torchrun(2, script, *stage_args(tiny_data, tmp_path / name, "--epochs", 1, "--save-model"))
         assert out.returncode == 0, out.stderr
-    ours, theirs = (next(csv.DictReader(open(tmp_path / name / "metrics.csv"))) for name in ("05", "03"))
+    ours, theirs = (metrics(tmp_path / name)[0] for name in ("05", "03"))
     for key in ("train_loss", "test_loss", "test_accuracy"):
         assert float(ours[key]) == pytest.approx(float(theirs[key]), rel=1e-4), key
-    assert_close_weights(weights(tmp_path / "05"), weights(tmp_path / "03"))
+    assert_close_weights(checkpoint(tmp_path / "05", "model.pt"), checkpoint(tmp_path / "03", "model.pt"))
     # stage 03's checkpoint.pt starts a stage 05 run, which continues as stage 05's own checkpoint does
     for name, resume in (("05", tmp_path / "05" / "checkpoint"), ("from03", tmp_path / "03" / "checkpoint.pt")):
         args = stage_args(tiny_data, tmp_path / name, "--epochs", 2, "--save-model", "--resume", resume)
         out = torchrun(2, S05, *args)
         assert out.returncode == 0 and "resumed after epoch 1" in out.stdout, out.stderr
-    assert_close_weights(weights(tmp_path / "from03"), weights(tmp_path / "05"))
+    assert_close_weights(checkpoint(tmp_path / "from03", "model.pt"), checkpoint(tmp_path / "05", "model.pt"))
 
 
 def ranks(rank, world_size, port, data_dir, result):
@@ -145,6 +144,7 @@ def test_the_large_model_flags_are_refused_where_not_taught(tiny_data, tmp_path)
         assert f"error: {flag[0]} is taught in stage 05_fsdp, not here" in out.stderr
 
 
+@pytest.mark.slow
 def test_grad_accum_beyond_the_per_rank_batch_warns_once(tiny_data, tmp_path):
     """One process, a batch of 2 in 4 micro-batches: torch.chunk makes 2 of one image; the run says so and trains."""
     args = stage_args(tiny_data, tmp_path, "--epochs", 1, "--limit", 8, "--batch-size", 2, "--grad-accum", 4)
@@ -168,7 +168,7 @@ def test_resume_at_other_world_sizes_continues_the_same_run(tiny_data, tmp_path)
         assert epochs == 1 or f"resumed after epoch {epochs - 1}" in out.stdout
     out = torchrun(2, S05, *stage_args(tiny_data, tmp_path / "stayed", "--epochs", 3, "--save-model"), env=env)
     assert out.returncode == 0, out.stderr
-    assert_close_weights(weights(tmp_path / "resized"), weights(tmp_path / "stayed"))
+    assert_close_weights(checkpoint(tmp_path / "resized", "model.pt"), checkpoint(tmp_path / "stayed", "model.pt"))
 
 
 @pytest.mark.slow
@@ -178,7 +178,9 @@ def test_stage05_killed_rank_restarts_and_resumes_under_torchrun(tiny_data, tmp_
     kill_rank_1_after_a_checkpoint(
         S05, stage_args(tiny_data, killed, "--epochs", 3, "--save-model"), killed / "checkpoint"
     )
-    torch.testing.assert_close(weights(killed), weights(tmp_path / "whole"), rtol=0, atol=0)
+    torch.testing.assert_close(
+        checkpoint(killed, "model.pt"), checkpoint(tmp_path / "whole", "model.pt"), rtol=0, atol=0
+    )
 
 
 @pytest.mark.slow
@@ -218,8 +220,8 @@ def test_amp_with_batchnorm_and_every_large_model_flag(tiny_sets, tmp_path):
     out = torchrun(2, S05, *args, "--save-model")
     assert out.returncode == 0 and "done: 2 epochs" in out.stdout, out.stderr
     model = models.build("wideresnet", 3, 10, 32, depth=10, width=1)
-    model.load_state_dict(weights(tmp_path), strict=True)
-    assert all(w.dtype == torch.float32 for w in weights(tmp_path).values() if w.is_floating_point())
+    model.load_state_dict(checkpoint(tmp_path, "model.pt"), strict=True)
+    assert all(w.dtype == torch.float32 for w in checkpoint(tmp_path, "model.pt").values() if w.is_floating_point())
 
 
 @pytest.mark.slow
@@ -277,11 +279,7 @@ def test_hsdp_on_two_nodes_and_its_checkpoint_across_mesh_shapes(tiny_data, tmp_
     out = tmp_path / "out"
 
     def two_nodes(epochs, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
-               "--rdzv_id=1", f"--rdzv_endpoint=127.0.0.1:{free_port()}", S05,
-               *stage_args(tiny_data, out, "--epochs", epochs, *extra)]  # fmt: skip
-        agents = [subprocess.Popen(list(map(str, cmd)), env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), cwd=REPO,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+        agents = nodes(S05, *stage_args(tiny_data, out, "--epochs", epochs, *extra), nproc=(2, 2))
         outputs = [agent.communicate(timeout=240)[0] for agent in agents]
         assert [agent.returncode for agent in agents] == [0, 0], outputs
         return "".join(outputs)
@@ -292,7 +290,7 @@ def test_hsdp_on_two_nodes_and_its_checkpoint_across_mesh_shapes(tiny_data, tmp_
     alone = python(S05, *stage_args(tiny_data, out, "--epochs", 3, "--resume"))
     assert alone.returncode == 0 and "resumed after epoch 2" in alone.stdout, alone.stderr
     assert "resumed after epoch 3" in two_nodes(4, "--resume")
-    rows = list(csv.DictReader(open(out / "metrics.csv")))
+    rows = metrics(out)
     assert [(r["epoch"], r["world_size"], r["nodes"]) for r in rows] == [
         ("1", "4", "2"), ("2", "2", "1"), ("3", "1", "1"), ("4", "4", "2")
     ]  # fmt: skip
@@ -302,17 +300,7 @@ def test_hsdp_on_two_nodes_and_its_checkpoint_across_mesh_shapes(tiny_data, tmp_
 def test_nodes_of_unequal_rank_counts_share_one_mesh(tiny_data, tmp_path):
     """Two torchrun agents with --nproc_per_node 3 and 1: every rank must build the same mesh (FSDP over all
     four), not each its own from its node's count, which waited out --dist-timeout."""
-    port = free_port()
-    agents = [
-        subprocess.Popen(
-            list(map(str, [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--nproc_per_node={n}",
-                           "--rdzv_backend=c10d", "--rdzv_id=1", f"--rdzv_endpoint=127.0.0.1:{port}", S05,
-                           *stage_args(tiny_data, tmp_path, "--epochs", 1, "--dist-timeout", 60)])),
-            env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), cwd=REPO, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True,
-        )
-        for n in (3, 1)
-    ]  # fmt: skip
+    agents = nodes(S05, *stage_args(tiny_data, tmp_path, "--epochs", 1, "--dist-timeout", 60), nproc=(3, 1))
     outputs = "".join(agent.communicate(timeout=240)[0] for agent in agents)
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     assert "mesh: 4 ranks (shard)" in outputs and "done: 1 epochs" in outputs

@@ -5,6 +5,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 from helpers import REPO
 
 SCRIPTS = sorted(REPO.glob("0*/*.slurm"))
@@ -64,6 +65,7 @@ def test_the_torchrun_job_script_derives_the_port_as_setup_does():
         assert int(shell.stdout) == master_port(job_id)
 
 
+@pytest.mark.slow
 def test_a_job_whose_tasks_per_node_differ_from_its_gpus_stops_in_one_line():
     """The scripts that start a rank per task check the one rule a user must keep by hand."""
     import sys

@@ -161,6 +161,7 @@ def test_the_plan_answers_with_sbatch_lines_in_seconds():
     assert fitting and nodes * tasks == fitting[0] and gres == tasks  # the smallest that fits, nothing smaller
 
 
+@pytest.mark.slow
 def test_a_model_too_large_for_this_machine_is_counted_without_its_memory():
     """WideResNet-16-1000 has 170 G parameters: counted on fake tensors, with 6 GiB of address space (torch's
     libraries fit, the first of the model's 9 GB convolutions does not), in seconds. Past what even fake

@@ -7,7 +7,7 @@ import importlib.util
 import sys
 
 import pytest
-from helpers import REPO, run, stage_args
+from helpers import REPO, S01, metrics, run, stage_args
 
 from common.metrics import FIELDS
 
@@ -70,7 +70,7 @@ def runs(tiny_data, tmp_path_factory):
     runs = [root / f"bs{bs}" for bs in BATCH_SIZES]
     for bs, folder in zip(BATCH_SIZES, runs, strict=True):
         args = stage_args(tiny_data, folder, "--epochs", 2, "--batch-size", bs)
-        result = run([sys.executable, str(REPO / "01_single_gpu/train.py"), *args])
+        result = run([sys.executable, S01, *args])
         assert result.returncode == 0, result.stderr
     return runs
 
@@ -86,7 +86,7 @@ def test_plot_draws_one_line_per_run(runs, tmp_path):
 
     fig = load_plot().main([*map(str, reversed(runs)), "-o", str(tmp_path / "again.png")])  # in any order
     *per_epoch, timing = fig.axes
-    metrics = [list(csv.DictReader(open(r / "metrics.csv"))) for r in runs]
+    metrics = [metrics(r) for r in runs]
     names = [f"{r.parent.name}, 1 process, {r.name}" for r in runs]  # bs16, bs32, bs64: by number
     for ax, column in zip(per_epoch, ["train_loss", "test_loss", "test_accuracy"], strict=True):
         lines = ax.get_lines()

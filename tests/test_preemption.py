@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections import Counter
@@ -23,16 +22,19 @@ from helpers import (
     S04,
     S05,
     TRAIN_SIZE,
+    assert_same_state,
     checkpoint,
     clean_env,
+    metrics,
     one_error,
     processes_with,
     python,
     srun_start,
     stage_args,
+    start,
     torchrun,
-    torchrun_cmd,
     wait_for,
+    wait_for_epoch,
 )  # fmt: skip
 
 from common.guards import resume
@@ -51,7 +53,7 @@ def signal_mid_epoch_2(proc, out, signum, *others, everyone=None):
     process whose environment holds `everyone` (NAME=value), as Slurm signals every process of a step: the
     launcher, the ranks and their DataLoader workers. Returns its output and the seconds from the signal to its
     exit."""
-    wait_for(lambda: (out / "metrics.csv").exists() and "\n1," in (out / "metrics.csv").read_text(), timeout=90)
+    wait_for_epoch(out, 1, proc)
     time.sleep(0.6)
     sent = time.monotonic()
     if everyone:
@@ -82,43 +84,38 @@ def saved_mid_epoch(out, output, code, proc):
 def test_stage01_stopped_mid_epoch_resumes_bit_identical(signum, tiny_data, tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert python(S01, *args(tiny_data, whole)).returncode == 0
-    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, cut))], env=clean_env(**SLOW),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = start(S01, *args(tiny_data, cut), env=clean_env(**SLOW))
     output, seconds = signal_mid_epoch_2(proc, cut, signum)
     step = saved_mid_epoch(cut, output, 128 + signum, proc)
     assert seconds < 15, seconds  # the step in flight (0.3 s here), the save and the exit: well within KillWait (30 s)
     assert checkpoint(cut)["step"] == step and checkpoint(cut)["epoch"] == 2
-    assert torch.load(cut / resume.PREVIOUS, weights_only=True)["epoch"] == 1  # the one before survives
+    assert checkpoint(cut, resume.PREVIOUS)["epoch"] == 1  # the one before survives
     resumed = python(S01, *args(tiny_data, cut, "--resume"))
     assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stdout
-    assert torch.equal(torch.cat([p.flatten() for p in checkpoint(cut)["model"].values()]),
-                       torch.cat([p.flatten() for p in checkpoint(whole)["model"].values()]))  # fmt: skip
-    rows = (cut / "metrics.csv").read_text().splitlines()
-    assert len(rows) == 3 and float(rows[2].split(",")[7]) > 0.6  # epoch 2's row: its time across the interruption
+    assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])
+    rows = metrics(cut)
+    assert len(rows) == 2 and float(rows[1]["epoch_seconds"]) > 0.6  # epoch 2's time, across the interruption
 
 
 @pytest.mark.slow
 def test_stage03_under_torchrun_stopped_by_sigterm_resumes_bit_identical(tiny_data, tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert torchrun(2, S03, *args(tiny_data, whole)).returncode == 0
-    proc = subprocess.Popen(torchrun_cmd(2, S03, *args(tiny_data, cut)), env=clean_env(**SLOW), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = start(S03, *args(tiny_data, cut), nproc=2, env=clean_env(**SLOW))
     output, seconds = signal_mid_epoch_2(proc, cut, signal.SIGTERM)  # to torchrun, which passes it on
     assert proc.returncode != 0 and seconds < 35, output
     step = saved_mid_epoch(cut, output, proc.returncode, proc)
     resumed = torchrun(2, S03, *args(tiny_data, cut, "--resume"))
     assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
-    for key, weights in checkpoint(whole)["model"].items():
-        assert torch.equal(checkpoint(cut)["model"][key], weights), key
+    assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])
 
 
+@pytest.mark.slow
 def test_stage01_with_dataloader_workers_saves_when_every_process_is_signalled(tiny_data, tmp_path):
     """Slurm signals every process of a step (scancel, a preemption), `kill -- -PGID` a process group: the
     DataLoader workers get the signal too, and leave it to their rank, which saves."""
     cut, run = tmp_path / "cut", str(uuid.uuid4())
-    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, cut, "--num-workers", 1))],
-                            env=clean_env(**SLOW, TEST_RUN=run), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = start(S01, *args(tiny_data, cut, "--num-workers", 1), env=clean_env(**SLOW, TEST_RUN=run))
     output, seconds = signal_mid_epoch_2(proc, cut, signal.SIGTERM, everyone=f"TEST_RUN={run}")
     step = saved_mid_epoch(cut, output, 128 + signal.SIGTERM, proc)
     assert "error" not in output and seconds < 15, output
@@ -143,8 +140,7 @@ def test_stage03_under_torchrun_with_workers_saves_however_the_signal_comes(sign
         pytest.skip("torchrun passes SIGUSR1 on from torch 2.10; an older one ends by it (README)")
     cut, run = tmp_path / "cut", str(uuid.uuid4())
     env = clean_env(**SLOW, TEST_RUN=run, PET_SIGNALS_TO_HANDLE=PASS_ON)  # as the job scripts export it
-    proc = subprocess.Popen(torchrun_cmd(2, S03, *args(tiny_data, cut, "--num-workers", 1)), env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = start(S03, *args(tiny_data, cut, "--num-workers", 1), nproc=2, env=env)
     output, seconds = signal_mid_epoch_2(proc, cut, signum, everyone=everyone and f"TEST_RUN={run}")
     assert proc.returncode != 0 and seconds < 35 and "error:" not in output, output
     step = saved_mid_epoch(cut, output, proc.returncode, proc)
@@ -167,15 +163,13 @@ def test_a_signal_to_one_rank_of_a_manual_launch_stops_both_at_one_step(tiny_dat
     procs = srun_start(2, S04, *args(tiny_data, cut, "--resume"))
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0] and f"resumed at epoch 2, step {step}" in outputs[0], outputs
-    for key, weights in checkpoint(whole)["model"].items():
-        assert torch.equal(checkpoint(cut)["model"][key], weights), key
+    assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])
 
 
 @pytest.mark.slow
 def test_stage05_saved_mid_epoch_at_two_ranks_resumes_at_one_seeing_every_sample_once(tiny_data, tmp_path):
     cut, record = tmp_path / "cut", tmp_path / "batches.jsonl"
-    proc = subprocess.Popen(torchrun_cmd(2, S05, *args(tiny_data, cut)), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=clean_env(**SLOW, RECORD_BATCHES=record))  # fmt: skip
+    proc = start(S05, *args(tiny_data, cut), nproc=2, env=clean_env(**SLOW, RECORD_BATCHES=record))
     output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
     step = saved_mid_epoch(cut, output, proc.returncode, proc)
     assert (cut / f"epoch-2-step-{step}").is_dir() and (cut / "epoch-1").is_dir()
@@ -184,8 +178,8 @@ def test_stage05_saved_mid_epoch_at_two_ranks_resumes_at_one_seeing_every_sample
     batches = [json.loads(line) for line in record.read_text().splitlines()]
     seen = Counter(i for b in batches if b["size"] == TRAIN_SIZE for i in b["indices"])
     assert seen == Counter({i: 2 for i in range(TRAIN_SIZE)})  # two epochs: each image twice, no more, no less
-    rows = (cut / "metrics.csv").read_text().splitlines()
-    assert [r.split(",")[0] for r in rows[1:]] == ["1", "2"] and rows[2].split(",")[10] == "1"
+    rows = metrics(cut)
+    assert [r["epoch"] for r in rows] == ["1", "2"] and rows[1]["world_size"] == "1"
 
 
 @pytest.mark.slow
@@ -193,9 +187,8 @@ def test_a_second_signal_during_the_save_changes_nothing(tiny_data, tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert python(S01, *args(tiny_data, whole)).returncode == 0
     env = clean_env(**SLOW, FAULT_SLOW_SAVE=1.0)  # each save takes a second: time for a second signal
-    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, cut))], env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    wait_for(lambda: (cut / "metrics.csv").exists() and "\n1," in (cut / "metrics.csv").read_text(), timeout=90)
+    proc = start(S01, *args(tiny_data, cut), env=env)
+    wait_for_epoch(cut, 1, proc)
     time.sleep(1.6)  # past epoch 1's save, into epoch 2
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.8)  # the step in flight ends, the save starts
@@ -204,16 +197,15 @@ def test_a_second_signal_during_the_save_changes_nothing(tiny_data, tmp_path):
     step = saved_mid_epoch(cut, output, 128 + signal.SIGTERM, proc)
     resumed = python(S01, *args(tiny_data, cut, "--resume"))
     assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout
-    for key, weights in checkpoint(whole)["model"].items():
-        assert torch.equal(checkpoint(cut)["model"][key], weights), key
+    assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])
 
 
+@pytest.mark.slow
 def test_signals_during_the_exit_change_neither_the_status_nor_the_line(tiny_data, tmp_path):
     """SIGTERM again and again once the run has saved, while it exits (a second scancel, Slurm's signal to
     every process): the exit status stays 143, not the end by a signal that Python's teardown would allow."""
-    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, tmp_path))], env=clean_env(**SLOW),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    wait_for(lambda: (tmp_path / "metrics.csv").exists() and "\n1," in (tmp_path / "metrics.csv").read_text(), 90)
+    proc = start(S01, *args(tiny_data, tmp_path), env=clean_env(**SLOW))
+    wait_for_epoch(tmp_path, 1, proc)
     time.sleep(0.6)
     proc.send_signal(signal.SIGTERM)
     lines = []
@@ -234,7 +226,7 @@ def test_a_signal_after_rank_0_was_killed_is_one_line_per_rank_left(tiny_data, t
     (--kill-on-bad-exit) then sends the others SIGTERM. No step can be agreed without the store: one line
     naming it, no traceback, and the last checkpoint stays."""
     procs = srun_start(2, S04, *args(tiny_data, tmp_path), **SLOW)
-    wait_for(lambda: (tmp_path / "metrics.csv").exists() and "\n1," in (tmp_path / "metrics.csv").read_text(), 90)
+    wait_for_epoch(tmp_path, 1, procs[0])
     time.sleep(0.6)
     procs[0].kill()
     time.sleep(0.5)  # rank 1 is in the collective that fails, or naming the rank that went silent
@@ -251,32 +243,30 @@ def test_checkpoint_minutes_saves_mid_epoch_for_a_sigkill(tiny_data, tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     often = ("--checkpoint-minutes", 0.001, "--log-interval", 1)  # at every progress line: every step here
     assert python(S01, *args(tiny_data, whole)).returncode == 0
-    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, cut, *often))], env=clean_env(**SLOW),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    wait_for(lambda: (cut / "checkpoint.pt").exists() and checkpoint(cut)["epoch"] == 2, timeout=90)
+    proc = start(S01, *args(tiny_data, cut, *often), env=clean_env(**SLOW))
+    wait_for(lambda: (cut / "checkpoint.pt").exists() and checkpoint(cut)["epoch"] == 2, 90, proc)
     proc.kill()  # no signal to catch: what the interval saved is what there is
     proc.wait()
     step = checkpoint(cut)["step"]
     resumed = python(S01, *args(tiny_data, cut, "--resume"))  # a free option: resumes without it
     assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
-    for key, weights in checkpoint(whole)["model"].items():
-        assert torch.equal(checkpoint(cut)["model"][key], weights), key
+    assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])
 
 
+@pytest.mark.slow
 def test_checkpoint_minutes_saves_mid_epoch_in_an_epoch_shorter_than_the_log_interval(tiny_data, tmp_path):
     """8 steps an epoch and a progress line every 100 (the default): the clock was looked at on progress lines
     only, so no save ever came mid-epoch. It is looked at every step now."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert python(S01, *args(tiny_data, whole)).returncode == 0
     slow = clean_env(**SLOW | {"FAULT_SLEEP": 0.1})  # steps longer than the 0.06 s of --checkpoint-minutes 0.001
-    proc = subprocess.Popen([sys.executable, S01, *map(str, args(tiny_data, cut, "--checkpoint-minutes", 0.001))],
-                            env=slow, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    wait_for(lambda: (cut / "checkpoint.pt").exists() and checkpoint(cut)["epoch"] == 2 and checkpoint(cut)["step"])
+    proc = start(S01, *args(tiny_data, cut, "--checkpoint-minutes", 0.001), env=slow)
+    wait_for(lambda: (cut / "checkpoint.pt").exists() and checkpoint(cut)["epoch"] == 2 and checkpoint(cut)["step"],
+             proc=proc)  # fmt: skip
     proc.kill()
     output = proc.communicate()[0]
     assert "saved at epoch 1, step " in output, output  # mid-epoch in the first epoch too
     step = checkpoint(cut)["step"]
     resumed = python(S01, *args(tiny_data, cut, "--resume"))
     assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
-    for key, weights in checkpoint(whole)["model"].items():
-        assert torch.equal(checkpoint(cut)["model"][key], weights), key
+    assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])

@@ -47,7 +47,11 @@ def fenced_commands():
                     yield path, command
 
 
-@pytest.mark.parametrize("readme, command", list(fenced_commands()), ids=lambda x: str(x)[-40:])
+# another task's commands run in make test-all: test_tasks.py runs that task in make test
+COMMANDS = [pytest.param(*rc, marks=pytest.mark.slow) if "tasks/" in rc[1] else rc for rc in fenced_commands()]
+
+
+@pytest.mark.parametrize("readme, command", COMMANDS, ids=lambda x: str(x)[-40:])
 def test_the_readmes_commands_run(readme, command, tiny_data, tmp_path):
     """As written, from the README's folder: the environment's own bin/ for .venv/bin/, a stage on the tiny
     data set into a folder of its own, make with this Python."""

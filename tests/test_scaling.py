@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import REPO, run, stage_args, torchrun
+from helpers import REPO, S03, S05, metrics, run, stage_args, torchrun
 
 from common.metrics import FIELDS
 
@@ -116,7 +116,7 @@ def test_the_models_size_is_the_one_the_checkpoint_records(tmp_path, capsys):
 def test_a_sharded_run_records_the_whole_models_size(tiny_data, tmp_path, capsys):
     """Stage 05 on 2 ranks: each holds half of every parameter, its checkpoint records the whole Net's count."""
     args = stage_args(tiny_data, tmp_path / "run", "--epochs", 1, "--batch-size", 28, "--dist-timeout", 30)
-    result = torchrun(2, REPO / "05_fsdp/train.py", *args)
+    result = torchrun(2, S05, *args)
     assert result.returncode == 0, result.stderr[-2000:]
     state = torch.load(tmp_path / "run/checkpoint/state.pt", weights_only=True)
     assert state["run"]["parameters"] == 1_199_882  # models.Net
@@ -134,9 +134,9 @@ def test_without_matplotlib_a_plot_is_refused(tmp_path):
 def test_real_runs_of_one_and_two_processes(tiny_data, tmp_path, capsys):
     runs = [tmp_path / f"gloo{n}" for n in (1, 2)]
     for n, folder in zip((1, 2), runs, strict=True):  # two epochs: the first is warm-up, the median is the second
-        result = torchrun(n, REPO / "03_ddp_single_node/train.py", *stage_args(tiny_data, folder, "--epochs", 2))
+        result = torchrun(n, S03, *stage_args(tiny_data, folder, "--epochs", 2))
         assert result.returncode == 0, result.stderr
-    metrics = [list(csv.DictReader(open(folder / "metrics.csv"))) for folder in runs]
+    metrics = [metrics(folder) for folder in runs]
     # as `make scaling` runs it, in a process of its own; then in this one, for a target no run reaches
     result = run([sys.executable, str(SCALING), *map(str, reversed(runs)), "--target-accuracy", "50"])
     assert result.returncode == 0, result.stderr
@@ -165,7 +165,7 @@ def test_stage05_runs_resumed_at_another_world_size_and_mixed_settings(tmp_path,
     ddp = write_run(tmp_path / "03_ddp_single_node" / "a", 1, [100] * 4, [90, 95, 97, 98])
     torch.save({"run": {"flags": {"batch_size": 64, "model": "net", "dataset": "mnist"}}}, ddp / "checkpoint.pt")
     fsdp = write_run(tmp_path / "05_fsdp" / "b", 4, [380, 400, 190, 200], [90, 95, 97, 98])
-    rows = list(csv.DictReader(open(fsdp / "metrics.csv")))
+    rows = metrics(fsdp)
     for row in rows[2:]:
         row["world_size"] = 2
     with open(fsdp / "metrics.csv", "w", newline="") as f:

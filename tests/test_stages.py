@@ -1,12 +1,26 @@
 """Every stage end to end, as the real script in real processes, on a tiny real-format MNIST."""
 
-import csv
 import shutil
 import sys
 
 import pytest
 import torch
-from helpers import REPO, STAGES, TEST_SIZE, TRAIN_SIZE, clean_env, run, srun_like, stage_args, torchrun
+from helpers import (
+    REPO,
+    S01,
+    S03,
+    S04,
+    STAGES,
+    TEST_SIZE,
+    TRAIN_SIZE,
+    checkpoint,
+    clean_env,
+    metrics,
+    run,
+    srun_like,
+    stage_args,
+    torchrun,
+)
 
 from common import data
 from common.metrics import FIELDS
@@ -23,7 +37,7 @@ def check_run(output, output_dir, world_size, epochs=2):
     assert len(epoch_lines) == epochs, output  # one line per epoch, from rank 0 only
     assert f"/{TEST_SIZE} (" in epoch_lines[-1]  # every test image counted once
     assert output.count("done: ") == 1
-    rows = list(csv.DictReader(open(output_dir / "metrics.csv")))
+    rows = metrics(output_dir)
     assert list(rows[0]) == FIELDS and len(rows) == epochs
     assert [int(r["world_size"]) for r in rows] == [world_size] * epochs
     assert float(rows[1]["lr"]) == pytest.approx(0.7 * float(rows[0]["lr"]))
@@ -33,6 +47,7 @@ def check_run(output, output_dir, world_size, epochs=2):
     return rows
 
 
+@pytest.mark.slow
 def test_stage01_twice_with_one_seed_ends_bit_identical(tiny_data, tmp_path):
     """Stage 01 end to end, twice: the same seed gives bit-identical weights on the CPU, so a regression cannot
     hide behind noise."""
@@ -42,13 +57,13 @@ def test_stage01_twice_with_one_seed_ends_bit_identical(tiny_data, tmp_path):
         out = run([sys.executable, "01_single_gpu/train.py", *args])
         assert out.returncode == 0, out.stderr
         check_run(out.stdout, folder, world_size=1)
-        weights.append(torch.load(folder / "model.pt", weights_only=True))
+        weights.append(checkpoint(folder, "model.pt"))
     Net().load_state_dict(weights[0])  # plain keys, any stage loads it
     for name in weights[0]:
         assert torch.equal(weights[0][name], weights[1][name]), name
 
 
-@pytest.mark.parametrize("stage", STAGES[1:3])
+@pytest.mark.parametrize("stage", [STAGES[1], pytest.param(STAGES[2], marks=pytest.mark.slow)])
 def test_single_process_stages(stage, tiny_data, tmp_path):
     """Stage 02, and stage 03 without a launcher: one process, world size 1. On a CPU, stage 02 cannot reach
     nn.DataParallel, which it uses only with two GPUs or more: here it runs as stage 01 does, and no CPU test
@@ -56,11 +71,13 @@ def test_single_process_stages(stage, tiny_data, tmp_path):
     out = run([sys.executable, f"{stage}/train.py", *stage_args(tiny_data, tmp_path, "--epochs", 2, "--save-model")])
     assert out.returncode == 0, out.stderr
     check_run(out.stdout, tmp_path, world_size=1)
-    Net().load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # plain keys, any stage loads it
+    Net().load_state_dict(checkpoint(tmp_path, "model.pt"))  # plain keys, any stage loads it
 
 
 @pytest.mark.parametrize(
-    "flags", [("--loader", "classic", "--limit", "100"), ("--loader", "device", "--amp")], ids=" ".join
+    "flags",
+    [("--loader", "classic", "--limit", "100"), pytest.param(("--loader", "device", "--amp"), marks=pytest.mark.slow)],
+    ids=" ".join,
 )
 def test_stage01_with_other_pipelines(flags, tiny_data, tmp_path):
     out = run([sys.executable, "01_single_gpu/train.py", *stage_args(tiny_data, tmp_path, "--epochs", 2, *flags)])
@@ -72,14 +89,14 @@ def test_stage01_with_other_pipelines(flags, tiny_data, tmp_path):
 
 
 def test_stage03_under_torchrun(tiny_data, tmp_path):
-    out = torchrun(2, REPO / "03_ddp_single_node/train.py", *stage_args(tiny_data, tmp_path, "--epochs", 2))
+    out = torchrun(2, S03, *stage_args(tiny_data, tmp_path, "--epochs", 2))
     assert out.returncode == 0, out.stderr
     rows = check_run(out.stdout, tmp_path, world_size=2)
     assert sum(float(r["images_per_s"]) * float(r["epoch_seconds"]) for r in rows) == pytest.approx(2 * TRAIN_SIZE)
 
 
 def test_stage04_as_srun_tasks(tiny_data, tmp_path):
-    codes, outputs = srun_like(2, REPO / "04_ddp_multi_node/train.py", *stage_args(tiny_data, tmp_path, "--epochs", 2))
+    codes, outputs = srun_like(2, S04, *stage_args(tiny_data, tmp_path, "--epochs", 2))
     assert codes == [0, 0], outputs
     check_run(outputs[0], tmp_path, world_size=2)
     assert "epoch " not in outputs[1] and "torch " not in outputs[1]  # rank 1 prints nothing
@@ -92,7 +109,7 @@ def test_copied_stage_runs_from_its_own_folder(tiny_data, tmp_path):
     project = tmp_path / "mine"
     copy = project / "01_single_gpu"
     copy.mkdir(parents=True)
-    copy.joinpath("train.py").write_text((REPO / "01_single_gpu/train.py").read_text())
+    copy.joinpath("train.py").write_text((S01).read_text())
     out = run([sys.executable, "train.py", *stage_args(tiny_data, tmp_path / "out", "--epochs", "1")], cwd=copy)
     assert out.returncode == 0, out.stderr
     # nothing installed: a sitecustomize removes what `make install` added (an editable finder and path hook)
@@ -134,7 +151,7 @@ def test_make_profile_times_each_line_of_train(tiny_data, tmp_path):
     """kernprof -l, as `make profile` runs it, times train()'s lines through the stages' @metrics.profile."""
     stats = tmp_path / "run.lprof"
     args = stage_args(tiny_data, tmp_path / "out", "--epochs", "1")
-    out = run([sys.executable, "-m", "kernprof", "-l", "-o", stats, REPO / "01_single_gpu/train.py", *args])
+    out = run([sys.executable, "-m", "kernprof", "-l", "-o", stats, S01, *args])
     assert out.returncode == 0, out.stderr
     shown = run([sys.executable, "-m", "line_profiler", stats]).stdout
     assert "Function: train at line" in shown and "loss = loss_fn(model(x), y)" in shown, shown

@@ -6,11 +6,23 @@ ends the run with one line naming it."""
 import argparse
 import re
 import signal
-import subprocess
 
 import pytest
 import torch
-from helpers import REPO, S01, S03, S05, checkpoint, clean_env, one_error, python, stage_args, torchrun, torchrun_cmd
+from helpers import (
+    REPO,
+    S01,
+    S03,
+    S05,
+    assert_same_state,
+    checkpoint,
+    clean_env,
+    one_error,
+    python,
+    stage_args,
+    start,
+    torchrun,
+)
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
 
 from common.tasks import sequences
@@ -31,6 +43,7 @@ def accuracy(output):
     return tuple(map(int, re.findall(r"accuracy (\d+)/(\d+)", output)[-1]))
 
 
+@pytest.mark.slow
 def test_the_example_task_learns_in_an_epoch_in_stage_01(tmp_path):
     out = python(S01, *stage_args(REPO / "data", tmp_path, "--task", TASK, "--epochs", 1))
     assert out.returncode == 0, out.stderr[-2000:]
@@ -43,7 +56,7 @@ def test_the_example_task_at_two_ranks_counts_every_test_sample_once(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     options = argparse.Namespace(samples=SAMPLES, seq_len=16, vocab=16, dim=16, layers=2, heads=2, seed=1, limit=None)
     model = sequences.model(options)
-    model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    model.load_state_dict(checkpoint(tmp_path, "model.pt"))
     tokens, labels = sequences.datasets(options)[1].tensors
     with torch.no_grad():
         correct = int((model.eval()(tokens).argmax(1) == labels).sum())
@@ -54,15 +67,13 @@ def test_the_example_task_at_two_ranks_counts_every_test_sample_once(tmp_path):
 def test_the_example_task_stopped_mid_epoch_at_two_ranks_resumes_bit_identical(tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert torchrun(2, S03, *args(whole)).returncode == 0
-    proc = subprocess.Popen(torchrun_cmd(2, S03, *args(cut)), env=clean_env(**SLOW), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = start(S03, *args(cut), nproc=2, env=clean_env(**SLOW))
     output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
     step = saved_mid_epoch(cut, output, proc.returncode, proc)
     resumed = torchrun(2, S03, *args(cut, "--resume"))
     assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
     assert accuracy(resumed.stdout)[1] == TESTS
-    for key, weights in checkpoint(whole)["model"].items():
-        assert torch.equal(checkpoint(cut)["model"][key], weights), key
+    assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])
 
 
 @pytest.mark.slow
@@ -108,7 +119,13 @@ BAD = {  # a task file, and what its error line says is wrong
 }
 
 
-@pytest.mark.parametrize("case", ["a missing file", "a folder", *BAD])
+EVERYDAY = {"a missing file", "a syntax error", "a model that is no Module"}  # the others: make test-all
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c if c in EVERYDAY else pytest.param(c, marks=pytest.mark.slow) for c in ["a missing file", "a folder", *BAD]],
+)
 def test_a_wrong_task_file_is_one_line_naming_it(case, tmp_path):
     task = tmp_path / "my_task.py"
     if case in BAD:
@@ -121,7 +138,7 @@ def test_a_wrong_task_file_is_one_line_naming_it(case, tmp_path):
     )
 
 
-@pytest.mark.parametrize("change", ["an option", "the task"])
+@pytest.mark.parametrize("change", [pytest.param("an option", marks=pytest.mark.slow), "the task"])
 def test_a_resume_with_another_task_or_task_option_is_refused_naming_it(change, tiny_data, tmp_path):
     first = python(S01, *args(tmp_path, "--epochs", 1))
     assert first.returncode == 0, first.stderr[-2000:]

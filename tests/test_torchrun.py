@@ -5,12 +5,21 @@ made the ranks' heartbeats hit rank 0's closed store: a C++ stack trace per rank
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from helpers import REPO, clean_env, free_job_id, free_port, processes_with, run, stage_args
+from helpers import (
+    INJECT,
+    REPO,
+    S04,
+    clean_env,
+    free_job_id,
+    nodes,
+    rank_pid,
+    run,
+    stage_args,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 SLOW_EXIT = "import atexit, os, time\nif os.environ.get('RANK', '0') != '0':\n    atexit.register(time.sleep, 4)\n"
@@ -49,13 +58,8 @@ def test_job_script_run_ends_with_its_summary(tiny_data, tmp_path):
 
 def test_two_torchruns_end_with_the_summary(tiny_data, tmp_path):
     """Two torchruns meeting in a c10d rendezvous, as on two nodes: nothing from either after the summary."""
-    env = job_env(tmp_path) | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=1",
-           "--rdzv_backend=c10d", "--rdzv_id=1", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-           "04_ddp_multi_node/train.py", *stage_args(tiny_data, tmp_path / "o", "--epochs", 1)]  # fmt: skip
     start = time.monotonic()
-    agents = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for _ in range(2)]  # fmt: skip
+    agents = nodes(S04, *stage_args(tiny_data, tmp_path / "o", "--epochs", 1), restarts=1, env=job_env(tmp_path))
     outputs = [agent.communicate(timeout=120)[0] for agent in agents]
     seconds = time.monotonic() - start
     assert [agent.returncode for agent in agents] == [0, 0] and seconds < 60, outputs
@@ -77,19 +81,13 @@ def test_a_restart_torch_does_not_count_still_resumes(tiny_data, tmp_path):
     """Two torchruns as on two nodes; rank 1 is killed. Its torchrun counts a restart; rank 0's, whose worker
     was still busy (slow here), restarts it "for a new node" and counts none (torch 2.14). The ranks must
     still meet again, and resume, rather than wait out --dist-timeout under two restart counts."""
-    env = clean_env(PYTHONPATH=f"{REPO / 'tests' / 'inject'}:{REPO}", FAULT_RANK=0, FAULT_SLEEP=1.5,
-                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, RUN_MARKER=tmp_path.name)  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--max-restarts=1",
-           "--rdzv_backend=c10d", "--rdzv_id=1", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "04_ddp_multi_node/train.py",
-           *stage_args(tiny_data, tmp_path / "o", "--epochs", 3, "--dist-timeout", 60)]  # fmt: skip
-    agents = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-              for _ in range(2)]  # fmt: skip
-    while not (tmp_path / "o" / "checkpoint.pt").exists():
-        time.sleep(0.1)
+    env = clean_env(PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_SLEEP=1.5, RUN_MARKER=tmp_path.name)
+    agents = nodes(
+        S04, *stage_args(tiny_data, tmp_path / "o", "--epochs", 3, "--dist-timeout", 60), restarts=1, env=env
+    )
+    wait_for((tmp_path / "o" / "checkpoint.pt").exists, proc=agents[0])
     start = time.monotonic()
-    [rank1] = [pid for pid in processes_with(f"RUN_MARKER={tmp_path.name}")
-               if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")]  # fmt: skip
-    os.kill(rank1, signal.SIGKILL)
+    os.kill(rank_pid(f"RUN_MARKER={tmp_path.name}", 1), signal.SIGKILL)
     outputs = [agent.communicate(timeout=180)[0] for agent in agents]
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     assert "resumed after epoch " in "".join(outputs) and time.monotonic() - start < 60
