@@ -525,14 +525,14 @@ def test_the_failure_table_names_real_tests():
 def test_one_failing_rank_ends_the_run(launch, tiny_data, tmp_path):
     marker = f"TEST_RUN={uuid.uuid4()}"
     env = dict(PYTHONPATH=INJECT, FAULT_RANK=1, FAULT_STEP=3, TEST_RUN=marker.split("=")[1])
-    start = time.monotonic()
+    began = time.monotonic()
     if launch == "torchrun":
         out = run(torchrun_cmd(2, S03, *stage_args(tiny_data, tmp_path, "--epochs", 3)), env=clean_env(**env))
         codes, output = [out.returncode], out.stdout + out.stderr
     else:
         codes, outputs = srun_like(2, S04, *stage_args(tiny_data, tmp_path, "--epochs", 3), **env)
         output = "".join(outputs)
-    assert all(codes) and time.monotonic() - start < 60, output
+    assert all(codes) and time.monotonic() - began < 60, output
     assert "injected fault: rank 1 at step 3" in output
     wait_for(lambda: not processes_with(marker), timeout=5)
 
@@ -540,9 +540,9 @@ def test_one_failing_rank_ends_the_run(launch, tiny_data, tmp_path):
 # 9: every rank downloads / compute node offline
 @pytest.mark.slow
 def test_missing_data_fails_every_rank_fast(tmp_path):
-    start = time.monotonic()
+    began = time.monotonic()
     out = torchrun(2, S03, *stage_args(tmp_path / "empty", tmp_path))
-    assert out.returncode != 0 and time.monotonic() - start < 30
+    assert out.returncode != 0 and time.monotonic() - began < 30
     assert out.stderr.count("make data") >= 2  # each rank says why, and what to do
 
 
@@ -564,7 +564,7 @@ def test_two_jobs_on_one_node_run_side_by_side(tiny_data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("flag, message", [(("--batch-size", 64), "--batch-size 64"), (("--epochs", 0), "--epochs")])
 def test_bad_numbers_fail_before_any_process_group(flag, message, tiny_data, tmp_path):
-    start = time.monotonic()
+    began = time.monotonic()
     out = torchrun(3, S03, *stage_args(tiny_data, tmp_path, *flag))
-    assert out.returncode != 0 and message in out.stderr and time.monotonic() - start < 30
+    assert out.returncode != 0 and message in out.stderr and time.monotonic() - began < 30
     assert "init_process_group" not in out.stderr

@@ -228,11 +228,11 @@ def test_amp_with_batchnorm_and_every_large_model_flag(tiny_sets, tmp_path):
 def test_output_folder_not_shared_is_named(tiny_data, tmp_path):
     """Two working folders stand for two nodes that share no disk: after the first epoch's save, rank 1's
     node cannot see the checkpoint, and the run says so instead of failing at the next resume."""
-    nodes = [tmp_path / "node0", tmp_path / "node1"]
-    for node in nodes:
+    folders = [tmp_path / "node0", tmp_path / "node1"]
+    for node in folders:
         node.mkdir()
     args = ("--data-dir", tiny_data, "--output-dir", "out", "--num-workers", 0, "--epochs", 2)
-    codes, outputs = srun_like(2, S05, *args, cwds=nodes)
+    codes, outputs = srun_like(2, S05, *args, cwds=folders)
     assert codes[0] != 0, outputs
     errors = [line for line in outputs[0].splitlines() if line.startswith("error:")]
     assert errors == [f"error: out is not shared: {socket.gethostname()} cannot see rank 0's checkpoint: in stage 05 "

@@ -86,12 +86,12 @@ def test_plot_draws_one_line_per_run(runs, tmp_path):
 
     fig = load_plot().main([*map(str, reversed(runs)), "-o", str(tmp_path / "again.png")])  # in any order
     *per_epoch, timing = fig.axes
-    metrics = [metrics(r) for r in runs]
+    written = [metrics(r) for r in runs]
     names = [f"{r.parent.name}, 1 process, {r.name}" for r in runs]  # bs16, bs32, bs64: by number
     for ax, column in zip(per_epoch, ["train_loss", "test_loss", "test_accuracy"], strict=True):
         lines = ax.get_lines()
         assert [line.get_label() for line in lines] == names, ax.get_title()
-        for line, rows in zip(lines, metrics, strict=True):
+        for line, rows in zip(lines, written, strict=True):
             assert list(line.get_xdata()) == [1, 2]
             assert list(line.get_ydata()) == pytest.approx([float(r[column]) for r in rows])
     # one point per run, at the batch size read from its folder's name

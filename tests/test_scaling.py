@@ -136,7 +136,7 @@ def test_real_runs_of_one_and_two_processes(tiny_data, tmp_path, capsys):
     for n, folder in zip((1, 2), runs, strict=True):  # two epochs: the first is warm-up, the median is the second
         result = torchrun(n, S03, *stage_args(tiny_data, folder, "--epochs", 2))
         assert result.returncode == 0, result.stderr
-    metrics = [metrics(folder) for folder in runs]
+    written = [metrics(folder) for folder in runs]
     # as `make scaling` runs it, in a process of its own; then in this one, for a target no run reaches
     result = run([sys.executable, str(SCALING), *map(str, reversed(runs)), "--target-accuracy", "50"])
     assert result.returncode == 0, result.stderr
@@ -144,7 +144,7 @@ def test_real_runs_of_one_and_two_processes(tiny_data, tmp_path, capsys):
         rows = table(text)
         assert [(r["world size"], r["nodes"], r["global batch"]) for r in rows] == [("1", "1", "64"), ("2", "1", "64")]
         assert (rows[0]["speed-up"], rows[0]["efficiency"]) == ("1.00", "1.00")
-        for r, epochs in zip(rows, metrics, strict=True):
+        for r, epochs in zip(rows, written, strict=True):
             assert r["images/s"] == f"{float(epochs[1]['images_per_s']):.0f}"  # the median of the one after the first
             seconds, reached = 0.0, "not reached"
             for e in epochs:  # training seconds through the first epoch whose test accuracy reaches the target
