@@ -83,16 +83,17 @@ def main(guard):
     args, task = cli.parse_args()  # task: the model and data to train (--task FILE; MNIST by default)
     store = guard.start(args)  # guard: one run per folder, a launch that can work, a rendezvous that cannot hang
     rank, local_rank, world_size, device = distributed.setup(args, store)
-    distributed.banner(args, rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
 
     train_set, test_set = task.datasets(args)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
-    guard.agree(train_set, test_set)  # guard: all ranks train with the same options on the same data
+    # guard: all ranks train with the same options on the same data; a sample draws at random from its own seed
+    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set)
     train_sampler = guard.resumable(RandomSampler(train_set, generator=torch.Generator()))  # guard: resumes part-way
     train_loader = data.loader(train_set, train_sampler, args.batch_size, args, device)
     val_loader = data.loader(val_set, range(len(val_set)), args.test_batch_size, args, device)
     test_loader = data.loader(test_set, range(len(test_set)), args.test_batch_size, args, device)
+    distributed.banner(args, rank, local_rank, world_size, device, train_loader)
 
     model = task.model(args).to(device)
     if args.compile:  # fused kernels for this model; the first step of each shape waits for the compiler

@@ -95,12 +95,12 @@ def main(guard):
     args, task = cli.parse_args(options=[cli.large_models])  # task: the model and data (--task FILE)
     store = guard.start(args)  # guard: one run per folder, a launch that can work, a rendezvous that cannot hang
     rank, local_rank, world_size, device = distributed.setup(args, store)
-    distributed.banner(args, rank, local_rank, world_size, device)
     torch.manual_seed(args.seed)
 
     train_set, test_set = task.datasets(args)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
-    guard.agree(train_set, test_set)  # guard: all ranks train with the same options on the same data
+    # guard: all ranks train with the same options on the same data; a sample draws at random from its own seed
+    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set)
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     train_sampler = guard.resumable(train_sampler)  # guard: an epoch that can resume part-way
@@ -110,6 +110,7 @@ def main(guard):
     val_shard, test_shard = data.shard(len(val_set), rank, world_size), data.shard(len(test_set), rank, world_size)
     val_loader = data.loader(val_set, val_shard.indices, args.test_batch_size, args, device)
     test_loader = data.loader(test_set, test_shard.indices, args.test_batch_size, args, device)
+    distributed.banner(args, rank, local_rank, world_size, device, train_loader)
 
     model = task.model(args).to(device)
     units = getattr(task, "blocks", blocks)(model)  # the task's, else the layers its nn.Sequential or ModuleList lists

@@ -199,9 +199,9 @@ def loader(dataset, sampler, batch_size, args, device):
     per_sample = args.loader == "classic" or not hasattr(dataset, "images")  # not in tensors (Images): one at a time
     workers = num_workers(args, per_sample)
     # pinned (page-locked) batches: the copy to the GPU can be asynchronous. Worker seeds from a generator of their
-    # own: the global RNG, which checkpoints save, then advances the same in a resumed run as in an uninterrupted one
+    # own, seeded by --seed: the global RNG, which checkpoints save, then advances the same in a resumed run
     options = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
-                   generator=torch.Generator())  # fmt: skip
+                   generator=torch.Generator().manual_seed(args.seed))  # fmt: skip
     if per_sample:
         dataset = PerSample(dataset) if hasattr(dataset, "images") else dataset
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **options)

@@ -22,7 +22,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from common import data
 from common.environment import is_rank0, ranks_per_node
 
 
@@ -125,14 +124,14 @@ def print0(*args):
         print(*args, flush=True)
 
 
-def banner(args, rank, local_rank, world_size, device):
-    """The start of every log: what ran, where and how, so that two logs of a sweep tell themselves apart;
-    then the rank <-> host <-> device map, the first thing to read when a job hangs."""
+def banner(args, rank, local_rank, world_size, device, loader):
+    """The start of every log: what ran, where and how (the workers `loader` really runs), so that two logs of
+    a sweep tell themselves apart; then the rank <-> host <-> device map, the first thing to read when a job hangs."""
     gpu = device.type == "cuda"
     cuda, nccl = (torch.version.cuda, ".".join(map(str, torch.cuda.nccl.version()))) if gpu else ("none", "none")
     job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
     print0(f"torch {torch.__version__} | CUDA {cuda} | NCCL {nccl} | device {device.type} | world size {world_size}")
-    print0(f"started {time.strftime('%Y-%m-%d %H:%M:%S')} | job {job} | loader {args.loader}, {data.num_workers(args, args.loader == 'classic')} "
+    print0(f"started {time.strftime('%Y-%m-%d %H:%M:%S')} | job {job} | loader {args.loader}, {getattr(loader, 'num_workers', 0)} "
            f"workers and {torch.get_num_threads()} OMP threads per rank | output {args.output_dir}")  # fmt: skip
     print0(f"options: {' '.join(sys.argv[1:]) or '(the defaults)'}")
     here = (rank, local_rank, os.environ.get("SLURMD_NODENAME", socket.gethostname()), str(device))  # Slurm's name

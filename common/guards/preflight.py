@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from common import cli, data
 from common.environment import is_rank0
+from common.guards import randomness
 from common.guards.ending import stop
 
 
@@ -107,7 +108,9 @@ def fingerprint(dataset, samples=1000):
     """A short string that differs when two ranks read different data: the size, and a hash of at most `samples`
     samples evenly strided through the set (of a data set in tensors, common/data.py Images, of all labels and
     the strided images, which is faster). Sampled to be cheap: hashing all of CIFAR-100's 150 MB takes each
-    rank a quarter of a second at every start; a truncated, reordered or different file changes it."""
+    rank a quarter of a second at every start; a truncated, reordered or different file changes it. Each sample
+    is drawn with torch's, numpy's and random's generators fixed (randomness.drawn()): a random augmentation
+    draws the same on every rank and in every run, so the hash is the data's, not one draw of the augmentation."""
     stride = max(math.ceil(len(dataset) / samples), 1)
     if isinstance(dataset, data.Images):
         digest = hashlib.blake2b(str(tuple(dataset.images.shape)).encode(), digest_size=8)
@@ -116,7 +119,7 @@ def fingerprint(dataset, samples=1000):
         return f"{len(dataset)}-{digest.hexdigest()}"
     digest = hashlib.blake2b(digest_size=8)
     for i in range(0, len(dataset), stride):
-        x, y = dataset[i]
+        x, y = randomness.drawn(dataset, i, 0)
         digest.update(torch.as_tensor(x).cpu().numpy().tobytes() + str(int(y)).encode())
     return f"{len(dataset)}-{digest.hexdigest()}"
 
@@ -124,10 +127,10 @@ def fingerprint(dataset, samples=1000):
 def check_datasets(args, *datasets):
     """What the task's datasets() returned: map-style data sets of (input, label) pairs, a label a class number."""
     for name, found in zip(("training", "test"), datasets, strict=False):
-        if hasattr(found, "images"):  # common/data.py Images: read whole batches, never probed an item at a time
+        if isinstance(found, data.Images):  # read whole batches, never probed an item at a time
             continue
         try:
-            x, y = found[0]
+            x, y = randomness.drawn(found, 0, 0)  # the run's own generators untouched
             if torch.as_tensor(y).is_floating_point():  # int() would pass it, and cross-entropy fail with a traceback
                 raise TypeError(f"a label of {torch.as_tensor(y).dtype}")
             int(y)
@@ -135,7 +138,7 @@ def check_datasets(args, *datasets):
             stop(f"error: --task {args.task}: datasets() must return (training set, test set) of torch.utils.data "
                  f"Datasets whose items are (input, label), the label a class number; its {name} set's first "
                  f"item fails that ({type(err).__name__}: {str(err)[:100]})")  # fmt: skip
-    if args.loader == "device" and not all(hasattr(d, "images") for d in datasets):
+    if args.loader == "device" and not all(isinstance(d, data.Images) for d in datasets):
         stop(
             f"error: --loader device holds a data set of tensors (common/data.py Images) on the GPU; --task "
             f"{args.task}'s is a {type(datasets[0]).__name__}: use --loader batched (the default) or classic"

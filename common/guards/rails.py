@@ -22,9 +22,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from common import checkpoint, distributed
+from common import checkpoint, data, distributed
 from common.environment import is_rank0
-from common.guards import check, divergence, lock, preflight, resume, safeload
+from common.guards import check, divergence, lock, preflight, randomness, resume, safeload
 from common.guards.ending import end
 from common.guards.preemption import Preemption
 from common.guards.watchdog import Watchdog
@@ -35,7 +35,7 @@ class Guard:
         self.args, self.lock, self.watchdog, self.preemption = None, None, None, None
         self.sampler, self.states, self.sharded, self.epoch_done, self.so_far = None, None, False, None, None
         self.doing = None  # a stage 05 checkpoint read or written from here on: for a failure's one line
-        self.data = None  # the training set's fingerprint (preflight.fingerprint())
+        self.data, self.seeded = None, False  # the training set's fingerprint; is it randomness.Seeded?
 
     def start(self, args):
         """Claim --output-dir, check the launch, and meet the other ranks: returns the rendezvous store for
@@ -44,6 +44,7 @@ class Guard:
         check.check_environment()  # every launcher variable, before anything reads it
         check.check_args(args)
         self.lock = lock.claim(args.output_dir)  # first: one run per folder, and a folder it can write
+        randomness.seed(args.seed)  # numpy's and random's, as the stage seeds torch's
         lock.sweep(args.output_dir)
         return self.meet(args)
 
@@ -61,14 +62,18 @@ class Guard:
         self.watchdog.watch()  # heartbeats: a failed collective names the rank that went silent
         return store
 
-    def agree(self, train_set, test_set):
-        """Every rank trains the same run on the same data; the checkpoints record what it is trained on."""
+    def agree(self, train_set, val_set, test_set):
+        """Every rank trains the same run on the same data; the checkpoints record what it is trained on. Returns the
+        sets, a task's own drawn with generators seeded per sample (randomness.Seeded); data.Images, by type, as is."""
         preflight.agree(self.args, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.data = preflight.fingerprint(train_set)
+        own = [s if isinstance(s, data.Images) else randomness.Seeded(s, self.args.seed) for s in (train_set, val_set)]
+        self.seeded = isinstance(own[0], randomness.Seeded)
+        return *own, test_set if isinstance(test_set, data.Images) else randomness.Seeded(test_set, self.args.seed)
 
     def resumable(self, sampler):
         """`sampler`, made able to start an epoch part-way (resume.Sampler)."""
-        self.sampler = resume.Sampler(sampler, self.args.seed)
+        self.sampler = resume.Sampler(sampler, self.args.seed, tagged=self.seeded)
         return self.sampler
 
     def resume(self, states, sharded=False):
@@ -155,10 +160,13 @@ class Guard:
         refuse a resume that would change it (resume.find()); and the size of the model, for tools/scaling.py:
         the whole model's, where each rank holds a shard too (a sharded parameter has its global shape)."""
         parameters = sum(p.numel() for p in self.states["model"].parameters())
-        return {"flags": preflight.defining(self.args), "data": self.data, "cut": self.so_far, "parameters": parameters}
+        return {"flags": preflight.defining(self.args), "data": self.data, "cut": self.so_far, "parameters": parameters,
+                "generators": randomness.states()}  # fmt: skip
 
     def load_state_dict(self, state):
-        """Nothing to load: resume() compared the checkpoint with this run before anything was loaded."""
+        """numpy's and random's generators (resume() compared the rest with this run before anything was loaded)."""
+        if "generators" in state:  # a checkpoint written before they were saved has torch's alone
+            randomness.restore(state["generators"])
 
     def close(self, together):
         """Stop the heartbeat; with `together`, rank 0 (which serves the store) waits until every rank has left."""

@@ -179,8 +179,9 @@ class Sampler(torch.utils.data.Sampler):
     sample of one order, so the first samples of that order are those seen, whatever the world size: a run
     resumed at another deals out the rest anew, and no sample is skipped or seen twice."""
 
-    def __init__(self, sampler, seed):
+    def __init__(self, sampler, seed, tagged=False):
         self.sampler, self.seed, self.epoch, self.skip = sampler, seed, 0, (0, 0)
+        self.tagged = tagged  # yield (index, epoch): a randomness.Seeded data set seeds each sample from both
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -203,6 +204,9 @@ class Sampler(torch.utils.data.Sampler):
         return len(self.sampler) - self.skipped()
 
     def __iter__(self):
+        return ((index, self.epoch) for index in self.order()) if self.tagged else self.order()
+
+    def order(self):
         skip, sampler = self.skipped(), self.sampler
         if not skip:
             yield from sampler
