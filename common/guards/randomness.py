@@ -37,7 +37,8 @@ def seed_cpu(value):
     torch.default_generator.manual_seed(value)
     random.seed(value)
     if numpy is not None:
-        numpy.random.seed([value & 0xFFFFFFFF, value >> 32])  # numpy takes 32-bit words
+        # 32-bit words, a third one apart: random.seed(value) fills the same kind of generator from the first two
+        numpy.random.seed([value & 0xFFFFFFFF, value >> 32, 1])
 
 
 def states(with_torch=False):

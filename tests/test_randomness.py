@@ -1,0 +1,133 @@
+"""The run owns every random generator (common/guards/randomness.py): a random augmentation drawn from torch,
+numpy or `random` in DataLoader workers resumes bit-identical, draws its own numbers per sample and per
+--seed, the same with any number of workers; the fingerprint sees the data, not one draw; the repository's
+own data set is chosen by its type, and the banner names the workers that run."""
+
+import random
+import signal
+from types import SimpleNamespace
+
+import numpy
+import pytest
+import torch
+from helpers import REPO, S01, S03, assert_same_state, checkpoint, clean_env, python, stage_args, start, torchrun
+from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
+from torch.utils.data import Dataset
+
+from common import data, distributed
+from common.guards import preflight, rails, randomness, resume
+
+EXAMPLE = REPO / "common" / "tasks" / "augmented.py"
+EVERY_GENERATOR = """from common.tasks.augmented import *
+import random, numpy, torch
+from common.tasks import augmented
+
+class Noisy(augmented.Augmented):  # torchvision's crop and rotation draw from torch; noise from numpy and random
+    def __getitem__(self, index):
+        x, y = super().__getitem__(index)
+        return x * random.uniform(0.9, 1.1) + torch.from_numpy(numpy.random.normal(0, 0.1, x.shape)).float(), y
+
+def datasets(args):
+    train, test = augmented.datasets(args)
+    return Noisy(train.images, train.transform), test
+"""
+
+
+def args(data_dir, out, *extra):
+    return stage_args(data_dir, out, "--epochs", 2, "--batch-size", 32, *extra)
+
+
+def test_augmentation_from_torch_numpy_and_random_in_workers_resumes_bit_identical(tiny_data, tmp_path):
+    task = tmp_path / "noisy.py"
+    task.write_text(EVERY_GENERATOR)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    common = ("--task", task, "--num-workers", 2)  # the last --num-workers wins
+    assert python(S01, *args(tiny_data, whole, *common)).returncode == 0
+    proc = start(S01, *args(tiny_data, cut, *common), env=clean_env(**SLOW))
+    output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
+    saved_mid_epoch(cut, output, 128 + signal.SIGTERM, proc)
+    resumed = python(S01, *args(tiny_data, cut, *common, "--resume"))
+    assert resumed.returncode == 0 and "resumed at epoch 2" in resumed.stdout, resumed.stderr[-2000:]
+    assert_same_state(checkpoint(cut), checkpoint(whole))  # every tensor, the generators' states too
+
+
+class Draws(Dataset):
+    """Each sample: what torch, numpy and random draw for it. Its pixels in an attribute named `images`, as many
+    data sets keep them: not the repository's Images for all that."""
+
+    def __init__(self):
+        self.images = torch.zeros(12, 1, 2, 2, dtype=torch.uint8)
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        assert isinstance(index, int), f"handed {index!r}"
+        return torch.tensor([torch.rand(1).item(), numpy.random.rand(), random.random()], dtype=torch.float64), 0
+
+
+def draws(seed, workers, epoch=1):
+    options = SimpleNamespace(loader="batched", num_workers=workers, seed=seed)
+    sampler = resume.Sampler(torch.utils.data.RandomSampler(range(12), generator=torch.Generator()), seed, True)
+    sampler.set_epoch(epoch)
+    loader = data.loader(randomness.Seeded(Draws(), seed), sampler, 4, options, torch.device("cpu"))
+    return torch.cat([x for x, _ in loader])
+
+
+def test_each_sample_draws_its_own_numbers_from_the_seed_with_any_workers():
+    before = torch.get_rng_state(), numpy.random.get_state()[1].copy(), random.getstate()
+    one = draws(1, 0)
+    after = torch.get_rng_state(), numpy.random.get_state()[1].copy(), random.getstate()
+    assert torch.equal(before[0], after[0]) and (before[1] == after[1]).all() and before[2] == after[2]
+    assert one.unique().numel() == one.numel()  # no two samples, workers or generators draw alike
+    assert torch.equal(draws(1, 2), one)  # 0 or 2 workers (each with a share of the batches): the same draws
+    assert not torch.equal(draws(2, 2), one) and not torch.equal(draws(1, 2, epoch=2), one)  # per --seed, per epoch
+
+
+def test_a_data_set_with_an_images_attribute_is_read_sample_by_sample():
+    """The guard rails hand the loader a task's own data set wrapped (Seeded): only Images, by type, are not."""
+    options = SimpleNamespace(loader="batched", num_workers=0, seed=1)
+    guard = SimpleNamespace(args=options, data=None)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(preflight, "agree", lambda *sets: None)
+        patch.setattr(preflight, "fingerprint", lambda dataset: "")
+        train_set, _, _ = rails.Guard.agree(guard, Draws(), Draws(), Draws())
+    batches = list(data.loader(train_set, range(12), 4, options, torch.device("cpu")))
+    assert [tuple(x.shape) for x, _ in batches] == [(4, 3)] * 3
+
+
+def test_the_fingerprint_sees_the_data_not_a_draw_of_the_augmentation():
+    state = torch.get_rng_state()
+    assert preflight.fingerprint(Draws()) == preflight.fingerprint(Draws())  # numpy and random advanced between
+    assert torch.equal(torch.get_rng_state(), state)  # and the run's own generators untouched
+
+
+def test_numpy_and_random_are_saved_and_restored():
+    randomness.seed(7)
+    saved = randomness.states()
+    expected = numpy.random.rand(), random.random()
+    torch.save(saved, buffer := __import__("io").BytesIO())
+    buffer.seek(0)
+    randomness.restore(torch.load(buffer, weights_only=True))  # as a checkpoint is read
+    assert (numpy.random.rand(), random.random()) == expected
+
+
+def test_the_banner_names_the_workers_that_run(capsys):
+    options = SimpleNamespace(loader="batched", num_workers=None, seed=1, output_dir="out")
+    loader = data.loader(randomness.Seeded(Draws(), 1), range(12), 4, options, torch.device("cpu"))
+    distributed.banner(options, 0, 0, 1, torch.device("cpu"), loader)
+    assert f"loader batched, {loader.num_workers} workers" in capsys.readouterr().out
+    assert loader.num_workers == data.num_workers(options, True)  # a data set of its own: the CPUs but one
+
+
+@pytest.mark.slow
+def test_the_augmented_example_stopped_mid_epoch_at_two_ranks_resumes_bit_identical(tiny_data, tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    common = ("--task", EXAMPLE, "--num-workers", 1)
+    assert torchrun(2, S03, *args(tiny_data, whole, *common)).returncode == 0
+    proc = start(S03, *args(tiny_data, cut, *common), nproc=2, env=clean_env(**SLOW))
+    output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
+    saved_mid_epoch(cut, output, proc.returncode, proc)
+    resumed = torchrun(2, S03, *args(tiny_data, cut, *common, "--resume"))
+    assert resumed.returncode == 0 and "resumed at epoch 2" in resumed.stdout, resumed.stderr[-2000:]
+    assert_same_state(checkpoint(cut), checkpoint(whole))
