@@ -99,8 +99,7 @@ def main(guard):
 
     train_set, test_set = task.datasets(args)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
-    # guard: all ranks train with the same options on the same data; a sample draws at random from its own seed
-    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set)
+    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set)  # guard: one run, one data set; a seed per sample
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     train_sampler = guard.resumable(train_sampler)  # guard: an epoch that can resume part-way
