@@ -87,7 +87,7 @@ def main(guard):
 
     train_set, test_set = task.datasets(args)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
-    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set)  # guard: one run, one data set; a seed per sample
+    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set)  # guard: same data; seeds per sample
     train_sampler = guard.resumable(RandomSampler(train_set, generator=torch.Generator()))  # guard: resumes part-way
     train_loader = data.loader(train_set, train_sampler, args.batch_size, args, device)
     val_loader = data.loader(val_set, range(len(val_set)), args.test_batch_size, args, device)

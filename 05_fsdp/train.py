@@ -99,7 +99,7 @@ def main(guard):
 
     train_set, test_set = task.datasets(args)
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
-    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set)  # guard: one run, one data set; a seed per sample
+    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set)  # guard: same data; seeds per sample
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     train_sampler = guard.resumable(train_sampler)  # guard: an epoch that can resume part-way
