@@ -5,10 +5,9 @@ are trained. Copy this file to start your own (README, "Your own model and data"
     python 01_single_gpu/train.py --task common/tasks/augmented.py --epochs 2 --num-workers 2
     torchrun --standalone --nproc_per_node=2 03_ddp_single_node/train.py --task common/tasks/augmented.py
 
-What to expect: with --limit 2000, one epoch of stage 01 on a CPU reaches about 68 % test accuracy (the
-built-in task without augmentation learns faster in few epochs; the augmentation pays off over more). The augmentation draws from torch's
-generator (numpy's or `random` would do as well); the stages seed it for each sample from --seed, the epoch
-and the sample (common/randomness.py), so a run stopped by SIGTERM and resumed with --resume ends with the
+What to expect: with --limit 2000, one epoch of stage 01 on a CPU reaches about 68 % test accuracy. The
+augmentation draws from torch's generator (numpy's or `random` would do as well); the stages seed it for
+each sample from --seed, the epoch and the sample (common/guards/randomness.py), so a run stopped by SIGTERM and resumed with --resume ends with the
 same weights, to the last bit, as one never stopped, with any --num-workers. The test set is not augmented.
 """
 
