@@ -23,6 +23,7 @@ from common.guards import bounded, resume, safeload
 sys.path.insert(0, str(REPO / "tools"))
 import plan  # noqa: E402
 import plot  # noqa: E402
+import scaling  # noqa: E402
 
 MIB = 2**20
 
@@ -116,6 +117,13 @@ def test_a_storage_of_the_wrong_dtype_or_a_huge_declared_size_is_refused(tmp_pat
     refused(tmp_path / "d.pt", f"{2**40} elements", monkeypatch=monkeypatch)
 
 
+def test_scaling_refuses_a_checkpoint_that_declares_more_than_it_holds(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load reached"))
+    torch.save({"run": {"flags": {}}, "x": torch.ones(2)[:1].expand(2**28)}, tmp_path / "checkpoint.pt")
+    with pytest.raises(SystemExit, match=f"^error: {tmp_path / 'checkpoint.pt'} is not a checkpoint .*stride"):
+        scaling.recorded(tmp_path)
+
+
 def test_deep_nesting_and_a_loop_are_refused(tmp_path, monkeypatch):
     deep = []
     for _ in range(bounded.DEPTH + 1):
@@ -192,6 +200,7 @@ def peak(*cmd):
     return out, int(out.stdout.split()[-1]) // 1024
 
 
+@pytest.mark.slow
 def test_a_stage_resuming_a_deflated_checkpoint_refuses_it_in_one_line_with_little_memory(tiny_data, tmp_path):
     """Stage 01 --resume to a 1 GiB storage deflated into a few MiB: torch would inflate it whole."""
     evil = deflated(tmp_path / "evil.pt", 2**30)

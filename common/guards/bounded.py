@@ -43,9 +43,6 @@ class Window(io.RawIOBase):
     def seekable(self):
         return True
 
-    def readable(self):
-        return True
-
     def seek(self, offset, whence=0):
         self.at = max(0, (0, self.at, self.length)[whence] + offset)
         return self.at
@@ -62,7 +59,10 @@ class Window(io.RawIOBase):
 
 def regular(path):
     """The size of `path`, a regular file; Refused where it is none (a FIFO or a device never ends)."""
-    info = os.stat(path)
+    try:
+        info = os.stat(path)
+    except OSError as err:
+        raise Refused(f"{path}: {err.strerror}") from None
     if not stat.S_ISREG(info.st_mode):
         raise Refused(f"{path} is not a regular file (a FIFO, a socket or a device)")
     return info.st_size

@@ -152,7 +152,8 @@ def load(path):
         if calls(file):  # no zip: a plain pickle naming a callable
             raise Planted(f"{file} is not a checkpoint this repository wrote (a pickle that names a callable): it "
                           "may be planted") from None  # fmt: skip
-        raise Unusable(f"{problem}: it is not a checkpoint this repository wrote, or is damaged") from None
+        reason = str(problem).removeprefix(str(file)).lstrip(": ")
+        raise Unusable(f"{file} is not a checkpoint this code wrote, or is damaged: {reason}") from None
     try:
         state = read(path)
     except pickle.UnpicklingError as err:
