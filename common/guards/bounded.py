@@ -16,6 +16,7 @@ is read by an unpickler whose every callable is a stand-in of this module: nothi
 torch.load(weights_only=True) still decides afterwards what may be built. tests/test_bounded.py proves each
 case, a stage run with --resume to a crafted file included."""
 
+import errno
 import io
 import os
 import pickle
@@ -40,9 +41,6 @@ class Window(io.RawIOBase):
         super().__init__()
         self.f, self.start, self.length, self.at = f, start, length, 0
 
-    def seekable(self):
-        return True
-
     def seek(self, offset, whence=0):
         self.at = max(0, (0, self.at, self.length)[whence] + offset)
         return self.at
@@ -63,6 +61,8 @@ def regular(path):
         info = os.stat(path)
     except OSError as err:
         raise Refused(f"{path}: {err.strerror}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise Refused(f"{path}: {os.strerror(errno.EISDIR)}")
     if not stat.S_ISREG(info.st_mode):
         raise Refused(f"{path} is not a regular file (a FIFO, a socket or a device)")
     return info.st_size
@@ -71,11 +71,10 @@ def regular(path):
 def text(path, limit=16 * 2**20):
     """The text of a small file the tools read (metrics.csv, doctor.json), read whole only within `limit`
     bytes: a run writes a few kB, and a parser holds several times what it reads."""
-    if regular(path) > limit:
-        raise Refused(f"{path} is larger than {limit // 2**20} MiB, far more than a run writes")
+    size = regular(path)
     with open(path, "rb") as f:
-        raw = f.read(limit + 1)  # a file grown since stat()
-    if len(raw) > limit:
+        raw = f.read(limit + 1)  # within the limit, whatever the file has grown to since
+    if max(size, len(raw)) > limit:
         raise Refused(f"{path} is larger than {limit // 2**20} MiB, far more than a run writes")
     return raw.decode()
 
