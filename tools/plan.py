@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.distributed._composable import checkpoint as recompute  # noqa: E402
 
 from common import cli, data, models, optim  # noqa: E402
+from common.guards.bounded import Refused, text  # noqa: E402
 
 MiB = 2**20
 ALLOWANCE = 1024 * MiB  # the CUDA context, cuBLAS/cuDNN workspaces and NCCL's buffers, per GPU
@@ -151,7 +152,7 @@ def bandwidth(args):
         return args.bandwidth
     fix = "give the doctor.json that tools/doctor.py wrote (<its --output-dir>/doctor.json), or --bandwidth"
     try:
-        ranks = json.loads(Path(args.doctor).read_text())["ranks"]
+        ranks = json.loads(text(Path(args.doctor)))["ranks"]  # within a size no doctor writes, before parsing
         # each rank's sweeps, [[bytes, algbw, busbw], ...] "across nodes" and "within nodes", the largest last:
         # busbw, as traffic() counts bytes (2(n-1)/n of the gradients per ring), at the largest size, the one
         # the doctor's lines report; the slowest rank and link, since a collective goes at their pace and this
@@ -159,6 +160,10 @@ def bandwidth(args):
         speed = min((float(sweep[-1][2]) for rank in ranks for sweep in rank["bandwidth"].values()), default=0)
     except OSError as err:  # missing, a folder, unreadable
         sys.exit(f"error: --doctor {args.doctor}: {err.strerror}: {fix}")
+    except Refused as err:
+        sys.exit(f"error: --doctor {err}: {fix}")
+    except RecursionError:  # [[[[... nested deeper than the parser recurses
+        sys.exit(f"error: --doctor {args.doctor} nests deeper than any doctor's report: {fix}")
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         sys.exit(f"error: --doctor {args.doctor} is not JSON, or is cut short ({err}): {fix}")
     except (KeyError, IndexError, TypeError, ValueError, AttributeError):  # JSON of another shape

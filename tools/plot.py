@@ -13,6 +13,7 @@ cpus8), against that number.
 
 import argparse
 import csv
+import io
 import math
 import re
 import statistics
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 from common.cli import Parser
+from common.guards.bounded import Refused, text
 
 try:
     from matplotlib.figure import Figure  # without pyplot: no display, no global state
@@ -30,6 +32,7 @@ except ImportError:
     Figure = FORMATS = None
 
 NAMED = re.compile(r"([A-Za-z_]+?)[-_]?(\d+)")  # bs64, cpus-8, gpus_4
+LIMITS = (4 * 2**20, 64)  # bytes and columns of a metrics.csv: a run of 10^4 epochs writes 2 MiB in 14
 COLUMNS = {"epoch", "world_size", "epoch_seconds", "images_per_s", "test_accuracy"}  # what the tools read
 
 
@@ -60,8 +63,10 @@ def load(path):
         sys.exit(f"error: no metrics in {path}: give run folders or their metrics.csv")
     rows, reader = [], None
     try:
-        with open(csv_path, newline="") as f:
+        with io.StringIO(text(csv_path, LIMITS[0]), newline="") as f:  # read whole only within LIMITS, unparsed
             reader = csv.DictReader(f)
+            if len(reader.fieldnames or []) > LIMITS[1]:
+                raise Refused(f"{csv_path} has {len(reader.fieldnames)} columns, more than a run writes")
             missing = COLUMNS - set(reader.fieldnames or [])
             if missing:
                 sys.exit(f"error: {csv_path} is not a metrics.csv of these stages (no {', '.join(sorted(missing))} "
@@ -71,6 +76,8 @@ def load(path):
                 if cells != len(reader.fieldnames):  # a row cut short, or two run together
                     raise ValueError(f"{cells} cells under a header of {len(reader.fieldnames)}")
                 rows.append(checked({k: float(v) if v else None for k, v in row.items()}))
+    except Refused as err:
+        sys.exit(f"error: {err}: give the metrics.csv a run wrote, or leave the run out")
     except (ValueError, csv.Error) as err:  # a cell that is no number, bytes that are no text, a row cut short
         sys.exit(f"error: {csv_path}, line {max(reader.reader.line_num if reader else 0, 1)}: {err}: the file is damaged; the run's "
                  "checkpoint keeps the rows of its epochs (resume it to rewrite the file), or leave the run out")  # fmt: skip

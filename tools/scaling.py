@@ -21,6 +21,7 @@ import torch
 from plot import FORMATS, Figure, labels, load, output  # tools/plot.py, beside this file
 
 from common import cli, data, models
+from common.guards.bounded import Refused, torch_file
 
 NOTE = (
     "images/s: the median of the epochs after the first, which includes warm-up (a one-epoch run: that epoch)."
@@ -41,12 +42,15 @@ def recorded(folder):
     for saved in (folder / "checkpoint.pt", folder / "checkpoint" / "state.pt"):
         if saved.is_file():
             try:
+                torch_file(saved)  # its headers against what it declares, before torch allocates what it declares
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # torch's, on pickle protocols: the line below says enough
                     state = torch.load(saved, map_location="cpu", weights_only=True)  # refuses code: runs nothing
                 run = state.get("run") if isinstance(state, dict) else None  # what the guard rails keep of the run
                 flags = run.get("flags") if isinstance(run, dict) else None
                 cause = None if isinstance(flags, dict) else "no flags"
+            except Refused as err:
+                cause = str(err).removeprefix(f"{saved} ")
             except Exception as err:  # truncated, not torch's format, or objects other than tensors and plain values
                 cause = type(err).__name__
             if cause:

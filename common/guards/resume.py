@@ -6,6 +6,7 @@ A run resumes by itself when Slurm requeued or restarted its job (SLURM_RESTART_
 same output folder) or torchrun restarted its workers; otherwise only with --resume [PATH]. Sampler lets the
 stages resume an epoch part-way, at the sample where it stopped."""
 
+import io
 import math
 import os
 import pickle
@@ -19,6 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 from common.checkpoint import SHARDED, WHOLE, epochs, read
 from common.distributed import print0
 from common.environment import is_rank0
+from common.guards.bounded import PICKLE, Refused, torch_file
 from common.guards.check import integer
 from common.guards.ending import stop
 from common.guards.preflight import defining
@@ -44,8 +46,9 @@ def keep_previous(output_dir):
 def calls(file):
     """Does `file` read as a pickle that names something to call (read by pickletools, which runs nothing)?"""
     try:
-        with open(file, "rb") as f:
-            return any(op.name in ("GLOBAL", "STACK_GLOBAL", "INST", "OBJ") for op, _, _ in pickletools.genops(f))
+        with open(file, "rb") as f:  # read within PICKLE: a declared length is not trusted either
+            ops = pickletools.genops(io.BytesIO(f.read(PICKLE)))
+            return any(op.name in ("GLOBAL", "STACK_GLOBAL", "INST", "OBJ") for op, _, _ in ops)
     except Exception:  # no pickle at all
         return False
 
@@ -143,6 +146,14 @@ def load(path):
     file = folder / "state.pt" if folder else path
     if file.exists() and not file.is_file():  # a FIFO blocks the read for ever, where a signal is only noted
         raise Unusable(f"{file} is not a regular file (a FIFO, a socket or a device)")
+    try:
+        torch_file(file)  # its headers against what it declares, before torch allocates what it declares
+    except Refused as problem:
+        if calls(file):  # no zip: a plain pickle naming a callable
+            raise Planted(f"{file} is not a checkpoint this repository wrote (a pickle that names a callable): it "
+                          "may be planted") from None  # fmt: skip
+        reason = str(problem).removeprefix(str(file)).lstrip(": ")
+        raise Unusable(f"{file} is not a checkpoint this code wrote, or is damaged: {reason}") from None
     try:
         state = read(path)
     except pickle.UnpicklingError as err:

@@ -8,6 +8,10 @@ import pickle
 
 import torch
 
+from common.guards.bounded import Refused, regular, torch_file
+
+METADATA = 64 * 2**20  # .metadata of 10^3 tensors in 64 shards: 15 MiB; unpickled, it takes several times its size
+
 
 class Planted(Exception):
     """A file of a checkpoint that loading would let run code, which no run of this repository writes: its
@@ -52,6 +56,9 @@ def metadata(folder):
     or a torchrun restart starts by itself, and one that wraps the real metadata would leave no trace."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    if regular(folder / ".metadata") > METADATA:
+        raise Refused(f"{folder / '.metadata'} is larger than {METADATA // 2**20} MiB: no checkpoint of these stages "
+                      "has so many tensors")  # fmt: skip
     with open(folder / ".metadata", "rb") as f:
         found = _MetadataUnpickler(f).load()
     if not isinstance(found, Metadata):
@@ -82,10 +89,14 @@ def damage(folder):
         pieces = metadata(folder).storage_data.values()
     except Planted:
         raise
+    except Refused as err:
+        return str(err)
     except Exception as err:  # truncated or foreign: unpickling raises a dozen kinds of error
         return f"{index} cannot be read ({type(err).__name__})"
     ends = {}
     for piece in pieces:  # each piece of a tensor lies in one file, at an offset, with a length
+        if not (type(piece.offset) is type(piece.length) is int and piece.offset >= 0 and piece.length >= 0):
+            return f"{index} declares a piece of {piece.relative_path} at byte {piece.offset}, {piece.length} long"
         ends[piece.relative_path] = max(ends.get(piece.relative_path, 0), piece.offset + piece.length)
     for name, end in sorted(ends.items()):
         file = folder / name
@@ -93,6 +104,14 @@ def damage(folder):
             return f"{file} is missing"
         if file.stat().st_size < end:
             return f"{file} is truncated ({file.stat().st_size} of at least {end} bytes)"
+    for piece in pieces:  # each piece a torch.save file of its own: checked as checkpoint.pt is, headers only
+        file = folder / piece.relative_path
+        if getattr(piece, "transform_descriptors", None):  # newer torch: a piece DCP would decompress first
+            return f"{file} holds a compressed piece ({str(piece.transform_descriptors)[:80]}): our saves write none"
+        try:
+            torch_file(file, piece.offset, piece.length)
+        except Refused as err:
+            return f"{err} (the piece at byte {piece.offset})"
     return None
 
 

@@ -1,0 +1,248 @@
+"""Guard rail: a file is checked against what it declares before it is trusted. torch.load trusts a file's
+declared sizes: a 2 MiB checkpoint holding a deflated record inflates to 2 GiB, and a tensor may claim more
+elements than its storage holds (8 bytes viewed as 2^28 elements with stride 0, or with stride 1, which torch
+answers by growing the storage). So before torch reads a checkpoint.pt, checkpoint-previous.pt, state.pt, a
+stage 05 shard's pieces or a --save-model file (torch_file()), and before the tools parse a metrics.csv or a
+doctor.json (text()), the file's headers are read, never its data: memory stays within a few times the
+limits below, whatever the file claims.
+
+torch.save writes a zip of stored (uncompressed) records: a pickle, data.pkl, and one record per storage. A
+file is refused, in words naming it, where its central directory is larger than DIRECTORY, a record is
+compressed, named twice, reaches past the file or into another record; where data.pkl is larger than PICKLE
+or names a storage whose record does not hold its declared bytes; where a tensor's elements are more than its
+storage holds, its extent reaches past it, or a size or stride is negative; where the pickle nests deeper
+than DEPTH (a loop nests for ever) or calls one of torch's tensor rebuilds the stages never write. The pickle
+is read by an unpickler whose every callable is a stand-in of this module: nothing the file names runs, and
+torch.load(weights_only=True) still decides afterwards what may be built. tests/test_bounded.py proves each
+case, a stage run with --resume to a crafted file included."""
+
+import errno
+import io
+import os
+import pickle
+import stat
+import struct
+import zipfile
+
+DIRECTORY, PICKLE, DEPTH = 16 * 2**20, 16 * 2**20, 32  # a checkpoint of 10^4 tensors needs 2 MiB of each
+TENSORS = ("_rebuild_tensor_v2", "_rebuild_tensor_v3")  # how torch.save writes a tensor on a storage
+WRAPS = ("_rebuild_parameter", "_rebuild_parameter_with_state")  # around a tensor built by one of those
+
+
+class Refused(Exception):
+    """A file whose contents are not what it declares, or would take far more memory than its size: the
+    message names the file and what is wrong."""
+
+
+class Window(io.RawIOBase):
+    """`length` bytes of the open file `f` from `start`, as a file of its own: one piece of a DCP shard."""
+
+    def __init__(self, f, start, length):
+        super().__init__()
+        self.f, self.start, self.length, self.at = f, start, length, 0
+
+    def seek(self, offset, whence=0):
+        self.at = max(0, (0, self.at, self.length)[whence] + offset)
+        return self.at
+
+    def tell(self):
+        return self.at
+
+    def readinto(self, buffer):
+        self.f.seek(self.start + self.at)
+        count = self.f.readinto(memoryview(buffer)[: max(0, min(len(buffer), self.length - self.at))])
+        self.at += count
+        return count
+
+
+def regular(path):
+    """The size of `path`, a regular file; Refused where it is none (a FIFO or a device never ends)."""
+    try:
+        info = os.stat(path)
+    except OSError as err:
+        raise Refused(f"{path}: {err.strerror}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise Refused(f"{path}: {os.strerror(errno.EISDIR)}")
+    if not stat.S_ISREG(info.st_mode):
+        raise Refused(f"{path} is not a regular file (a FIFO, a socket or a device)")
+    return info.st_size
+
+
+def text(path, limit=16 * 2**20):
+    """The text of a small file the tools read (metrics.csv, doctor.json), read whole only within `limit`
+    bytes: a run writes a few kB, and a parser holds several times what it reads."""
+    size = regular(path)
+    with open(path, "rb") as f:
+        raw = f.read(limit + 1)  # within the limit, whatever the file has grown to since
+    if max(size, len(raw)) > limit:
+        raise Refused(f"{path} is larger than {limit // 2**20} MiB, far more than a run writes")
+    return raw.decode()
+
+
+def torch_file(path, start=0, length=None):
+    """Check the torch.save file `path` (or its `length` bytes from `start`) against what it declares, reading
+    its headers only; Refused saying what is wrong. A file that is no zip is left to the caller (torch would
+    read it in its legacy format, which declares sizes it allocates before reading: the stages refuse it)."""
+    length = regular(path) - start if length is None else length
+    with open(path, "rb") as raw:
+        f = Window(raw, start, length)
+        if f.read(4) != b"PK\x03\x04":  # how torch.load tells its zip format from the legacy one
+            raise Refused(f"{path} is not in torch.save's zip format")
+        records, prefix = directory(f, path, length)
+        data = records.get(f"{prefix}/data.pkl")
+        if data is None or data[1] > PICKLE:
+            what = "no data.pkl record" if data is None else f"a data.pkl of {data[1] // 2**20} MiB"
+            raise Refused(f"{path} holds {what}, which no checkpoint of these stages has")
+        f.seek(data[0])
+        try:
+            found = _Unpickler(io.BytesIO(f.read(data[1])), path, prefix, records).load()
+        except Refused:
+            raise
+        except Exception as err:  # cut short, or calls with the wrong arguments: a dozen kinds of error
+            raise Refused(f"{path}: its data.pkl is no pickle torch.save writes ({type(err).__name__})") from None
+    nesting(found, path)
+
+
+def directory(f, path, length):
+    """{record name: (where its data starts, its size)} of the zip `f` and the name of its top folder; Refused
+    where a record is compressed, named twice, or reaches past the file or into another record."""
+    entries, size, offset = end_record(f, path, length)
+    if size > DIRECTORY or entries > DIRECTORY // 46:  # 46 bytes: the smallest entry of a central directory
+        raise Refused(f"{path} declares a zip directory of {entries} records in {size} bytes: too large")
+    try:
+        infos = zipfile.ZipFile(f).infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as err:
+        raise Refused(f"{path} is not a zip archive torch can read ({err})") from None
+    records, end = {}, 0
+    for info in sorted(infos, key=lambda i: i.header_offset):
+        f.seek(info.header_offset)
+        head = f.read(30)
+        if len(head) < 30 or head[:4] != b"PK\x03\x04":
+            raise Refused(f"{path}: the record {info.filename} does not start where the zip directory says")
+        start = info.header_offset + 30 + sum(struct.unpack("<HH", head[26:30]))
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise Refused(f"{path} holds a compressed record ({info.filename}), which torch would inflate in "
+                          "memory: torch.save writes none")  # fmt: skip
+        if info.filename in records:
+            raise Refused(f"{path} holds two records named {info.filename}")
+        if info.header_offset < end or start + info.file_size > offset:
+            raise Refused(f"{path}: the record {info.filename} overlaps another, or reaches past the file")
+        records[info.filename], end = (start, info.file_size), start + info.file_size
+    return records, (infos[0].filename.split("/")[0] if infos else "")
+
+
+def end_record(f, path, length):
+    """(records, size, offset) of the zip's central directory, as its end record (zip64's too) declares."""
+    f.seek(max(0, length - 65557))  # the end record (22 bytes) and a comment of up to 65535 bytes
+    tail_start, tail = f.tell(), f.read()
+    at = len(tail) - 22 if tail[-22:-18] == b"PK\x05\x06" else tail.rfind(b"PK\x05\x06")  # as zipfile finds it
+    if at < 0 or len(tail) < at + 22:
+        raise Refused(f"{path} is not a complete zip archive (no end record): it may be truncated")
+    entries, size, offset = struct.unpack("<6xHLL", tail[at + 4 : at + 20])
+    where = tail_start + at  # the directory ends where the end record starts, as torch.save writes it
+    locator = tail[at - 20 : at] if at >= 20 else b""
+    if locator[:4] == b"PK\x06\x07":  # zip64 (torch.save writes it always): its own end record says
+        where = struct.unpack("<8xQ", locator[:16])[0]
+        f.seek(where)
+        record = f.read(56)
+        if record[:4] != b"PK\x06\x06" or len(record) < 56:
+            raise Refused(f"{path} is not a zip archive torch can read (its zip64 end record is missing)")
+        entries, size, offset = struct.unpack("<32xQQQ", record)
+    if offset + size != where:
+        raise Refused(f"{path}: its zip directory is not where its end record says")
+    return entries, size, offset
+
+
+class _Kind:
+    def __init__(self, itemsize):
+        self.itemsize = itemsize
+
+
+class _Storage:
+    def __init__(self, bytes, itemsize):
+        self.bytes, self.itemsize = bytes, itemsize
+
+
+class _Stand:
+    """What every other callable a pickle names becomes: it keeps what it is given, for nesting(), and runs
+    nothing (torch.load refuses the names it does not allow, later)."""
+
+    def __init__(self, *args, **kwargs):
+        self.parts = [args, kwargs]
+
+    def __setstate__(self, state):
+        self.parts.append(state)
+
+    def __setitem__(self, key, value):
+        self.parts.append((key, value))
+
+    append = extend = __setstate__
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads data.pkl building stand-ins only: storages as their record's size, tensors checked against them."""
+
+    def __init__(self, file, path, prefix, records):
+        import torch  # here: the tools that read only text (metrics.csv, doctor.json) skip the import
+
+        super().__init__(file)
+        self.path, self.prefix, self.records, self.torch = path, prefix, records, torch
+
+    def find_class(self, module, name):
+        torch = self.torch
+        kind = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(kind, torch.dtype):
+            return kind
+        if isinstance(kind, type) and issubclass(kind, (torch.storage.TypedStorage, torch.UntypedStorage)):
+            itemsize = 1 if kind is torch.UntypedStorage else getattr(getattr(kind, "_dtype", None), "itemsize", 0)
+            return _Kind(itemsize)  # FloatStorage and the like: the size of their elements
+        if module == "torch._utils" and name in TENSORS:
+            return self.tensor
+        if module == "torch._utils" and name.startswith("_rebuild") and name not in WRAPS:
+            raise Refused(f"{self.path} holds a tensor of a kind these stages never write ({module}.{name})")
+        return _Stand
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _Kind)):
+            raise Refused(f"{self.path} names a storage torch.save never writes ({str(pid)[:80]})")
+        _, kind, key, _, numel = pid
+        record = self.records.get(f"{self.prefix}/data/{key}")
+        if record is None or type(numel) is not int or kind.itemsize < 1 or record[1] != numel * kind.itemsize:
+            raise Refused(f"{self.path} declares a storage {key} of {numel} elements of {kind.itemsize} bytes, "
+                          f"where its record holds {record[1] if record else 'no'} bytes")  # fmt: skip
+        return _Storage(record[1], kind.itemsize)
+
+    def tensor(self, storage, offset, size, stride, *rest):
+        if not isinstance(storage, _Storage):
+            raise Refused(f"{self.path} holds a tensor without a storage")
+        dtype = rest[2] if len(rest) > 2 else None  # _rebuild_tensor_v3's, on an untyped storage
+        itemsize = dtype.itemsize if isinstance(dtype, self.torch.dtype) else storage.itemsize
+        numbers = [offset, *size, *stride] if isinstance(size, tuple) and isinstance(stride, tuple) else [None]
+        if len(size or ()) != len(stride or ()) or not all(type(n) is int and n >= 0 for n in numbers):
+            raise Refused(f"{self.path} holds a tensor of size {size} and stride {stride}: torch.save writes none")
+        elements = 1
+        for n in size:
+            elements *= n
+        reach = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1 if elements else 0
+        if elements * itemsize > storage.bytes or reach * itemsize > storage.bytes:
+            raise Refused(f"{self.path} holds a tensor of {elements} elements (size {size}, stride {stride}) on a "
+                          f"storage of {storage.bytes} bytes: it declares more than it holds")  # fmt: skip
+        return _Stand(storage.bytes)
+
+
+def nesting(found, path):
+    """Refused where `found` nests deeper than DEPTH: level by level, each object once a level, so a loop
+    (a list that holds itself) is refused too, in at most DEPTH passes."""
+    level, containers = [found], (list, tuple, set, frozenset, dict, _Stand)
+    for _ in range(DEPTH):
+        inner = {}
+        for thing in level:
+            parts = thing.parts if isinstance(thing, _Stand) else thing
+            if isinstance(parts, dict):
+                parts = [*parts.keys(), *parts.values()]
+            if isinstance(parts, list | tuple | set | frozenset):
+                inner.update((id(p), p) for p in parts if isinstance(p, containers))
+        if not inner:
+            return
+        level = list(inner.values())
+    raise Refused(f"{path} nests deeper than {DEPTH} levels (or holds itself): no checkpoint of these stages does")
