@@ -57,18 +57,18 @@ def train(model, device, loader, optimizer, scaler, loss_fn, epoch, args, guard)
         totals[1] += len(y)
         if batch_idx % args.log_interval == 0:
             metrics.progress(epoch, batch_idx, len(loader), loss)
-        guard.end_of_step(epoch, batch_idx, totals)  # guard: a diverged loss stops; SIGTERM, SIGUSR1 save and end
+        guard.end_of_step(epoch, batch_idx, totals)  # guard: a diverged loss stops; a stop signal saves and ends
         if args.dry_run:
             break
     return totals
 
 
 @torch.no_grad()
-def evaluate(model, device, loader, loss_fn, samples):
+def evaluate(model, device, loader, loss_fn, samples, guard):
     """`samples`: how many of the loader's samples are this rank's own; the padding after them counts nowhere."""
     model.eval()
     totals = torch.zeros(3, device=device)  # summed loss, correct, samples
-    for x, y in loader:
+    for x, y in guard.evaluating(loader):  # guard: a stop saves here too, and the resumed run evaluates anew
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         output, n = model(x), min(len(y), samples)  # every rank runs as many forward passes (stage 05: collectives)
         samples -= n
@@ -119,8 +119,8 @@ def main(guard):
         log.start(epoch)
         train_totals = train(model, device, train_loader, optimizer, scaler, loss_fn, epoch, args, guard)
         seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
-        totals = torch.cat([train_totals, evaluate(model, device, val_loader, loss_fn, len(val_set)),
-                            evaluate(model, device, test_loader, loss_fn, len(test_set))])  # fmt: skip
+        totals = torch.cat([train_totals, evaluate(model, device, val_loader, loss_fn, len(val_set), guard),
+                            evaluate(model, device, test_loader, loss_fn, len(test_set), guard)])  # fmt: skip
         guard.check_epoch(epoch, totals.tolist())  # guard: nothing non-finite is logged or saved
         log.epoch(epoch, scheduler.get_last_lr()[0], seconds, totals.tolist())
         scheduler.step()

@@ -87,7 +87,7 @@ def assert_counted_once(output, model_file, data_dir, val_fraction=0.0):
     model.load_state_dict(torch.load(model_file, weights_only=True))
     test_set = data.dataset(data_dir, "mnist", train=False)
     loader = data.loader(test_set, range(TEST_SIZE), 1000, ARGS, CPU)
-    loss, correct, count = stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, TEST_SIZE).tolist()
+    loss, correct, count = stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, TEST_SIZE, RUN).tolist()
     assert count == TEST_SIZE
     assert f"accuracy {int(correct)}/{TEST_SIZE} ({100 * correct / count:.2f}%)" in line, line
     assert f"test loss {loss / count:.4f}" in line, line
@@ -95,7 +95,7 @@ def assert_counted_once(output, model_file, data_dir, val_fraction=0.0):
         _, val_set = data.split(data.dataset(data_dir, "mnist", train=True), val_fraction, seed=1)
         loader = data.loader(val_set, range(len(val_set)), 1000, ARGS, CPU)
         loss, correct, count = (
-            stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, len(val_set)).tolist()
+            stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, len(val_set), RUN).tolist()
         )
         assert f"val loss {loss / count:.4f} ({100 * correct / count:.2f}%)" in line, line
 

@@ -80,8 +80,16 @@ def saved_mid_epoch(out, output, code, proc):
     return step
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "signum",
+    [
+        signal.SIGTERM,
+        signal.SIGHUP,
+        *(pytest.param(s, marks=pytest.mark.slow) for s in (signal.SIGUSR1, signal.SIGINT)),
+    ],
+)
 def test_stage01_stopped_mid_epoch_resumes_bit_identical(signum, tiny_data, tmp_path):
+    """SIGHUP (a closed ssh session) and SIGINT (Ctrl-C) stop a run as SIGTERM does: SIGHUP ended it unsaved."""
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert python(S01, *args(tiny_data, whole)).returncode == 0
     proc = start(S01, *args(tiny_data, cut), env=clean_env(**SLOW))

@@ -7,6 +7,7 @@ import signal
 import sys
 
 from common.environment import is_rank0
+from common.guards.signals import STOPS
 
 
 def stop(message):
@@ -23,7 +24,7 @@ def end(code, joined):
     after it). From here on the signals that stop a run are ignored: the status is decided, and a late one
     (Slurm's SIGTERM again, a second Ctrl-C) would end the process by the signal instead, Python's teardown
     having given them back their default action."""
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+    for signum in STOPS:
         signal.signal(signum, signal.SIG_IGN)
     if not joined:
         if code:

@@ -1,8 +1,8 @@
 """Guard rail: a time limit, a preemption or a `scancel` loses at most the step in flight.
 
 Slurm ends a job with SIGTERM (preemption, `scancel`, a requeue; KillWait later, SIGKILL), and the job
-scripts pass on the time-limit signal they ask for; torchrun hands SIGTERM on to its workers. Either
-signal, SIGTERM or SIGUSR1, is only noted when it arrives: every rank finishes the step it is in, and
+scripts pass on the time-limit signal they ask for; torchrun hands SIGTERM, SIGINT and SIGHUP on to its
+workers. Any of them (signals.STOPS) is only noted when it arrives: every rank finishes the step it is in, and
 the ranks agree, through the rendezvous store, on one step at which all of them stop. A rank proposes
 the step after the one it is in; the others propose theirs when they hear of it (their own signal, or
 the store, polled with every heartbeat); each rank waits for every proposal at its next step
@@ -11,7 +11,8 @@ other) and no collective is added to a step. The guard rails then save the run m
 second signal while that happens is noted and ignored. Without the store (rank 0, which served it, was
 killed first) no step can be agreed: each rank left ends in one line, the last checkpoint kept. torchrun
 hands SIGTERM on to its workers, and SIGUSR1 as the job scripts tell it to (torch >= 2.10); DataLoader
-workers leave both to their rank (shield_worker())."""
+workers leave them to their rank (signals.shield_worker()). Evaluation batches count as steps here: they
+continue the count of the epoch's steps."""
 
 import datetime
 import math
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from common.distributed import print0
 from common.environment import is_rank0
 from common.guards.ending import stop
+from common.guards.signals import STOPS, shield_worker
 from common.guards.watchdog import fail
 
 MARGIN = 30  # seconds beyond a save: the step in flight, the requeue, a save slower than the last
@@ -47,8 +49,9 @@ class Preemption:
         self.timed = dict(round=0, heard=False, proposal=None, at=None, lock=threading.Lock())
 
     def catch(self):
-        """From here on, SIGTERM and SIGUSR1 stop the run at a step boundary that every rank agrees on."""
-        for signum in (signal.SIGTERM, signal.SIGUSR1):
+        """From here on, a stop (SIGTERM, SIGUSR1, SIGINT, SIGHUP) ends the run at a step boundary, or between two
+        evaluation batches, that every rank agrees on (signals.py says where else)."""
+        for signum in STOPS:
             signal.signal(signum, self.received)
         os.register_at_fork(after_in_child=shield_worker)  # the DataLoader workers this process forks from now on
 
@@ -179,24 +182,6 @@ class Preemption:
             stop(f"error: rank {rank}: --checkpoint-minutes called for a save, but rank {', '.join(missing)} did not "
                  f"agree on a step to save at within --dist-timeout {self.timeout} s: the last checkpoint stays")  # fmt: skip
         return max(int(store.get(key)) for key in keys)
-
-
-def shield_worker():
-    """In a DataLoader worker this process forked (os.register_at_fork): the signals that stop a run are its
-    rank's to handle. Slurm sends them to every process of a step, Ctrl-C to the process group, torchrun to each
-    worker's group: a worker they ended would end the run unsaved ("killed by signal: Terminated"). The worker
-    ignores them, but for its rank's own SIGTERM, torch's way of ending it (at the latest at the rank's exit)."""
-    for signum in (signal.SIGINT, signal.SIGUSR1):
-        signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # and in every thread started here: drop() takes it
-    rank = os.getppid()
-
-    def drop():
-        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank:
-            pass
-        os._exit(0)  # as torch's own handler ends a worker
-
-    threading.Thread(target=drop, daemon=True).start()
 
 
 def job_signal(job):

@@ -7,7 +7,7 @@ may skip each of them: the training reads the same without. What each one holds 
   agree()         before the first step: every rank trains the same run on the same data
   resumable()     an epoch that can be resumed part-way, at the sample where it stopped
   resume()        which checkpoint this run continues, if any, and whether it may; signals are caught from here
-  end_of_step()   a diverged loss stops the run; a signal (SIGTERM, SIGUSR1) or --checkpoint-minutes saves here
+  end_of_step()   a diverged loss stops the run; a stop or --checkpoint-minutes saves here and in evaluating()
   check_epoch()   nothing non-finite is ever saved
   run(main)       any failure ends the run with one line instead of a traceback
 """
@@ -15,7 +15,6 @@ may skip each of them: the training reads the same without. What each one holds 
 import os
 import re
 import shutil
-import sys
 import time
 import traceback
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 from common import checkpoint, data, distributed
 from common.environment import is_rank0
-from common.guards import check, divergence, lock, preflight, randomness, resume, safeload
+from common.guards import check, divergence, lock, preflight, randomness, resume, safeload, signals
 from common.guards.ending import end
 from common.guards.preemption import Preemption
 from common.guards.watchdog import Watchdog
@@ -34,7 +33,7 @@ class Guard:
     def __init__(self):
         self.args, self.lock, self.watchdog, self.preemption = None, None, None, None
         self.sampler, self.states, self.sharded, self.epoch_done, self.so_far = None, None, False, None, None
-        self.doing = None  # a stage 05 checkpoint read or written from here on: for a failure's one line
+        self.doing, self.position = None, None  # a stage 05 checkpoint read or written: for a failure's one line
         self.data, self.seeded = None, False  # the training set's fingerprint; is it randomness.Seeded?
 
     def start(self, args):
@@ -94,27 +93,41 @@ class Guard:
         if state is not None and state["step"]:  # saved mid-epoch: the rest of it, and its sums and time so far
             self.sampler.resume_at(state["epoch"], state["step"] * self.args.batch_size)
             states["log"].cut = state["run"]["cut"]
+            zeros = torch.zeros(2, device=next(states["model"].parameters()).device)  # none of the rest yet
+            self.position = (state["epoch"], state["step"], zeros, state["epoch"] * 2**32 + state["step"])
         return state
 
     def end_of_step(self, epoch, batch, totals):
         """After training step `batch` (counted from 0 in this run's part of the epoch): every --log-interval
-        steps, stop if the loss went non-finite on any rank; on a signal, save at the step all ranks agreed on
-        and end the run; with --checkpoint-minutes, save when they have passed."""
+        steps, stop if the loss went non-finite on any rank; then stop_or_save()."""
         args, step = self.args, self.sampler.skipped() // self.args.batch_size + batch + 1
         if self.epoch_done is not None:  # the time since check_epoch(): the epoch's checkpoint, an upper bound
             self.preemption.saved(time.monotonic() - self.epoch_done)
             self.epoch_done = None
-        self.doing = None
-        count = epoch * 2**32 + step  # a step count that grows across epochs
+        self.doing, count = None, epoch * 2**32 + step  # a step count that grows across epochs
         if batch % args.log_interval == 0:
             divergence.check_loss(epoch, step - 1, totals, args.output_dir)
+        self.stop_or_save(epoch, step, totals, count)
+
+    def evaluating(self, loader):
+        """`loader`'s batches, for evaluate(): after each, as after a step, a stop or --checkpoint-minutes saves the
+        epoch's training, all of it (the resumed run evaluates the epoch again); they count on from its last step."""
+        for batch in loader:
+            yield batch
+            if self.position:  # None before this run's first step (a test's evaluation): nothing to save
+                self.stop_or_save(*self.position[:3], self.position[3] + 1)
+
+    def stop_or_save(self, epoch, step, totals, count):
+        """`count` steps done (evaluation batches counting on): on a stop, save at the step all ranks agreed on and
+        end the run; with --checkpoint-minutes, save when they have passed."""
+        self.position = (epoch, step, totals, count)  # (epoch, step, its totals, count): where the run stands
         if self.preemption.check(count):
             self.save(epoch, step, totals)
             distributed.print0(f"saved at epoch {epoch}, step {step}: resume with --resume ({self.preemption.signal})")
             raise SystemExit(self.preemption.exit_code())
-        if args.checkpoint_minutes and self.preemption.due(args.checkpoint_minutes, count):
+        if self.args.checkpoint_minutes and self.preemption.due(self.args.checkpoint_minutes, count):
             self.save(epoch, step, totals)
-            distributed.print0(f"saved at epoch {epoch}, step {step} (--checkpoint-minutes {args.checkpoint_minutes})")
+            distributed.print0(f"saved at epoch {epoch}, step {step} (--checkpoint-minutes {self.args.checkpoint_minutes})")  # fmt: skip
 
     def save(self, epoch, step, totals):
         """A checkpoint `step` steps into `epoch`: the sums and time so far go with it, so that the resumed
@@ -124,11 +137,8 @@ class Guard:
         if dist.is_initialized():
             dist.all_reduce(totals)
         earlier = log.cut[1] if log.cut[0] == epoch else [0.0, 0.0]
-        self.so_far = (
-            epoch,
-            [a + b for a, b in zip(totals.tolist(), earlier, strict=True)],
-            log.seconds(totals.device),
-        )
+        sums = [a + b for a, b in zip(totals.tolist(), earlier, strict=True)]
+        self.so_far = (epoch, sums, log.seconds(totals.device))
         self.check_weights(f"epoch {epoch} left weights that are")
         if not self.sharded:
             resume.keep_previous(self.args.output_dir)
@@ -178,14 +188,12 @@ def run(main):
     """main(guard), the last line of every stage: any way it ends, the run ends with one line that says what
     happened and what to do, instead of a traceback; nothing is lost that a checkpoint holds."""
     guard, together = Guard(), True  # together: every rank ends here alike, and rank 0 waits for the others
+    signals.stop_at_once()  # until guard.resume(): nothing saved yet, nothing to lose
     try:
         main(guard)
         code = 0
-    except KeyboardInterrupt:
-        if is_rank0():  # Ctrl-C reaches every rank of the terminal's launch: one says it
-            print("error: interrupted (Ctrl-C): the checkpoint of the last finished epoch is kept in --output-dir: "
-                  "continue with --resume", file=sys.stderr, flush=True)  # fmt: skip
-        code, together = 130, False  # the shell's code for a run ended by SIGINT
+    except signals.Stopped as stopped:
+        code, together = signals.say(stopped), False
     except SystemExit as stop:  # the end of a run, a verdict every rank reached, or a usage error
         code = stop.code
     except BaseException as err:  # each kind explain() knows becomes one line (CheckpointException is no Exception)

@@ -209,10 +209,11 @@ class Sampler(torch.utils.data.Sampler):
         return self.skip[1] if self.skip[0] == self.epoch else 0
 
     def __len__(self):
-        """The samples this rank draws in this epoch: after a resume part-way, the rest."""
+        """The samples this rank draws in this epoch: after a resume part-way, the rest (none where the epoch's
+        training was saved whole, its last batch short: a stop during its evaluation)."""
         if isinstance(self.sampler, DistributedSampler):
-            return math.ceil((len(self.sampler.dataset) - self.skipped()) / self.sampler.num_replicas)
-        return len(self.sampler) - self.skipped()
+            return max(0, math.ceil((len(self.sampler.dataset) - self.skipped()) / self.sampler.num_replicas))
+        return max(0, len(self.sampler) - self.skipped())
 
     def __iter__(self):
         return ((index, self.epoch) for index in self.order()) if self.tagged else self.order()

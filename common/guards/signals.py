@@ -1,0 +1,77 @@
+"""Guard rail: the signals that stop a run, wherever they find it. A stop is honoured at every safe point:
+
+  start-up        the options, the rendezvous, the data, its fingerprint, the model: until resume() the run has
+                  saved nothing and can lose nothing, so a stop ends it at once, in one line, with 128 + the
+                  signal's number (stop_at_once()); the same command starts it again
+  a training step from resume() on, the signal is only noted: every rank finishes its step, all agree on one
+                  step to stop at, save there and end (preemption.Preemption, rails.Guard.end_of_step())
+  an evaluation   likewise between evaluation batches (rails.Guard.end_of_batch()): the epoch's training is
+                  saved whole, and the resumed run evaluates the epoch again
+  a save, the     noted, and acted on at the next step or evaluation batch; after the last epoch's evaluation
+  epoch's end     there is none: the run ends as it would have, its last checkpoint complete
+
+SIGTERM (Slurm, torchrun, `kill`), SIGUSR1 (the job scripts' time-limit signal), SIGINT (Ctrl-C, which a terminal
+sends to every process of its launch) and SIGHUP (a closed ssh session) are one stop: the first one counts, the
+status is 128 + its number. DataLoader workers leave them to their rank, and the programs those start get the
+default handling back (shield_worker()). The tests that prove each: tests/FAILURES.md, "Signals"."""
+
+import signal
+import sys
+
+from common.environment import is_rank0
+
+STOPS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+
+
+class Stopped(BaseException):
+    """A stop before the run could save anything: rails.run() ends the run with its line and status."""
+
+    def __init__(self, signum):
+        name = signal.Signals(signum).name
+        super().__init__(f"error: {name} came during start-up, before the first step: nothing was saved and nothing "
+                         "is lost; start the run again as it was started")  # fmt: skip
+        self.code = 128 + signum
+
+
+def stop_at_once():
+    """Until resume() catches them (Preemption.catch()): a stop ends the run wherever it is, in one line."""
+    for signum in STOPS:
+        signal.signal(signum, raise_stopped)
+
+
+def raise_stopped(signum, frame):
+    raise Stopped(signum)
+
+
+def say(stopped):
+    """The exit status of a run stopped at start-up; rank 0 says why (every rank of a launch gets the signal)."""
+    if is_rank0():
+        print(stopped, file=sys.stderr, flush=True)
+    return stopped.code
+
+
+def shield_worker():
+    """In a process this rank forks (os.register_at_fork), its DataLoader workers: the signals that stop a run
+    are the rank's to handle. Slurm sends them to every process of a step, Ctrl-C and a closed terminal to the
+    process group, torchrun to each worker's group: a worker they ended would end the run unsaved ("killed by
+    signal: Terminated"). The worker lets them pass with a handler that does nothing, neither ignoring (SIG_IGN)
+    nor blocking them: a program the worker starts (a decoder) would inherit either, and never end by
+    `terminate()`; exec gives a handled signal its default action back. torch's handler for SIGTERM, which ends
+    a worker by anyone's SIGTERM, is set when the worker starts (after this): ours replaces it at once. The
+    worker still ends with its rank: by the end of its queue, or when torch's watchdog finds the rank gone."""
+    for signum in STOPS:
+        signal.signal(signum, let_pass)
+    handling = sys.modules.get("torch.utils.data._utils.signal_handling")
+    install = getattr(handling, "_set_worker_signal_handlers", None)
+    if install is None:  # no DataLoader in this process
+        return
+
+    def then_ours():
+        install()  # SIGBUS, SIGSEGV, SIGFPE: one line before the worker dies
+        signal.signal(signal.SIGTERM, let_pass)
+
+    handling._set_worker_signal_handlers = then_ours  # in this forked process only
+
+
+def let_pass(signum, frame):
+    """A worker's handler of the stops: its rank acts on them."""

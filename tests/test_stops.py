@@ -1,0 +1,254 @@
+"""Every stop is a safe point (common/guards/signals.py): a stop during start-up ends the run in one line, one
+during evaluation saves the epoch's training whole, SIGHUP and SIGINT stop a run as SIGTERM does, and the
+programs a DataLoader worker starts get the default signal handling back."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+from helpers import (
+    INJECT,
+    S01,
+    S03,
+    S05,
+    TIMING,
+    assert_same_state,
+    checkpoint,
+    clean_env,
+    metrics,
+    one_error,
+    python,
+    srun_start,
+    stage_args,
+    start,
+    torchrun,
+    wait_for,
+)  # fmt: skip
+from test_preemption import SLOW, args, saved_mid_epoch, signal_mid_epoch_2
+
+# the built-in task, with two places a test can make slow: the data's loading, and every evaluation batch
+TASK = """
+import os, time
+from common.tasks.images import add_arguments, check, datasets as load, model as build
+
+def mark(name):
+    open(os.environ[name], "a").close()
+
+def datasets(args):
+    if "LOAD_MARK" in os.environ:
+        mark("LOAD_MARK")
+        time.sleep(60)
+    return load(args)
+
+def model(args):
+    net = build(args)
+    net.register_forward_pre_hook(evaluating)
+    return net
+
+def evaluating(module, inputs):
+    if not module.training and "EVAL_MARK" in os.environ:
+        mark("EVAL_MARK")
+        time.sleep(float(os.environ["EVAL_SLEEP"]))
+"""
+EVAL_SLEEP = 5  # a second per test image (five batches of two): 25 s, past the 20 s a stop may take
+
+
+def eval_args(data, out, task, *extra):
+    return args(data, out, "--task", task, "--test-batch-size", 2, *extra)
+
+
+def stop_during_evaluation(proc, mark, signum=signal.SIGTERM, to=None):
+    """Once the first evaluation batch runs, send `signum` to the process `to` (a PID; else `proc`); the output and
+    the seconds from the signal to the exit."""
+    wait_for(mark.exists, 120, proc)
+    sent = time.monotonic()
+    os.kill(to or proc.pid, signum)
+    output = proc.communicate(timeout=60)[0]
+    return output, time.monotonic() - sent
+
+
+def saved_whole(output, code, proc, seconds, steps=8):
+    """Stopped during epoch 1's evaluation: its training saved whole, at once, in one line."""
+    assert proc.returncode == code and seconds < 20, (seconds, output)
+    assert output.count("saved at epoch 1, step ") == 1 and f"saved at epoch 1, step {steps}: resume" in output, output
+    assert output.count("Traceback") == output.count("elastic.multiprocessing.api.SignalException: Process"), output
+
+
+def same_run(cut, whole):
+    """The resumed run ended as the uninterrupted one: weights, and every metric but the times."""
+    assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])
+    strip = lambda rows: [{k: v for k, v in row.items() if k not in TIMING} for row in rows]  # noqa: E731
+    assert strip(metrics(cut)) == strip(metrics(whole))
+
+
+def test_stage01_stopped_during_evaluation_saves_at_once_and_resumes_bit_identical(tiny_data, tmp_path):
+    """SIGTERM during a long evaluation was acted on after it, at the next epoch's first step: past KillWait."""
+    task, whole, cut, mark = tmp_path / "task.py", tmp_path / "whole", tmp_path / "cut", tmp_path / "evaluating"
+    task.write_text(TASK)
+    assert python(S01, *eval_args(tiny_data, whole, task)).returncode == 0
+    proc = start(S01, *eval_args(tiny_data, cut, task), env=clean_env(EVAL_MARK=mark, EVAL_SLEEP=EVAL_SLEEP))
+    output, seconds = stop_during_evaluation(proc, mark)
+    saved_whole(output, 128 + signal.SIGTERM, proc, seconds)
+    assert checkpoint(cut)["epoch"] == 1 and checkpoint(cut)["step"] == 8 and not metrics(cut)
+    resumed = python(S01, *eval_args(tiny_data, cut, task, "--resume"))
+    assert resumed.returncode == 0 and "resumed at epoch 1, step 8" in resumed.stdout, resumed.stdout + resumed.stderr
+    same_run(cut, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", [S03, S05], ids=["03", "05"])
+def test_two_ranks_under_torchrun_stopped_during_evaluation_save_at_once_and_resume_bit_identical(
+    script, tiny_data, tmp_path
+):
+    """Stage 05's evaluation is collective (every forward pass gathers the weights): the ranks must stop at the
+    same evaluation batch, as they stop at the same step."""
+    task, whole, cut, mark = tmp_path / "task.py", tmp_path / "whole", tmp_path / "cut", tmp_path / "evaluating"
+    task.write_text(TASK)
+    assert torchrun(2, script, *eval_args(tiny_data, whole, task)).returncode == 0
+    proc = start(
+        script, *eval_args(tiny_data, cut, task), nproc=2, env=clean_env(EVAL_MARK=mark, EVAL_SLEEP=EVAL_SLEEP)
+    )
+    output, seconds = stop_during_evaluation(proc, mark)
+    saved_whole(output, proc.returncode, proc, seconds)
+    resumed = torchrun(2, script, *eval_args(tiny_data, cut, task, "--resume"))
+    assert resumed.returncode == 0 and "resumed at epoch 1, step 8" in resumed.stdout, resumed.stdout + resumed.stderr
+    if script == S03:
+        same_run(cut, whole)
+    else:  # sharded checkpoints: the whole weights with --save-model would need another run; the metrics suffice
+        strip = lambda rows: [{k: v for k, v in row.items() if k not in TIMING} for row in rows]  # noqa: E731
+        assert strip(metrics(cut)) == strip(metrics(whole))
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_during_evaluation_stops_both_at_one_batch(tiny_data, tmp_path):
+    """Ranks started by hand: rank 1 alone is signalled, during its evaluation; rank 0 hears of it through the
+    store, and both save the epoch's training."""
+    task, cut, mark = tmp_path / "task.py", tmp_path / "cut", tmp_path / "evaluating"
+    task.write_text(TASK)
+    procs = srun_start(2, S03, *eval_args(tiny_data, cut, task), EVAL_MARK=mark, EVAL_SLEEP=EVAL_SLEEP)
+    output, seconds = stop_during_evaluation(procs[0], mark, signal.SIGUSR1, to=procs[1].pid)
+    assert procs[1].wait(timeout=30) == 128 + signal.SIGUSR1
+    saved_whole(output, 128 + signal.SIGUSR1, procs[0], seconds)
+    procs = srun_start(2, S03, *eval_args(tiny_data, cut, task, "--resume"))
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and "resumed at epoch 1, step 8" in outputs[0], outputs
+
+
+@pytest.mark.slow
+def test_a_second_signal_during_evaluation_and_its_save_changes_nothing(tiny_data, tmp_path):
+    task, whole, cut, mark = tmp_path / "task.py", tmp_path / "whole", tmp_path / "cut", tmp_path / "evaluating"
+    task.write_text(TASK)
+    assert python(S01, *eval_args(tiny_data, whole, task)).returncode == 0
+    env = clean_env(EVAL_MARK=mark, EVAL_SLEEP=EVAL_SLEEP, PYTHONPATH=INJECT, FAULT_RANK=0, FAULT_SLOW_SAVE=2)
+    proc = start(S01, *eval_args(tiny_data, cut, task), env=env)
+    wait_for(mark.exists, 120, proc)
+    sent = time.monotonic()
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # scancel, then Ctrl-C, then the ssh session
+        proc.send_signal(signum)
+        time.sleep(2)  # the evaluation batch, then the save, which takes 2 s here
+    output = proc.communicate(timeout=60)[0]
+    saved_whole(output, 128 + signal.SIGTERM, proc, time.monotonic() - sent)
+    assert "(SIGTERM)" in output
+    resumed = python(S01, *eval_args(tiny_data, cut, task, "--resume"))
+    assert resumed.returncode == 0 and "resumed at epoch 1, step 8" in resumed.stdout, resumed.stderr
+    same_run(cut, whole)
+
+
+@pytest.mark.slow
+def test_a_signal_after_the_last_evaluation_lets_the_run_end_complete(tiny_data, tmp_path):
+    """During the last epoch's row, checkpoint and summary no step is left to stop at: the run ends as it would
+    have, status 0, its last checkpoint that of the last epoch, and nothing to resume."""
+    task, out, mark = tmp_path / "task.py", tmp_path / "out", tmp_path / "evaluating"
+    task.write_text(TASK)
+    env = clean_env(EVAL_MARK=mark, EVAL_SLEEP=0, PYTHONPATH=INJECT, FAULT_RANK=0, FAULT_SLOW_SAVE=3)
+    proc = start(S01, *eval_args(tiny_data, out, task, "--epochs", 1), env=env)
+    wait_for(mark.exists, 120, proc)
+    time.sleep(1)  # the five evaluation batches are done; the epoch's save takes 3 s
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0 and "saved at" not in output and "Traceback" not in output, output
+    assert checkpoint(out)["epoch"] == 1 and checkpoint(out)["step"] == 0 and len(metrics(out)) == 1
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGHUP, marks=pytest.mark.slow)])
+def test_a_stop_during_start_up_is_one_line_and_the_run_starts_again(signum, tiny_data, tmp_path):
+    """A signal while the data loads (or the rendezvous, the fingerprint, the model): nothing to save, nothing lost.
+    Before, SIGTERM ended the run with no line at all (status -15), and SIGHUP likewise."""
+    task, out, mark = tmp_path / "task.py", tmp_path / "out", tmp_path / "loading"
+    task.write_text(TASK)
+    proc = start(S01, *args(tiny_data, out, "--task", task, "--epochs", 1), env=clean_env(LOAD_MARK=mark))
+    wait_for(mark.exists, 120, proc)
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    stdout, _ = proc.communicate(timeout=30)
+    seconds = time.monotonic() - sent
+    assert proc.returncode == 128 + signum and seconds < 20, (seconds, stdout)
+    one_error(
+        subprocess.CompletedProcess(proc.args, proc.returncode, "", stdout),
+        f"{signal.Signals(signum).name} came during start-up",
+        "nothing was saved",
+        "start the run again",
+    )
+    again = python(S01, *args(tiny_data, out, "--task", task, "--epochs", 1))
+    assert again.returncode == 0 and len(metrics(out)) == 1, again.stdout + again.stderr
+
+
+@pytest.mark.slow
+def test_stage03_under_torchrun_stopped_by_sighup_saves_and_resumes(tiny_data, tmp_path):
+    """A closed ssh session: SIGHUP to torchrun, which passes it on to its workers' groups. Before, the run ended
+    with no save (torchrun's traceback and the ranks' end by the signal)."""
+    cut, run = tmp_path / "cut", str(uuid.uuid4())
+    proc = start(S03, *args(tiny_data, cut), nproc=2, env=clean_env(**SLOW, TEST_RUN=run))
+    output, seconds = signal_mid_epoch_2(proc, cut, signal.SIGHUP)
+    assert proc.returncode != 0 and seconds < 20 and "error:" not in output, output
+    step = saved_mid_epoch(cut, output, proc.returncode, proc)
+    assert "(SIGHUP)" in output
+    resumed = torchrun(2, S03, *args(tiny_data, cut, "--resume"))
+    assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
+
+
+WORKER_TASK = """
+import json, os, signal, subprocess
+import torch
+from common.tasks.images import add_arguments, check, model
+
+class Decoding(torch.utils.data.TensorDataset):
+    def __getitem__(self, i):
+        report = os.environ["REPORT"]
+        if torch.utils.data.get_worker_info() and not os.path.exists(report):
+            child = subprocess.Popen(["sleep", "60"])  # a decoder
+            status = dict(line.split(":\\t") for line in open(f"/proc/{child.pid}/status").read().splitlines()
+                          if line.startswith(("SigBlk", "SigIgn")))
+            child.terminate()
+            try:
+                code = child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                code = None
+            with open(report, "w") as f:
+                json.dump({"status": status, "code": code}, f)
+        return super().__getitem__(i)
+
+def datasets(args):
+    make = lambda n: Decoding(torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,)))
+    return make(64), make(10)
+"""
+
+
+def test_a_program_a_dataloader_worker_starts_gets_the_default_signal_handling(tmp_path):
+    """The worker lets the stops pass to its rank; the decoder it starts must not inherit that: before, SIGTERM
+    stayed blocked in it (and SIGINT, SIGUSR1 ignored), and its terminate() never ended it."""
+    task, report = tmp_path / "task.py", tmp_path / "report.json"
+    task.write_text(WORKER_TASK)
+    workers = stage_args(tmp_path, tmp_path / "out", "--task", task, "--epochs", 1, "--num-workers", 1)  # the last wins
+    run = python(S01, *workers, REPORT=report)
+    assert run.returncode == 0, run.stdout + run.stderr
+    found = json.loads(report.read_text())
+    stops = sum(1 << (s - 1) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP))
+    assert int(found["status"]["SigBlk"], 16) & stops == 0, found
+    assert int(found["status"]["SigIgn"], 16) & stops == 0, found
+    assert found["code"] == -signal.SIGTERM, found
