@@ -10,7 +10,8 @@ tensors and plain values, never code to run.
 
 Stage 05's model is sharded: every rank writes its own shards with torch.distributed.checkpoint into a new
 folder <output-dir>/epoch-N, and rank 0 then points the link <output-dir>/checkpoint at it, which is atomic
-too (the last two folders stay). Such a checkpoint loads at any world size: each rank reads the pieces its new
+too; the folder it named before stays, named by <output-dir>/checkpoint-previous, and the one before that
+goes: only a folder these links named is ever deleted, whatever other folders are called. Such a checkpoint loads at any world size: each rank reads the pieces its new
 shard needs, so every node must see the folder.
 
 Which checkpoint a run continues, and whether it may, is for the guard rails (common/guards/resume.py): they
@@ -96,14 +97,28 @@ def save_sharded(output_dir, epoch, states, step=0):
         rest = {name: thing for name, thing in states.items() if name not in SPLIT}
         with atomic(folder / "state.pt") as f:  # the optimizer's plain values too: loaded with weights_only=True
             torch.save(run_state(epoch, step, rest) | {"param_groups": optimizer_state["param_groups"]}, f)
-        link = output_dir / "checkpoint.tmp"
-        link.unlink(missing_ok=True)
-        link.symlink_to(folder.name)
-        os.replace(link, output_dir / SHARDED)  # atomic: the old checkpoint or the new one
-        for old in epochs(output_dir)[2:]:  # the last two complete checkpoints stay
-            shutil.rmtree(old)
+        latest, before = linked(output_dir / SHARDED), linked(output_dir / f"{SHARDED}-previous")
+        if latest and latest != folder.name:  # the checkpoint this one replaces stays, as the previous one
+            point(output_dir / f"{SHARDED}-previous", latest)
+        point(output_dir / SHARDED, folder.name)
+        if before and latest and before not in (latest, folder.name):  # what the links no longer name goes
+            shutil.rmtree(output_dir / before, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()  # rank 0 has switched the link
+
+
+def linked(link):
+    """The folder beside it that `link` names, or None: rotation deletes what this run linked, never by name."""
+    name = os.readlink(link) if os.path.islink(link) else None
+    return name if name and "/" not in name and name not in (".", "..") else None
+
+
+def point(link, name):
+    """Switch `link` to the folder `name` beside it, atomically: readers see the old link or the new one."""
+    tmp = link.with_name("checkpoint.tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(name)
+    os.replace(tmp, link)
 
 
 def epochs(output_dir):

@@ -36,7 +36,7 @@ from helpers import (
 
 from common import checkpoint as lesson
 from common import cli
-from common.guards import resume, safeload
+from common.guards import ownership, resume, safeload
 from common.models import Net
 
 
@@ -105,7 +105,8 @@ def test_a_checkpoint_that_is_not_a_regular_file_is_refused_before_it_is_opened(
     fifo.unlink()
     fifo.write_bytes(b"damaged")
     os.mkfifo(tmp_path / resume.PREVIOUS)
-    requeued = clean_env(SLURM_JOB_ID=77, SLURM_RESTART_COUNT=1)
+    requeued = clean_env(SLURM_JOB_ID=77, SLURM_RESTART_COUNT=1)  # the job whose folder this is (its manifest)
+    ownership.write(tmp_path, {"run": "r", "launch": ownership.launch({"SLURM_JOB_ID": "77"}), "writes": []})
     out = run([sys.executable, str(S01), *stage_args(tiny_data, tmp_path)], env=requeued, timeout=30)
     assert "is complete" not in one_error(
         out, f"{fifo} is not a checkpoint this code wrote, or is damaged", "delete it"

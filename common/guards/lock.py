@@ -5,11 +5,16 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
+import stat
 import time
 
 from common.environment import is_rank0
 from common.guards.check import integer
+
+# checkpoint.atomic()'s temporary files of what a run writes (<name>.tmp<pid>): no other name is a run's
+TEMPORARY = re.compile(r"(checkpoint\.pt|checkpoint-previous\.pt|metrics\.csv|model\.pt|run-manifest\.json)\.tmp\d+")
 
 
 def claim(output_dir, env=os.environ):
@@ -24,13 +29,20 @@ def claim(output_dir, env=os.environ):
         return None
     me = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.get("SLURM_JOB_ID"),
           "restart": integer("SLURM_RESTART_COUNT", 0, env=env), "since": time.ctime()}  # fmt: skip
+    path = output_dir / ".lock"
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(output_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        # never through a link (its target would be truncated), nor into a FIFO (O_NONBLOCK: no wait)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise SystemExit(f"error: {path} is a link: the lock is never taken through one: remove it") from None
         raise SystemExit(
             f"error: cannot write to --output-dir {output_dir}: {err.strerror}: choose a folder you can write"
         ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise SystemExit(f"error: {path} is not a regular file: remove it, or choose another --output-dir")
     try:
         # a POSIX lock, this process's alone: the DataLoader workers it forks do not inherit it, as they would
         # a flock, which they kept after a SIGKILL of this process until they noticed (seconds). It ends when
@@ -53,6 +65,11 @@ def claim(output_dir, env=os.environ):
         if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
             raise
         print(f"warning: {output_dir} cannot be locked ({err.strerror}): make sure no other run uses it", flush=True)
+    if (held := os.pread(fd, 4096, 0)) and not (held.startswith(b"{") and b'"pid"' in held):
+        os.close(fd)  # a file some other program keeps under this name: never truncated
+        raise SystemExit(
+            f"error: {path} is not a lock this repository wrote: move it away, or choose another --output-dir"
+        )
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode(), 0)
     return fd
@@ -72,7 +89,8 @@ def alive(pid):
 
 
 def sweep(output_dir):
-    """After claim(): what writers killed mid-write left (checkpoint.atomic()'s temporary files, *.tmp<pid>).
-    The folder is this run's alone now, so none of them is still being written."""
-    for left in output_dir.glob("*.tmp[0-9]*"):
-        left.unlink(missing_ok=True)
+    """Once the folder is this run's (ownership.claim()): what its writers, killed mid-write, left. Only the
+    temporary files of names a run writes, never a folder: a refused run, or a user's notes.tmp1, keeps them."""
+    for name in os.listdir(output_dir):
+        if TEMPORARY.fullmatch(name) and not stat.S_ISDIR(os.lstat(output_dir / name).st_mode):
+            (output_dir / name).unlink(missing_ok=True)

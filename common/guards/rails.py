@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from common import checkpoint, data, distributed
 from common.environment import is_rank0
-from common.guards import check, divergence, lock, preflight, randomness, resume, safeload, signals
+from common.guards import check, divergence, lock, ownership, preflight, randomness, resume, safeload, signals
 from common.guards.ending import end
 from common.guards.preemption import Preemption
 from common.guards.watchdog import Watchdog
@@ -44,7 +44,6 @@ class Guard:
         check.check_args(args)
         self.lock = lock.claim(args.output_dir)  # first: one run per folder, and a folder it can write
         randomness.seed(args.seed)  # numpy's and random's, as the stage seeds torch's
-        lock.sweep(args.output_dir)
         return self.meet(args)
 
     def meet(self, args):
@@ -142,7 +141,7 @@ class Guard:
         self.check_weights(f"epoch {epoch} left weights that are")
         if not self.sharded:
             resume.keep_previous(self.args.output_dir)
-        self.doing = f"write {self.args.output_dir / f'epoch-{epoch}-step-{step}'}"
+        self.writing(f"epoch-{epoch}-step-{step}")
         (checkpoint.save_sharded if self.sharded else checkpoint.save)(self.args.output_dir, epoch, self.states, step)
         self.preemption.saved(time.monotonic() - started)
         self.so_far = None
@@ -154,8 +153,14 @@ class Guard:
         self.check_weights(f"epoch {epoch} left weights that are")
         if not self.sharded:
             resume.keep_previous(self.args.output_dir)
-        self.doing = f"write {self.args.output_dir / f'epoch-{epoch}'}"
+        self.writing(f"epoch-{epoch}")
         self.epoch_done = time.monotonic()
+
+    def writing(self, name):
+        """Before a checkpoint is written: stage 05's folder `name` is listed in the run's manifest first."""
+        self.doing = f"write {self.args.output_dir / name}"
+        if self.sharded and is_rank0():
+            ownership.writes(self.args.output_dir, name)
 
     def check_weights(self, what):
         model, optimizer = self.states["model"], self.states["optimizer"]

@@ -1,9 +1,10 @@
 """Guard rail: a resumed run is the same run, and a fresh one overwrites nothing. Before any rank loads a
 checkpoint, rank 0 decides which one this run continues, or ends it with one line saying why not: a
-fresh run into a folder that holds a checkpoint; a changed option that defines the run; a checkpoint of
-the other kind (whole, sharded); a damaged one, with the complete one before it to resume from instead.
-A run resumes by itself when Slurm requeued or restarted its job (SLURM_RESTART_COUNT > 0, same job id,
-same output folder) or torchrun restarted its workers; otherwise only with --resume [PATH]. Sampler lets the
+fresh run into a folder that holds another run's output; a changed option that defines the run; a checkpoint
+of the other kind (whole, sharded); a damaged one, with the complete one before it to resume from instead.
+A run resumes by itself when Slurm requeued or restarted its job (SLURM_RESTART_COUNT > 0) or torchrun
+restarted its workers, and its folder's manifest names that launch (common/guards/ownership.py); otherwise
+only with --resume [PATH]. Sampler lets the
 stages resume an epoch part-way, at the sample where it stopped."""
 
 import io
@@ -20,6 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 from common.checkpoint import SHARDED, WHOLE, epochs, read
 from common.distributed import print0
 from common.environment import is_rank0
+from common.guards import ownership
 from common.guards.bounded import PICKLE, Refused, torch_file
 from common.guards.check import integer
 from common.guards.ending import stop
@@ -65,7 +67,7 @@ def restarts(env=os.environ):
 def state_to_resume(args, sharded, fingerprint):
     """Every rank: the checkpoint this run continues, read by rank 0 and handed to all (only its node needs the
     folder, except in stage 05), or None to start afresh; where it cannot continue, every rank ends with rank
-    0's reason."""
+    0's reason. Rank 0 has made the folder this run's (ownership.claim()) before anyone writes there."""
     restarted = any(restarts())
     if dist.is_initialized():  # torch does not count a restart on a node whose own workers had not failed:
         everyone = [None] * dist.get_world_size()  # one for any rank is one for all, so that every rank resumes
@@ -74,7 +76,8 @@ def state_to_resume(args, sharded, fingerprint):
     box = [None, None]
     if is_rank0():
         try:
-            box[0] = find(args, SHARDED if sharded else WHOLE, restarted, fingerprint)
+            box[0], run = find(args, SHARDED if sharded else WHOLE, restarted, fingerprint)
+            ownership.claim(args.output_dir, run, sharded)
         except SystemExit as verdict:  # for every rank: they end together, rank 0 says why
             box[1] = verdict.code
     if dist.is_initialized():
@@ -91,19 +94,19 @@ def state_to_resume(args, sharded, fingerprint):
 
 def find(args, name, restarted, fingerprint):
     """Rank 0: the state of the checkpoint to resume from (a stage 05 folder: its state.pt, with "folder"
-    added), or None to start afresh; a SystemExit saying why where it cannot. `fingerprint`: that of the
-    training set this run reads (preflight.fingerprint())."""
+    added), or None to start afresh, and the id of the run it continues (None: a new one); a SystemExit saying
+    why where it cannot. `fingerprint`: that of the training set this run reads (preflight.fingerprint()). A
+    restart is this run's only where the folder's manifest names this launch (ownership.continues())."""
+    manifest = ownership.read(args.output_dir)
+    restarted = restarted and ownership.continues(manifest)
     if args.resume is None and not restarted:
-        for found in (args.output_dir / WHOLE, args.output_dir / SHARDED):
-            if found.exists():  # whole or sharded, of any stage: a fresh run would overwrite its metrics.csv
-                raise SystemExit(f"error: {found} holds the checkpoint of an earlier run: add --resume to continue "
-                                 "it (in the stage that wrote it), or choose another --output-dir")  # fmt: skip
-        return None
+        ownership.check_fresh(args.output_dir, manifest)
+        return None, None
     own = args.output_dir / name
-    path = own if args.resume in (None, True) else args.resume
+    path = own if args.resume in (None, True) or (restarted and own.exists()) else args.resume
     if not path.exists():
         if args.resume is None:  # restarted before its first checkpoint
-            return None
+            return None, manifest["run"]
         other = args.output_dir / (WHOLE if name == SHARDED else SHARDED)
         held = f" (it holds {other.name}, of {'stages 01-04' if other == args.output_dir / WHOLE else 'stage 05'})"
         raise SystemExit(f"error: no {path.name} in {path.parent} to resume from{held if other.exists() else ''}")
@@ -119,7 +122,7 @@ def find(args, name, restarted, fingerprint):
                          "weights with its --save-model")  # fmt: skip
     if problem := mismatch(state, args, fingerprint):
         raise SystemExit(f"error: {path} {problem}")
-    return state
+    return state, ownership.check_resume(args.output_dir, manifest, path)
 
 
 def mismatch(state, args, fingerprint):

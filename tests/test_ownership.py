@@ -1,0 +1,218 @@
+"""A run owns what it wrote, and nothing else (common/guards/ownership.py): whatever its files are called and
+however the run was started, a folder holding another run's output is refused in one line, and a user's own
+files are never touched."""
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import S01, S03, S05, clean_env, metrics, one_error, python, run, stage_args, torchrun_cmd
+
+from common import checkpoint as lesson
+from common.guards import lock, ownership
+
+
+def small(script, data_dir, out, *extra, **env):
+    return python(script, *stage_args(data_dir, out, "--limit", 64, *extra), **env)
+
+
+def outside_lock(folder):
+    """contents() but the .lock, which every run takes first."""
+    return outside_lock_of(contents(folder))
+
+
+def outside_lock_of(found):
+    return {path: value for path, value in found.items() if path.name != ".lock"}
+
+
+def contents(folder):
+    """Every file under `folder` and its bytes, links as what they name: what a refused run must leave alone."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink():
+            found[path.relative_to(folder)] = os.readlink(path)
+        elif path.is_file():
+            found[path.relative_to(folder)] = path.read_bytes()
+        else:
+            found[path.relative_to(folder)] = "folder"
+    return found
+
+
+def test_a_refused_run_touches_no_output_of_another_run_nor_a_users_file(tiny_data, tmp_path):
+    """Another run's checkpoint-previous.pt, metrics.csv and model.pt without its checkpoint.pt were overwritten;
+    a user's *.tmp<N>* files were deleted before the run was refused."""
+    for name in ("checkpoint-previous.pt", "metrics.csv", "model.pt", "notes.tmp1", "data.tmp5.csv"):
+        (tmp_path / name).write_bytes(f"theirs: {name}".encode())
+    before = contents(tmp_path)
+    one_error(small(S01, tiny_data, tmp_path, "--epochs", 1), "is not this run's, and a run writes that name")
+    assert outside_lock(tmp_path) == before
+
+
+def test_the_lock_never_follows_a_link_nor_truncates_a_file_it_did_not_write(tmp_path):
+    """A .lock linked to a file of the user's truncated it; one of another program was truncated too."""
+    target = tmp_path / "precious.txt"
+    target.write_text("the user's")
+    (tmp_path / ".lock").symlink_to(target)
+    with pytest.raises(SystemExit, match=r"^error: .*\.lock is a link: the lock is never taken through one"):
+        lock.claim(tmp_path, env={})
+    assert target.read_text() == "the user's" and (tmp_path / ".lock").is_symlink()
+    (tmp_path / ".lock").unlink()
+    (tmp_path / ".lock").write_text("another program's lock")
+    with pytest.raises(SystemExit, match="is not a lock this repository wrote"):
+        lock.claim(tmp_path, env={})
+    assert (tmp_path / ".lock").read_text() == "another program's lock"
+    (tmp_path / ".lock").unlink()
+    os.mkfifo(tmp_path / ".lock")  # opened for reading and writing, a FIFO would not block, but is no lock
+    with pytest.raises(SystemExit, match="is not a regular file"):
+        lock.claim(tmp_path, env={})
+
+
+def test_the_sweep_deletes_only_what_this_runs_writers_left(tmp_path):
+    """*.tmp[0-9]* took a user's notes.tmp1 and data.tmp5.csv, and a folder by that name raised."""
+    for name in ("metrics.csv.tmp12", "checkpoint.pt.tmp7", "notes.tmp1", "data.tmp5.csv", "metrics.csv.tmp1x"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / "model.pt.tmp3").mkdir()
+    lock.sweep(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "data.tmp5.csv", "metrics.csv.tmp1x", "model.pt.tmp3", "notes.tmp1"
+    ]  # fmt: skip
+
+
+def sharded_states():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return {"model": model, "optimizer": optimizer}
+
+
+def test_stage05_rotates_only_the_folders_its_links_named(tmp_path):
+    """Kept "the two newest" epoch-* folders by name: stale epoch-8 and epoch-9 made it delete what it had just
+    written, and a user's epoch-0 went too. The lesson deletes only what its own links named."""
+    for name in ("epoch-8", "epoch-9", "epoch-0"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "kept.txt").write_text(name)
+    states = sharded_states()
+    for epoch in (1, 2, 3):
+        lesson.save_sharded(tmp_path, epoch, states)
+    assert (
+        os.readlink(tmp_path / "checkpoint") == "epoch-3" and os.readlink(tmp_path / "checkpoint-previous") == "epoch-2"
+    )
+    assert sorted(p.name for p in tmp_path.glob("epoch-*")) == ["epoch-0", "epoch-2", "epoch-3", "epoch-8", "epoch-9"]
+    assert all((tmp_path / name / "kept.txt").read_text() == name for name in ("epoch-8", "epoch-9", "epoch-0"))
+    lesson.save_sharded(tmp_path, 3, states, step=5)  # mid-epoch, then the epoch again (a rewound run)
+    lesson.save_sharded(tmp_path, 3, states)
+    assert os.readlink(tmp_path / "checkpoint") == "epoch-3"
+    assert os.readlink(tmp_path / "checkpoint-previous") == "epoch-3-step-5"
+    assert (tmp_path / "epoch-3" / "state.pt").is_file() and not (tmp_path / "epoch-2").exists()
+
+
+@pytest.mark.slow
+def test_a_restart_of_another_launch_is_refused_and_its_own_resumes(tiny_data, tmp_path):
+    """A restart (here Slurm's: SLURM_RESTART_COUNT=1) was taken for a resume of whatever run the folder held;
+    only the launch that wrote the folder continues it."""
+    assert small(S01, tiny_data, tmp_path, "--epochs", 1, SLURM_JOB_ID=41).returncode == 0
+    before = (tmp_path / "metrics.csv").read_bytes()
+    for job in (42, None):  # another job; none at all (a torchrun restart count set by hand)
+        env = {"SLURM_JOB_ID": job} if job else {"TORCHELASTIC_RESTART_COUNT": 1}
+        out = small(S01, tiny_data, tmp_path, "--epochs", 2, SLURM_RESTART_COUNT=1, **env)
+        one_error(out, "holds the checkpoint of an earlier run")
+        assert (tmp_path / "metrics.csv").read_bytes() == before
+    out = small(S01, tiny_data, tmp_path, "--epochs", 2, SLURM_JOB_ID=41, SLURM_RESTART_COUNT=1)
+    assert out.returncode == 0 and "resumed after epoch 1" in out.stdout, out.stderr
+    assert len(metrics(tmp_path)) == 2
+
+
+@pytest.mark.slow
+def test_a_torchrun_restart_of_a_refused_run_is_refused_again(tiny_data, tmp_path):
+    """torchrun --max-restarts (as the job scripts use): the first attempt is refused (the folder holds an
+    earlier run), and its restart took itself for a resume and overwrote that run."""
+    assert small(S01, tiny_data, tmp_path, "--epochs", 1).returncode == 0
+    before = contents(tmp_path)
+    cmd = torchrun_cmd(1, S03, *stage_args(tiny_data, tmp_path, "--limit", 64, "--epochs", 2), restarts=1)
+    out = run(cmd, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), timeout=180)
+    assert out.returncode != 0 and out.stderr.count("holds the checkpoint of an earlier run") == 2, out.stderr
+    assert outside_lock(tmp_path) == outside_lock_of(before)
+
+
+@pytest.mark.slow
+def test_a_resume_into_another_runs_folder_is_refused(tiny_data, tmp_path):
+    """--resume A --output-dir B overwrote the run in B; into an empty folder it continues A's run there, and
+    that folder is then A's run's: a requeue of it resumes from its own newest checkpoint."""
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for folder in (a, b):
+        assert small(S01, tiny_data, folder, "--epochs", 1).returncode == 0
+    before = contents(b)
+    one_error(small(S01, tiny_data, b, "--epochs", 2, "--resume", a / "checkpoint.pt"), f"{b} holds the output of run")
+    assert outside_lock(b) == outside_lock_of(before)
+    out = small(S01, tiny_data, c, "--epochs", 2, "--resume", a / "checkpoint.pt", SLURM_JOB_ID=43)
+    assert out.returncode == 0 and "resumed after epoch 1" in out.stdout, out.stderr
+    assert (
+        json.loads((c / ownership.MANIFEST).read_text())["run"]
+        == json.loads((a / ownership.MANIFEST).read_text())["run"]
+    )
+    requeued = small(S01, tiny_data, c, "--epochs", 3, "--resume", a / "checkpoint.pt", SLURM_JOB_ID=43,
+                     SLURM_RESTART_COUNT=1)  # fmt: skip
+    assert requeued.returncode == 0 and "resumed after epoch 2" in requeued.stdout, requeued.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["checkpoint-previous.pt", "metrics.csv", "model.pt", "epoch-3", "checkpoint"])
+def test_any_output_of_another_run_is_refused_by_a_fresh_run(tiny_data, tmp_path, name):
+    """Each name a run writes, alone: a file (a folder for epoch-3, a dangling link for checkpoint) a fresh
+    run would have replaced or deleted."""
+    if name == "checkpoint":
+        (tmp_path / name).symlink_to("epoch-7")  # names nothing: exists() is False
+    elif name == "epoch-3":
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mine.txt").write_text("the user's")
+    else:
+        (tmp_path / name).write_text("another run's")
+    before = contents(tmp_path)
+    one_error(small(S05 if name.startswith(("epoch", "checkpoint")) else S01, tiny_data, tmp_path, "--epochs", 1), name)
+    assert outside_lock(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_stage05_refuses_a_folder_with_stale_or_foreign_epoch_folders(tiny_data, tmp_path):
+    """A fresh stage 05 run beside stale epoch-8 and epoch-9 folders deleted the checkpoint it had just written
+    (a requeue then restarted at epoch 1 and overwrote metrics.csv); a resumed one refuses an epoch folder its
+    manifest does not list, which its rotation could otherwise take."""
+    for name in ("epoch-8", "epoch-9"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "state.pt").write_text(name)
+    before = contents(tmp_path)
+    one_error(small(S05, tiny_data, tmp_path, "--epochs", 2), "epoch-8 is not this run's")
+    assert outside_lock(tmp_path) == before
+    own = tmp_path / "own"
+    assert small(S05, tiny_data, own, "--epochs", 2).returncode == 0
+    (own / "epoch-5").mkdir()
+    one_error(small(S05, tiny_data, own, "--epochs", 3, "--resume"), f"{own / 'epoch-5'} is not this run's")
+    (own / "epoch-5").rmdir()
+    out = small(S05, tiny_data, own, "--epochs", 3, "--resume")
+    assert out.returncode == 0 and "resumed after epoch 2" in out.stdout, out.stderr
+    assert sorted(p.name for p in own.glob("epoch-*")) == ["epoch-2", "epoch-3"]
+
+
+@pytest.mark.slow
+def test_hostile_folders_are_refused_in_one_line(tiny_data, tmp_path):
+    """A folder inside another run's (whose rotation may delete it), a manifest that is a link or not JSON, a
+    .lock that is a folder, an --output-dir that is a file: one line each, nothing of the user's touched."""
+    other = tmp_path / "other"
+    assert small(S05, tiny_data, other, "--epochs", 1).returncode == 0
+    one_error(small(S01, tiny_data, other / "epoch-1" / "nested", "--epochs", 1), "lies inside", str(other))
+    cases = {
+        "link": lambda f: (f / ownership.MANIFEST).symlink_to(other / ownership.MANIFEST),
+        "garbage": lambda f: (f / ownership.MANIFEST).write_text("{not json"),
+        "lock folder": lambda f: (f / ".lock").mkdir(),
+    }
+    for case, make in cases.items():
+        folder = tmp_path / case.replace(" ", "-")
+        folder.mkdir()
+        make(folder)
+        before = contents(folder)
+        out = small(S01, tiny_data, folder, "--epochs", 1)
+        one_error(out, str(folder))
+        assert (contents(folder) if case == "lock folder" else outside_lock(folder)) == before, case
+    (tmp_path / "a-file").write_text("the user's")
+    one_error(small(S01, tiny_data, tmp_path / "a-file", "--epochs", 1), "a-file")
+    assert (tmp_path / "a-file").read_text() == "the user's"
