@@ -34,6 +34,7 @@ class Guard:
         self.args, self.lock, self.watchdog, self.preemption = None, None, None, None
         self.sampler, self.states, self.sharded, self.epoch_done, self.so_far = None, None, False, None, None
         self.doing, self.position = None, None  # a stage 05 checkpoint read or written: for a failure's one line
+        self.carry = None  # resumed mid-epoch: this rank's training sums before the stop (carried())
         self.data, self.seeded = None, False  # the training set's fingerprint; is it randomness.Seeded?
 
     def start(self, args):
@@ -91,9 +92,9 @@ class Guard:
             self.doing = f"read {state['folder']}"
         if state is not None and state["step"]:  # saved mid-epoch: the rest of it, and its sums and time so far
             self.sampler.resume_at(state["epoch"], state["step"] * self.args.batch_size)
-            states["log"].cut = state["run"]["cut"]
-            zeros = torch.zeros(2, device=next(states["model"].parameters()).device)  # none of the rest yet
-            self.position = (state["epoch"], state["step"], zeros, state["epoch"] * 2**32 + state["step"])
+            states["log"].cut = state["run"]["cut"][:3]
+            self.carry = carried(state["run"]["cut"], next(states["model"].parameters()).device)
+            self.position = (state["epoch"], state["step"], self.carry, state["epoch"] * 2**32 + state["step"])
         return state
 
     def end_of_step(self, epoch, batch, totals):
@@ -104,6 +105,10 @@ class Guard:
             self.preemption.saved(time.monotonic() - self.epoch_done)
             self.epoch_done = None
         self.doing, count = None, epoch * 2**32 + step  # a step count that grows across epochs
+        if self.carry is not None:  # resumed mid-epoch: this rank's sums before the stop join its totals in place,
+            totals += self.carry  # at its first step: 0 + a + S is S + a exactly, the uninterrupted run's sum
+            self.carry, log = None, self.states["log"]
+            log.cut = (log.cut[0], [0.0, 0.0], log.cut[2])  # counted now: the epoch's row adds only its time
         if batch % args.log_interval == 0:
             divergence.check_loss(epoch, step - 1, totals, args.output_dir)
         self.stop_or_save(epoch, step, totals, count)
@@ -132,12 +137,11 @@ class Guard:
         """A checkpoint `step` steps into `epoch`: the sums and time so far go with it, so that the resumed
         run's row in metrics.csv counts the whole epoch."""
         started, log = time.monotonic(), self.states["log"]
-        totals = totals.clone()
-        if dist.is_initialized():
-            dist.all_reduce(totals)
-        earlier = log.cut[1] if log.cut[0] == epoch else [0.0, 0.0]
-        sums = [a + b for a, b in zip(totals.tolist(), earlier, strict=True)]
-        self.so_far = (epoch, sums, log.seconds(totals.device))
+        parts = [totals.clone() for _ in range(dist.get_world_size() if dist.is_initialized() else 1)]
+        if dist.is_initialized():  # each rank's own sums (the epoch's part before a resume included): carried()
+            dist.all_gather(parts, totals)
+        sums = torch.stack(parts).sum(0).tolist()
+        self.so_far = (epoch, sums, log.seconds(totals.device), [p.tolist() for p in parts])
         self.check_weights(f"epoch {epoch} left weights that are")
         if not self.sharded:
             resume.keep_previous(self.args.output_dir)
@@ -252,6 +256,15 @@ def explain(err, guard):
     if isinstance(err, RuntimeError) and str(err).startswith("Error(s) in loading state_dict"):
         return f"error: the checkpoint does not match this model: {str(err).splitlines()[0][:300]}"
     return None
+
+
+def carried(cut, device):
+    """This rank's training sums of an epoch cut short, as its totals held them (float32, summed in its own
+    order); at another world size (stage 05), rank 0 carries them all."""
+    parts, rank = cut[3] if len(cut) > 3 else [cut[1]], dist.get_rank() if dist.is_initialized() else 0
+    if len(parts) != (dist.get_world_size() if dist.is_initialized() else 1):
+        parts = [cut[1]] + [[0.0, 0.0]] * rank
+    return torch.tensor(parts[rank], device=device)
 
 
 def once(message):
