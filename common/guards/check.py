@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from common import cli
-from common.environment import cpus_per_rank, is_rank0
+from common.environment import count, cpus_per_rank, is_rank0
 from common.guards import versions
 
 REQUIRED = object()
@@ -27,13 +27,14 @@ def integer(name, default=REQUIRED, env=os.environ, low=0, high=None):
                 "by hand, set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every rank)"
             )
         return default
-    if not value.isdigit() or int(value) < low or (high is not None and int(value) > high):
+    number = count(value)  # as launcher() reads it: the value checked is the value used
+    if number is None or number < low or (high is not None and number > high):
         within = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise SystemExit(
             f"error: {name}={env[name]!r} is not an integer {within}: the launcher (torchrun, srun) sets it; "
             "if you set it yourself, correct or unset it"
         )
-    return int(value)
+    return number
 
 
 def check_environment(env=os.environ):
@@ -62,7 +63,7 @@ def check_environment(env=os.environ):
 
 
 def check_hostlist(hostlist):
-    """A hostlist distributed.expand_hostlist() can read: brackets that match, each holding numbers and ranges."""
+    """A hostlist environment.expand_hostlist() can read: brackets that match, each holding numbers and ranges."""
     parts = [part for group in re.findall(r"\[([^\]]*)\]", hostlist) for part in group.split(",")]
     ranges = [re.fullmatch(r"(\d+)(?:-(\d+))?", part) for part in parts]
     if hostlist.count("[") != hostlist.count("]") or not all(r and int(r[2] or r[1]) >= int(r[1]) for r in ranges):
