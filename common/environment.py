@@ -3,6 +3,7 @@ meet, and how many CPUs it has. launcher() is the one reading of them: is_rank0(
 guard rails all take it from there, so no two modules can disagree on who rank 0 is. (The guard rails refuse
 a missing or malformed variable first: common/guards/check.py.)"""
 
+import errno
 import os
 import re
 from typing import NamedTuple
@@ -18,17 +19,14 @@ class Launch(NamedTuple):
 
 def count(text):
     """A launcher variable as a count: ASCII digits, blanks ignored ("00" is 0); None for anything else."""
-    text = (text or "").strip()
-    return int(text) if re.fullmatch(r"[0-9]+", text) else None
+    return int(text) if re.fullmatch(r"\s*[0-9]+\s*", text or "") else None
 
 
 def expand_hostlist(hostlist):
-    """Expand a Slurm hostlist as `scontrol show hostnames` does ("node[01-03,07],r[1-2]n[1-2]") in Python:
-    `scontrol` is not always there. Every bracket group counts, the first one varying slowest."""
+    """A Slurm hostlist ("node[01-03,07],r[1-2]n[1-2]") as `scontrol show hostnames` (not always there) lists it."""
     hosts = []
     for name in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):  # commas inside brackets do not split
-        group = re.search(r"\[([^\]]*)\]", name)
-        if not group:
+        if not (group := re.search(r"\[([^\]]*)\]", name)):
             hosts.append(name)
             continue
         for part in group[1].split(","):
@@ -44,8 +42,7 @@ def master_port(job_id):
 
 
 def launcher(env=os.environ):
-    """This process's Launch, from the variables of whichever launcher started it. A count missing or malformed
-    reads as None (no rank 0), which the guard rails refuse before anything else (check.check_environment)."""
+    """This process's Launch, from its launcher's variables; a count missing or malformed is None (the check's)."""
     if "RANK" in env:  # torchrun; wins over Slurm's variables under `srun torchrun`
         ranks = count(env["RANK"]), count(env.get("LOCAL_RANK")), count(env.get("WORLD_SIZE"))
         return Launch(*ranks, env.get("MASTER_ADDR") or None, count(env.get("MASTER_PORT")))
@@ -55,6 +52,13 @@ def launcher(env=os.environ):
         ranks = count(env["SLURM_PROCID"]), count(env.get("SLURM_LOCALID")), count(env.get("SLURM_NTASKS"))
         return Launch(*ranks, addr, port)
     return Launch(0, 0, 1)
+
+
+def regular_file(path):
+    """`path`, unless reading it could block or never end: a FIFO, a socket, a device (then an OSError)."""
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        raise OSError(errno.EINVAL, "not a regular file (a FIFO or a device: reading it would block)", str(path))
+    return path
 
 
 def is_rank0(env=os.environ):

@@ -2,10 +2,11 @@
 launcher() and common/guards/rails.py's run(). What each test proves is in tests/FAILURES.md."""
 
 import pytest
+import torch
+from helpers import REPO, S01, S03, free_port, metrics, one_error, python, stage_args
 
 from common.environment import is_rank0, launcher
-from common.guards import check
-from tests.helpers import S01, S03, free_port, metrics, python, stage_args
+from common.guards import check, preflight
 
 TORCHRUN = {"LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 SRUN = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_LOCALID": "0",
@@ -49,3 +50,95 @@ def test_rank_0_of_a_launch_prints_and_writes(script, env, tiny_data, tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "epoch 1" in out.stdout.lower() and len(metrics(tmp_path)) == 1, out.stdout[-2000:]
     assert (tmp_path / "checkpoint.pt").is_file()
+
+
+HEAD = "import torch\nfrom common.tasks import sequences\nadd_arguments, model = sequences.add_arguments, sequences.model\n"
+DATA = "datasets = sequences.datasets\n"
+RAISE = HEAD + DATA + "def model(args):\n    raise {}\n"  # line 6: the task's raise
+ITEMS = (
+    HEAD
+    + """class Items(torch.utils.data.Dataset):
+    def __init__(self, real, count):
+        self.real, self.count = real, count
+    def __len__(self):
+        return self.count
+    def __getitem__(self, i):
+        {}
+        return self.real[i]
+def datasets(args):
+    train, test = sequences.datasets(args)
+    return Items(train, {}), test
+"""
+)  # line 9: the data set's own line
+HOSTILE = {  # a task file; what its one line must say; whether the run owned its folder (a traceback kept)
+    "a missing package": (
+        "import nosuchpackage_for_the_test\n",
+        ["ModuleNotFoundError", "nosuchpackage", ":1,"],
+        False,
+    ),
+    "an empty message": (RAISE.format("RuntimeError()"), ["error: RuntimeError (at", ":6, in model"], True),
+    "a BaseException, many long lines": (
+        RAISE.format("type('Odd', (BaseException,), {})('first\\n' + 'x' * 100000)"),
+        ["Odd: first [...]", ":6, in model"],
+        True,
+    ),
+    "a __str__ that fails": (
+        HEAD + DATA + "class Bad(Exception):\n    def __str__(self):\n        return 1 / 0\n"
+        "def model(args):\n    raise Bad()\n",
+        ["Bad: (its message cannot be printed)", ":9, in model"],
+        True,
+    ),
+    "a __len__ that overstates": (ITEMS.format("", 10**6), ["__len__ is 1000000", "IndexError"], False),
+    "an error in a DataLoader worker": (
+        ITEMS.format("assert torch.utils.data.get_worker_info() is None, f'item {i} is broken'", 256),
+        ["AssertionError: item", ":10, in __getitem__"],
+        True,
+    ),
+    "a DataLoader worker that dies": (
+        ITEMS.format("torch.utils.data.get_worker_info() and __import__('os')._exit(3)", 256),
+        ["DataLoader worker of this rank", "exit code 3", "a crash in it"],
+        False,
+    ),
+    "sys.exit with lines of its own": (
+        RAISE.format("SystemExit('gave up\\nbecause')"),
+        ["error: gave up [...]"],
+        False,
+    ),
+    "a KeyboardInterrupt in the task": (RAISE.format("KeyboardInterrupt"), ["interrupted (Ctrl-C)"], False),
+    "an option that repeats a stage flag": (
+        HEAD + DATA + "def add_arguments(group):\n    group.add_argument('--lr', type=float)\n",
+        ["--lr: conflicting option string", ", line 6", "rename it"],
+        False,
+    ),
+    "a missing data file of its own": (
+        HEAD + "def datasets(args):\n    return open('/nonexistent/tokens.csv')\n",
+        ["FileNotFoundError", "/nonexistent/tokens.csv", ":5, in datasets"],
+        True,
+    ),
+}
+EVERYDAY = {"a missing package"}  # the others: make test-all
+
+
+@pytest.mark.parametrize("case", [c if c in EVERYDAY else pytest.param(c, marks=pytest.mark.slow) for c in HOSTILE])
+def test_any_failure_is_one_line_naming_the_task_line(case, tmp_path):
+    """Whatever the task raises, and wherever (its import, model(), a DataLoader worker): one `error:` line with
+    the type, the message on one bounded line and the task file's line; the traceback kept in the output folder
+    once the run owns it. A task's data file that is missing is no failed write ("free some space")."""
+    source, words, kept = HOSTILE[case]
+    task = tmp_path / "my_task.py"
+    task.write_text(source)
+    extra = ["--loader", "classic", "--num-workers", 1] if "worker" in case else []
+    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", task, "--epochs", 1, *extra), timeout=90)
+    line = one_error(out, *words)
+    assert len(line) < 1000 and "free some space" not in line and "out-of-memory" not in line, line
+    traceback = tmp_path / "out" / "traceback-rank0.txt"
+    assert traceback.is_file() == kept and (not kept or "Traceback" in traceback.read_text()), line
+    assert (not kept) or str(traceback) in line
+
+
+def test_bf16_inputs_pass_the_data_check():
+    """The fingerprint hashes each input's bytes: numpy, which it went through, has no bfloat16 (a traceback)."""
+    items = [(torch.full((3,), float(i)), i % 2) for i in range(10)]
+    bf16 = [(x.bfloat16(), y) for x, y in items]
+    assert preflight.fingerprint(bf16) != preflight.fingerprint(items)
+    assert preflight.fingerprint(bf16) == preflight.fingerprint(list(bf16))

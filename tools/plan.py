@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.distributed._composable import checkpoint as recompute  # noqa: E402
 
 from common import cli, data, models, optim  # noqa: E402
+from common.environment import regular_file  # noqa: E402
 
 MiB = 2**20
 ALLOWANCE = 1024 * MiB  # the CUDA context, cuBLAS/cuDNN workspaces and NCCL's buffers, per GPU
@@ -151,13 +152,13 @@ def bandwidth(args):
         return args.bandwidth
     fix = "give the doctor.json that tools/doctor.py wrote (<its --output-dir>/doctor.json), or --bandwidth"
     try:
-        ranks = json.loads(Path(args.doctor).read_text())["ranks"]
+        ranks = json.loads(Path(regular_file(args.doctor)).read_text())["ranks"]
         # each rank's sweeps, [[bytes, algbw, busbw], ...] "across nodes" and "within nodes", the largest last:
         # busbw, as traffic() counts bytes (2(n-1)/n of the gradients per ring), at the largest size, the one
         # the doctor's lines report; the slowest rank and link, since a collective goes at their pace and this
         # one figure times the traffic within and across nodes alike (an upper bound, as the other columns)
         speed = min((float(sweep[-1][2]) for rank in ranks for sweep in rank["bandwidth"].values()), default=0)
-    except OSError as err:  # missing, a folder, unreadable
+    except OSError as err:  # missing, a folder, unreadable, a FIFO or a device
         sys.exit(f"error: --doctor {args.doctor}: {err.strerror}: {fix}")
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         sys.exit(f"error: --doctor {args.doctor} is not JSON, or is cut short ({err}): {fix}")

@@ -12,6 +12,7 @@ may skip each of them: the training reads the same without. What each one holds 
   run(main)       any failure ends the run with one line instead of a traceback
 """
 
+import argparse
 import os
 import re
 import shutil
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from common import checkpoint, distributed
 from common.environment import is_rank0
-from common.guards import check, divergence, lock, preflight, resume, safeload
+from common.guards import check, divergence, failure, lock, preflight, resume, safeload
 from common.guards.ending import end
 from common.guards.preemption import Preemption
 from common.guards.watchdog import Watchdog
@@ -178,22 +179,19 @@ def run(main):
             print("error: interrupted (Ctrl-C): the checkpoint of the last finished epoch is kept in --output-dir: "
                   "continue with --resume", file=sys.stderr, flush=True)  # fmt: skip
         code, together = 130, False  # the shell's code for a run ended by SIGINT
-    except SystemExit as stop:  # the end of a run, a verdict every rank reached, or a usage error
-        code = stop.code
-    except BaseException as err:  # each kind explain() knows becomes one line (CheckpointException is no Exception)
-        code, together = explain(err, guard), False
-        if code is None and guard.watchdog is None:
-            raise
-        if code is None:  # a rank of a process group: the traceback, then no teardown that could hang or abort
-            traceback.print_exc()
-            code = 1
+    except SystemExit as stop:  # the end of a run, a verdict every rank reached, a usage error, or the task's own
+        code = stop.code if isinstance(stop.code, int | None) else failure.exit_line(stop.code)
+    except BaseException as err:  # each kind explain() knows becomes its line, any other kind the fallback's
+        code, together = explain(err, guard) or fallback(err, guard), False
     guard.close(together)
     end(code, joined=guard.watchdog is not None)
 
 
 def explain(err, guard):
     """One line for the errors a run meets from outside its code, or None."""
-    if guard.args is None and isinstance(err, (OSError, SyntaxError)):  # reading the options: the task file
+    if isinstance(err, argparse.ArgumentError) and guard.args is None:  # the task's add_arguments()
+        return once(failure.clash(err))
+    if guard.args is None and (isinstance(err, SyntaxError) or failure.loading_task(err)):  # the task file
         where = f", line {err.lineno}" if isinstance(err, SyntaxError) else ""
         return once(f"error: --task {err.filename}{where}: {getattr(err, 'strerror', None) or err.msg}: give a task "
                     "file as common/tasks/images.py is one")  # fmt: skip
@@ -206,16 +204,16 @@ def explain(err, guard):
     raised = traceback.extract_tb(err.__traceback__)[-1].line or ""  # the source line, where Python finds it
     if isinstance(err, (TypeError, ValueError)) and "task.datasets(" in raised:  # unpacking what datasets() returned
         return once(f"error: --task {guard.args.task}: datasets(args) must return (training set, test set), two "
-                    f"torch.utils.data Datasets of (input, label) pairs ({err})")  # fmt: skip
+                    f"torch.utils.data Datasets of (input, label) pairs ({failure.message(err)})")  # fmt: skip
     if guard.watchdog and (message := guard.watchdog.explain(err)):  # a failed collective: who went silent
         return message
     # "DataLoader worker (pid(s) 812) exited unexpectedly", caused by "... (pid 812) is killed by signal: Killed."
-    lost = re.match(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is )?(.*?)\.?\s*$", str(err.__cause__ or err))
-    if isinstance(err, RuntimeError) and lost:
-        return (f"error: a DataLoader worker of this rank (pid {lost[1]}) ended ({lost[2]}), most likely killed by the "
-                "out-of-memory killer: use fewer --num-workers, or ask for more memory (#SBATCH --mem); then continue "
-                "with --resume")  # fmt: skip
-    if isinstance(err, OSError) and err.filename:  # a write: checkpoint.atomic() removed its temporary file
+    lost = re.match(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is )?(.*?)\.?\s*$", failure.message(err.__cause__ or err))  # fmt: skip
+    if isinstance(err, RuntimeError) and lost:  # out of memory only where SIGKILL ended it, as the kernel's killer does
+        why = "most likely the out-of-memory killer: use fewer --num-workers, or ask for more memory (#SBATCH --mem)"
+        why = why if "Killed" in lost[2] else "a crash in it (the task's data code, a library): --num-workers 0 shows it"  # fmt: skip
+        return f"error: a DataLoader worker of this rank (pid {lost[1]}) ended ({lost[2]}): {why}; then continue with --resume"  # fmt: skip
+    if failure.written(err, guard.args and guard.args.output_dir):  # checkpoint.atomic() removed its temporary file
         folder = guard.args.output_dir if guard.args else "."
         return (f"error: could not write {err.filename}: {err.strerror} ({free_mib(folder):.0f} MiB free there): the "
                 f"previous {os.path.basename(err.filename)} is kept; free some space or choose another --output-dir, "
@@ -228,9 +226,19 @@ def explain(err, guard):
             )
         return once(f"error: could not write {folder}: {safeload.describe(err)} ({free_mib(guard.args.output_dir):.0f} MiB free "
                 "there): the previous checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
-    if isinstance(err, RuntimeError) and str(err).startswith("Error(s) in loading state_dict"):
-        return f"error: the checkpoint does not match this model: {str(err).splitlines()[0][:300]}"
+    if isinstance(err, RuntimeError) and failure.message(err).startswith("Error(s) in loading state_dict"):
+        return f"error: the checkpoint does not match this model: {failure.message(err).splitlines()[0][:300]}"
     return None
+
+
+def fallback(err, guard):
+    """failure.line(): once the ranks have met, each says its own (it may be the only one); before, rank 0 for all."""
+    rank, owned = distributed.launcher().rank, guard.lock is not None or guard.watchdog is not None  # a claimed folder
+    args = guard.args or argparse.Namespace(task=None, output_dir=None)
+    message = failure.line(err, args.task, args.output_dir if owned else None, rank)
+    if guard.watchdog is None and not dist.is_initialized():
+        return once(message)
+    return message.replace("error: ", f"error: rank {rank}: ", 1)
 
 
 def once(message):

@@ -1,0 +1,111 @@
+"""Guard rail: any failure ends in one line. rails.explain() tailors the line for the failures it knows; any
+other exception that reaches rails.run(), of any class (a BaseException too), gets the line made here: its type,
+its message (one line, bounded) and the place in the user's code that raised it, the task file's line where
+the task raised it; the full traceback is kept in the output folder, traceback-rank<N>.txt, for whoever needs
+it. No exception prints a traceback: tests/test_one_line.py tries the hostile ones."""
+
+import errno
+import os
+import re
+import sysconfig
+import traceback
+from pathlib import Path
+
+import torch
+
+LIMIT = 300  # characters of a message in the line: a tensor printed into one would fill the log
+
+
+def libraries():
+    """Folders of code that is nobody's own here: Python's, the installed packages', torch's."""
+    paths = sysconfig.get_paths()
+    return tuple({paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")} | {os.path.dirname(torch.__file__)})
+
+
+def frames(err):
+    """(file, line, function) of each frame that raised `err`, outermost first; then those of a traceback that
+    came as text in its message, innermost: a DataLoader worker's error, which torch raises again here."""
+    found = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(err.__traceback__)]
+    text = message(err)
+    return found + [(m[1], int(m[2]), m[3]) for m in re.finditer(r'File "([^"]+)", line (\d+), in (\S+)', text)]
+
+
+def place(err, task=None):
+    """Where in the user's code `err` was raised: the innermost frame in the task file `task`, else the
+    innermost outside Python, the installed packages and torch; None where every frame is theirs."""
+    ours = [f for f in frames(err) if not f[0].startswith(("<", *libraries()))]
+    mine = [f for f in ours if task is not None and Path(f[0]).resolve() == Path(task).resolve()]
+    return (mine or ours or [None])[-1]
+
+
+def message(err):
+    """str(err), whatever its class makes of it: a __str__ that fails is no second failure."""
+    try:
+        return str(err)
+    except Exception:  # the user's exception class: anything can fail in it
+        return "(its message cannot be printed)"
+
+
+def summary(err):
+    """`Type: message` on one line: the first line of the message, or a DataLoader worker's last (its own
+    error), blanks squeezed, at most LIMIT characters; the type alone where the message is empty."""
+    lines = [line for line in message(err).splitlines() if line.strip()]
+    if "Original Traceback" in message(err):
+        lines = lines[-1:]
+    text = " ".join(lines[0].split()) if lines else ""
+    text = text[:LIMIT] + " [...]" if len(text) > LIMIT or len(lines) > 1 else text
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def keep(err, folder, rank):
+    """The full traceback in `folder`, as traceback-rank<rank>.txt: its path, or None where it cannot be kept."""
+    path = Path(folder) / f"traceback-rank{rank}.txt"
+    try:
+        path.write_text("".join(traceback.format_exception(type(err), err, err.__traceback__)))
+    except OSError:  # a full disk, a folder gone: the line is still said
+        return None
+    return path
+
+
+def line(err, task, folder, rank):
+    """The one line for `err`: what, where in the user's code, and where its traceback is kept (in `folder`,
+    None before the run owns one)."""
+    where = place(err, task)
+    at = f" (at {where[0]}:{where[1]}, in {where[2]})" if where else ""
+    kept = keep(err, folder, rank) if folder is not None else None
+    traceback_in = f"; the traceback is in {kept}" if kept else ""
+    return f"error: {summary(err)}{at}{traceback_in}: fix it and run again (with --resume once a checkpoint is saved)"
+
+
+def exit_line(text):
+    """A SystemExit's text as one `error:` line: the project's own are one already; a task's sys.exit("...")
+    may be anything."""
+    lines = [part.strip() for part in str(text).splitlines() if part.strip()] or ["(no message)"]
+    if len(lines) == 1 and lines[0].startswith("error:"):
+        return lines[0]
+    text = " ".join(lines[0].split())
+    return f"error: {text[:LIMIT]}{' [...]' if len(text) > LIMIT or len(lines) > 1 else ''}"
+
+
+def loading_task(err):
+    """Is `err` the failure to read the --task file itself (missing, a folder, a FIFO), not one of the task's own
+    reads? Python's loader (or cli.load_task()) raised it: the task never ran."""
+    raised = traceback.extract_tb(err.__traceback__)[-1].filename if err.__traceback__ else ""
+    return isinstance(err, OSError) and (raised.startswith("<frozen importlib") or raised.endswith("cli.py"))
+
+
+def written(err, output_dir):
+    """Is `err` a failed write of the run (a full disk, a quota, a read-only folder, or any error on a file in
+    --output-dir)? Not a read of the task's data, which no free space mends."""
+    if not isinstance(err, OSError) or not err.filename:
+        return False
+    full = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+    return full or (output_dir is not None and Path(err.filename).resolve().is_relative_to(Path(output_dir).resolve()))
+
+
+def clash(err):
+    """The line for a task option that repeats a flag of the stage (argparse's conflict, raised at start)."""
+    where = place(err)
+    at = f", line {where[1]}" if where else ""
+    return (f"error: --task {where[0] if where else ''}{at}: {message(err)}: a task's options must not repeat the "
+            "stage's flags (see --help): rename it")  # fmt: skip
