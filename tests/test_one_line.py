@@ -1,13 +1,19 @@
 """One reading of the launcher, and one line for any failure: the invariants of common/environment.py's
 launcher() and common/guards/rails.py's run(). What each test proves is in tests/FAILURES.md."""
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from helpers import REPO, S01, S03, free_port, metrics, one_error, python, stage_args
+from helpers import REPO, S01, S03, free_port, metrics, one_error, python, run, stage_args
 
+from common import cli
 from common.environment import is_rank0, launcher
 from common.guards import check, preflight
 
+SMALL_PLAN = ["--model", "cnn", "--dataset", "cifar10", "--batch-size", "8"]  # a plan that takes a second
 TORCHRUN = {"LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 SRUN = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_LOCALID": "0",
         "SLURM_NTASKS": "2"}  # fmt: skip
@@ -116,6 +122,18 @@ HOSTILE = {  # a task file; what its one line must say; whether the run owned it
         True,
     ),
 }
+OPTION = (
+    HEAD
+    + DATA
+    + "import datetime, enum\nclass Mode(enum.IntEnum):\n    A = 1\n"
+    + ("def add_arguments(group):\n    sequences.add_arguments(group)\n    group.add_argument('--mode', default={})\n")
+)
+HOSTILE |= {
+    "an Enum option": (OPTION.format("Mode.A"), ["--mode is a Mode", "a str, int, float, bool, None"], False),
+    "a date option": (OPTION.format("datetime.date(2020, 1, 1)"), ["--mode is a date"], False),
+    "a --task that is a FIFO": (None, ["--task", "my_task.py", "not a regular file", "give a task file"], False),
+    "a --task that is /dev/zero": (None, ["--task /dev/zero", "not a regular file"], False),
+}
 EVERYDAY = {"a missing package"}  # the others: make test-all
 
 
@@ -125,8 +143,11 @@ def test_any_failure_is_one_line_naming_the_task_line(case, tmp_path):
     the type, the message on one bounded line and the task file's line; the traceback kept in the output folder
     once the run owns it. A task's data file that is missing is no failed write ("free some space")."""
     source, words, kept = HOSTILE[case]
-    task = tmp_path / "my_task.py"
-    task.write_text(source)
+    task = Path("/dev/zero") if "zero" in case else tmp_path / "my_task.py"
+    if "FIFO" in case:  # reading it blocked the run for ever
+        os.mkfifo(task)
+    elif source:
+        task.write_text(source)
     extra = ["--loader", "classic", "--num-workers", 1] if "worker" in case else []
     out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", task, "--epochs", 1, *extra), timeout=90)
     line = one_error(out, *words)
@@ -142,3 +163,28 @@ def test_bf16_inputs_pass_the_data_check():
     bf16 = [(x.bfloat16(), y) for x, y in items]
     assert preflight.fingerprint(bf16) != preflight.fingerprint(items)
     assert preflight.fingerprint(bf16) == preflight.fingerprint(list(bf16))
+
+
+def test_a_task_option_of_another_type_is_refused_at_start(tmp_path, monkeypatch):
+    """An Enum (an IntEnum too, an int that no checkpoint loads) or a date: before, a traceback at the first save,
+    or a checkpoint of its own called planted on resume."""
+    task = tmp_path / "my_task.py"
+    for default, kind in [("Mode.A", "Mode"), ("datetime.date(2020, 1, 1)", "date"), ("[1, (2, 'x')]", None)]:
+        task.write_text(OPTION.format(default))
+        args = cli.parse_args(["--task", str(task), "--output-dir", str(tmp_path)])[0]
+        if kind is None:  # plain values, lists of them too, pass
+            check.check_args(args)
+            continue
+        with pytest.raises(SystemExit):
+            check.check_args(args)
+        assert check.plain(args.mode) is False and kind == type(args.mode).__name__
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", pytest.param("/dev/zero", marks=pytest.mark.slow)])
+def test_plan_refuses_a_doctor_file_that_would_block(kind, tmp_path):
+    """`make plan`'s --doctor read a FIFO for ever, and /dev/zero until memory ran out."""
+    path = Path("/dev/zero") if kind == "/dev/zero" else tmp_path / "doctor.json"
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    out = run([sys.executable, "tools/plan.py", *SMALL_PLAN, "--doctor", path], timeout=60)
+    one_error(out, f"--doctor {path}", "not a regular file", "--bandwidth")

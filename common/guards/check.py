@@ -89,6 +89,10 @@ def check_args(args, warn=True):
         what = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
         usage(f"argument --resume: {path} {what}: give a checkpoint file (<output-dir>/checkpoint.pt) or, from "
               "stage 05, a checkpoint folder (<output-dir>/checkpoint)")  # fmt: skip
+    for name, value in vars(args).items():
+        if not plain(value):  # a checkpoint records them, and loads only plain values (weights_only=True)
+            usage(f"--{name.replace('_', '-')} is a {type(value).__name__} ({value!r:.60}): an option of a task must "
+                  "be a str, int, float, bool, None or a list of them: give its add_argument() such a type=")  # fmt: skip
     cpus = cpus_per_rank()
     if args.num_workers is not None and args.num_workers > cpus:
         if warn:
@@ -98,6 +102,13 @@ def check_args(args, warn=True):
         args.num_workers = cpus
     if args.check:  # the options hold for this stage: nothing else to do
         raise SystemExit(0)
+
+
+def plain(value):
+    """A value a checkpoint loads with weights_only=True, exactly of these types: an IntEnum is an int that does not."""
+    if type(value) in (list, tuple):
+        return all(plain(item) and not isinstance(item, Path) for item in value)  # defining() makes Paths str
+    return type(value) in (str, int, float, bool, type(None)) or isinstance(value, Path)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from common import environment
+
 LIMIT = 300  # characters of a message in the line: a tensor printed into one would fill the log
 
 
@@ -89,9 +91,9 @@ def exit_line(text):
 
 def loading_task(err):
     """Is `err` the failure to read the --task file itself (missing, a folder, a FIFO), not one of the task's own
-    reads? Python's loader (or cli.load_task()) raised it: the task never ran."""
+    reads? Python's loader raised it, or environment.regular_file() before it: the task never ran."""
     raised = traceback.extract_tb(err.__traceback__)[-1].filename if err.__traceback__ else ""
-    return isinstance(err, OSError) and (raised.startswith("<frozen importlib") or raised.endswith("cli.py"))
+    return isinstance(err, OSError) and (raised.startswith("<frozen importlib") or raised == environment.__file__)
 
 
 def written(err, output_dir):
