@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, S01, S03, free_port, metrics, one_error, python, run, stage_args
+from helpers import REPO, S01, S03, free_port, metrics, one_error, python, run, srun_like, stage_args
 
 from common import cli
 from common.environment import is_rank0, launcher
-from common.guards import check, preflight
+from common.guards import check, preflight, rails
 
 SMALL_PLAN = ["--model", "cnn", "--dataset", "cifar10", "--batch-size", "8"]  # a plan that takes a second
 TORCHRUN = {"LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -188,3 +188,28 @@ def test_plan_refuses_a_doctor_file_that_would_block(kind, tmp_path):
         os.mkfifo(path)
     out = run([sys.executable, "tools/plan.py", *SMALL_PLAN, "--doctor", path], timeout=60)
     one_error(out, f"--doctor {path}", "not a regular file", "--bandwidth")
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_names_itself_to_the_others(tmp_path):
+    """Rank 1's task fails after the ranks met: it says its own line, and rank 0, whose collective then fails,
+    names rank 1 and its error instead of guessing (before: "killed (out of memory, ...)"). srun's ranks: torchrun
+    would stop rank 0 itself."""
+    task = tmp_path / "my_task.py"
+    task.write_text(HEAD + DATA + "from common.environment import launcher\ndef model(args):\n    if launcher().rank:\n"
+                    "        raise ValueError('no such layer')\n    return sequences.model(args)\n")  # fmt: skip
+    codes, outs = srun_like(2, S03, *stage_args(REPO / "data", tmp_path / "out", "--task", task, "--epochs", 1))
+    errors = [[line for line in out.splitlines() if line.startswith("error:")] for out in outs]
+    assert codes[0] and codes[1] and len(errors[0]) == 1 and len(errors[1]) == 1, outs
+    assert errors[1][0].startswith("error: rank 1: ValueError: no such layer") and f"{task}:8, in model" in errors[1][0]
+    assert "failed: rank 1: ValueError: no such layer" in errors[0][0], errors[0]
+    assert (tmp_path / "out" / "traceback-rank1.txt").is_file() and "Traceback" not in outs[0] + outs[1]
+
+
+def test_explaining_that_fails_still_ends_in_one_line(monkeypatch):
+    """explain() reads the error (its str(), its attributes): where that fails, the fallback's line still holds."""
+    monkeypatch.setattr(rails, "explain", lambda err, guard: 1 / 0)
+    try:
+        raise ValueError("bad")
+    except ValueError as err:
+        assert rails.settle(err, rails.Guard()).startswith(f"error: ValueError: bad (at {__file__}:")

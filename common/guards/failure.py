@@ -4,6 +4,7 @@ its message (one line, bounded) and the place in the user's code that raised it,
 the task raised it; the full traceback is kept in the output folder, traceback-rank<N>.txt, for whoever needs
 it. No exception prints a traceback: tests/test_one_line.py tries the hostile ones."""
 
+import argparse
 import errno
 import os
 import re
@@ -12,8 +13,10 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from common import environment
+from common import distributed, environment
+from common.environment import is_rank0
 
 LIMIT = 300  # characters of a message in the line: a tensor printed into one would fill the log
 
@@ -111,3 +114,14 @@ def clash(err):
     at = f", line {where[1]}" if where else ""
     return (f"error: --task {where[0] if where else ''}{at}: {message(err)}: a task's options must not repeat the "
             "stage's flags (see --help): rename it")  # fmt: skip
+
+
+def fallback(err, guard):
+    """rails.run()'s line: once the ranks have met each says its own (it may be alone); before, rank 0 for all."""
+    rank, owned = distributed.launcher().rank, guard.lock is not None or guard.watchdog is not None  # a claimed folder
+    args = guard.args or argparse.Namespace(task=None, output_dir=None)
+    said = line(err, args.task, args.output_dir if owned else None, rank)
+    if guard.watchdog is None and not dist.is_initialized():
+        return said if is_rank0() else 1  # as rails.once()
+    said = said.replace("error: ", f"error: rank {rank}: ", 1)
+    return guard.watchdog.failed(said) if guard.watchdog else said  # the others then name it, not guess

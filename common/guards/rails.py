@@ -182,9 +182,17 @@ def run(main):
     except SystemExit as stop:  # the end of a run, a verdict every rank reached, a usage error, or the task's own
         code = stop.code if isinstance(stop.code, int | None) else failure.exit_line(stop.code)
     except BaseException as err:  # each kind explain() knows becomes its line, any other kind the fallback's
-        code, together = explain(err, guard) or fallback(err, guard), False
+        code, together = settle(err, guard), False
     guard.close(together)
     end(code, joined=guard.watchdog is not None)
+
+
+def settle(err, guard):
+    """explain()'s line, else the fallback's (failure.fallback()): also where explaining fails (a str() that does)."""
+    try:
+        return explain(err, guard) or failure.fallback(err, guard)
+    except Exception:
+        return failure.fallback(err, guard)
 
 
 def explain(err, guard):
@@ -229,16 +237,6 @@ def explain(err, guard):
     if isinstance(err, RuntimeError) and failure.message(err).startswith("Error(s) in loading state_dict"):
         return f"error: the checkpoint does not match this model: {failure.message(err).splitlines()[0][:300]}"
     return None
-
-
-def fallback(err, guard):
-    """failure.line(): once the ranks have met, each says its own (it may be the only one); before, rank 0 for all."""
-    rank, owned = distributed.launcher().rank, guard.lock is not None or guard.watchdog is not None  # a claimed folder
-    args = guard.args or argparse.Namespace(task=None, output_dir=None)
-    message = failure.line(err, args.task, args.output_dir if owned else None, rank)
-    if guard.watchdog is None and not dist.is_initialized():
-        return once(message)
-    return message.replace("error: ", f"error: rank {rank}: ", 1)
 
 
 def once(message):
