@@ -12,7 +12,7 @@ import time
 from importlib.machinery import SourceFileLoader  # any path, a folder too: read as Python, or an OSError
 from pathlib import Path
 
-from common.environment import is_rank0
+from common.environment import is_rank0, regular_file
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_BATCH = 64  # the global batch --lr is given for (--lr-scaling)
@@ -163,7 +163,7 @@ def large_models(p):
 
 def load_task(path):
     """The task file `path` as a module: its model(), datasets(), options and loss (common/tasks/images.py)."""
-    spec = importlib.util.spec_from_loader(f"task_{path.stem}", SourceFileLoader(f"task_{path.stem}", str(path)))
+    spec = importlib.util.spec_from_loader(f"task_{path.stem}", SourceFileLoader(f"task_{path.stem}", str(regular_file(path))))  # fmt: skip
     task = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(task)
     return task

@@ -9,6 +9,8 @@ import pickle
 import numpy as np
 import torch
 
+from common.environment import regular_file
+
 
 def bad_file(path, name, problem):
     """The error for a data file that is there but wrong: one line naming the file and the fix, no traceback
@@ -22,7 +24,7 @@ def bad_file(path, name, problem):
 def read_idx(path, ndim, name):
     """An IDX file of uint8 (MNIST's format) as a tensor: the bytes 0, 0, 0x08, ndim; ndim big-endian uint32
     sizes; the data. The length must match the sizes exactly, so a truncated file cannot pass."""
-    raw = np.fromfile(path, dtype=np.uint8)
+    raw = np.fromfile(regular_file(path), dtype=np.uint8)
     if raw[:4].tolist() != [0, 0, 8, ndim]:
         found = raw[:4].tobytes().hex(" ") or "nothing"
         raise bad_file(
@@ -76,7 +78,7 @@ def read_cifar(paths, label_key, classes, name):
     the labels under label_key, a list of N integers."""
     images, labels = [], []
     for path in paths:
-        with open(path, "rb") as f:
+        with open(regular_file(path), "rb") as f:
             try:
                 batch = NumpyOnly(f, encoding="bytes").load()
                 pixels, batch_labels = np.asarray(batch[b"data"]), torch.as_tensor(batch[label_key])

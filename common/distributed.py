@@ -6,64 +6,22 @@ branches on how it was launched. A process group exists whenever a launcher star
 
 The launchers say who is who in environment variables: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT; srun sets SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS, and the address
-and port follow from the job (its first node, and a port from its id). The guard rails attach from
+and port follow from the job (its first node, and a port from its id); common/environment.py's
+launcher() reads them, once for every module. The guard rails attach from
 outside (common/guards/): they check the launch before any wait and hand setup() a rendezvous store
 that bounds every wait and names the rank that went silent.
 """
 
 import datetime
 import os
-import re
 import socket
 import sys
 import time
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from common.environment import is_rank0, ranks_per_node
-
-
-class Launch(NamedTuple):
-    rank: int
-    local_rank: int
-    world_size: int
-    addr: str = None  # rank 0's host and port, where the ranks meet; None without a launcher
-    port: int = None
-
-
-def expand_hostlist(hostlist):
-    """Expand a Slurm hostlist as `scontrol show hostnames` does ("node[01-03,07],r[1-2]n[1-2]") in Python:
-    `scontrol` is not always there. Every bracket group counts, the first one varying slowest."""
-    hosts = []
-    for name in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):  # commas inside brackets do not split
-        group = re.search(r"\[([^\]]*)\]", name)
-        if not group:
-            hosts.append(name)
-            continue
-        for part in group[1].split(","):
-            lo, _, hi = part.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):  # keep zero padding: node01, not node1
-                hosts += expand_hostlist(f"{name[: group.start()]}{i:0{len(lo)}d}{name[group.end() :]}")
-    return hosts
-
-
-def master_port(job_id):
-    """A port from the job id: two jobs on a node do not collide. job_torchrun.slurm repeats it (a test checks)."""
-    return 20000 + job_id % 40000
-
-
-def launcher(env=os.environ):
-    """This process's Launch, from the variables of whichever launcher started it."""
-    if "RANK" in env:  # torchrun; wins over Slurm's variables under `srun torchrun`
-        ranks = int(env["RANK"]), int(env["LOCAL_RANK"]), int(env["WORLD_SIZE"])
-        return Launch(*ranks, env["MASTER_ADDR"], int(env["MASTER_PORT"]))
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:  # an srun task (the batch shell has no step)
-        addr = env.get("MASTER_ADDR") or expand_hostlist(env["SLURM_JOB_NODELIST"])[0]  # the job's first node
-        port = int(env.get("MASTER_PORT") or master_port(int(env["SLURM_JOB_ID"])))
-        return Launch(int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_NTASKS"]), addr, port)
-    return Launch(0, 0, 1)
+from common.environment import is_rank0, launcher, ranks_per_node
 
 
 def setup(args, store=None):

@@ -42,7 +42,7 @@ def free_port():
 
 
 def free_job_id():
-    """A Slurm job id whose MASTER_PORT (distributed.master_port: 20000 + id % 40000) is free now, so that two
+    """A Slurm job id whose MASTER_PORT (environment.master_port: 20000 + id % 40000) is free now, so that two
     srun-style runs at once, of this suite or of another, do not meet on one port."""
     port = free_port()
     while not 20000 <= port < 60000:

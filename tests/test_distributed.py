@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common import cli, data, distributed
-from common.distributed import Launch, expand_hostlist, launcher, master_port
+from common.environment import Launch, expand_hostlist, launcher, master_port
 from common.guards import check, preflight
 
 

@@ -50,8 +50,8 @@ def test_without_python_and_torch_a_copied_job_script_names_the_line_to_edit(tmp
 
 
 def test_the_torchrun_job_script_derives_the_port_as_setup_does():
-    """job_torchrun.slurm repeats common/distributed.py's port formula in shell (it says so): the same ports."""
-    from common.distributed import master_port
+    """job_torchrun.slurm repeats common/environment.py's port formula in shell (it says so): the same ports."""
+    from common.environment import master_port
 
     line = next(
         x

@@ -158,7 +158,7 @@ def bandwidth(args):
         # the doctor's lines report; the slowest rank and link, since a collective goes at their pace and this
         # one figure times the traffic within and across nodes alike (an upper bound, as the other columns)
         speed = min((float(sweep[-1][2]) for rank in ranks for sweep in rank["bandwidth"].values()), default=0)
-    except OSError as err:  # missing, a folder, unreadable
+    except OSError as err:  # missing, a folder, unreadable, a FIFO or a device
         sys.exit(f"error: --doctor {args.doctor}: {err.strerror}: {fix}")
     except Refused as err:
         sys.exit(f"error: --doctor {err}: {fix}")

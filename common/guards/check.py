@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from common import cli
-from common.environment import cpus_per_rank, is_rank0
+from common.environment import count, cpus_per_rank, is_rank0
 from common.guards import versions
 
 REQUIRED = object()
@@ -27,13 +27,14 @@ def integer(name, default=REQUIRED, env=os.environ, low=0, high=None):
                 "by hand, set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every rank)"
             )
         return default
-    if not value.isdigit() or int(value) < low or (high is not None and int(value) > high):
+    number = count(value)  # as launcher() reads it: the value checked is the value used
+    if number is None or number < low or (high is not None and number > high):
         within = f"in [{low}, {high}]" if high is not None else f">= {low}"
         raise SystemExit(
             f"error: {name}={env[name]!r} is not an integer {within}: the launcher (torchrun, srun) sets it; "
             "if you set it yourself, correct or unset it"
         )
-    return int(value)
+    return number
 
 
 def check_environment(env=os.environ):
@@ -62,7 +63,7 @@ def check_environment(env=os.environ):
 
 
 def check_hostlist(hostlist):
-    """A hostlist distributed.expand_hostlist() can read: brackets that match, each holding numbers and ranges."""
+    """A hostlist environment.expand_hostlist() can read: brackets that match, each holding numbers and ranges."""
     parts = [part for group in re.findall(r"\[([^\]]*)\]", hostlist) for part in group.split(",")]
     ranges = [re.fullmatch(r"(\d+)(?:-(\d+))?", part) for part in parts]
     if hostlist.count("[") != hostlist.count("]") or not all(r and int(r[2] or r[1]) >= int(r[1]) for r in ranges):
@@ -88,6 +89,10 @@ def check_args(args, warn=True):
         what = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
         usage(f"argument --resume: {path} {what}: give a checkpoint file (<output-dir>/checkpoint.pt) or, from "
               "stage 05, a checkpoint folder (<output-dir>/checkpoint)")  # fmt: skip
+    for name, value in vars(args).items():
+        if not plain(value):  # a checkpoint records them, and loads only plain values (weights_only=True)
+            usage(f"--{name.replace('_', '-')} is a {type(value).__name__} ({value!r:.60}): an option of a task must "
+                  "be a str, int, float, bool, None or a list of them: give its add_argument() such a type=")  # fmt: skip
     cpus = cpus_per_rank()
     if args.num_workers is not None and args.num_workers > cpus:
         if warn:
@@ -97,6 +102,13 @@ def check_args(args, warn=True):
         args.num_workers = cpus
     if args.check:  # the options hold for this stage: nothing else to do
         raise SystemExit(0)
+
+
+def plain(value):
+    """A value a checkpoint loads with weights_only=True, exactly of these types: an IntEnum is an int that does not."""
+    if type(value) in (list, tuple):
+        return all(plain(item) and not isinstance(item, Path) for item in value)  # defining() makes Paths str
+    return type(value) in (str, int, float, bool, type(None)) or isinstance(value, Path)
 
 
 if __name__ == "__main__":

@@ -119,9 +119,21 @@ def fingerprint(dataset, samples=1000):
         return f"{len(dataset)}-{digest.hexdigest()}"
     digest = hashlib.blake2b(digest_size=8)
     for i in range(0, len(dataset), stride):
-        x, y = randomness.drawn(dataset, i, 0)
-        digest.update(torch.as_tensor(x).cpu().numpy().tobytes() + str(int(y)).encode())
+        x, y = item(dataset, i)
+        x = torch.as_tensor(x).cpu().contiguous().reshape(-1)  # its bytes: numpy has no bfloat16
+        digest.update(x.view(torch.uint8).numpy().tobytes() + str(int(y)).encode())
+    if len(dataset):
+        item(dataset, len(dataset) - 1)  # the last item, which a __len__ that counts too many lacks
     return f"{len(dataset)}-{digest.hexdigest()}"
+
+
+def item(dataset, i):
+    """dataset[i], or one line before the first step: a __len__ that counts more items than __getitem__ has."""
+    try:
+        return randomness.drawn(dataset, i, 0)  # every generator fixed: the data, not one draw of an augmentation
+    except Exception as err:  # the user's data set: anything can fail here
+        stop(f"error: item {i} of a data set whose __len__ is {len(dataset)} fails ({type(err).__name__}: "
+             f"{str(err)[:100]}): its __len__ must count the items __getitem__ returns, and each must load")  # fmt: skip
 
 
 def check_datasets(args, *datasets):

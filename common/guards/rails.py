@@ -12,18 +12,14 @@ may skip each of them: the training reads the same without. What each one holds 
   run(main)       any failure ends the run with one line instead of a traceback
 """
 
-import os
-import re
-import shutil
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 
 from common import checkpoint, data, distributed
 from common.environment import is_rank0
-from common.guards import check, divergence, lock, ownership, preflight, randomness, resume, safeload, signals
+from common.guards import check, divergence, failure, lock, ownership, preflight, randomness, resume, safeload, signals
 from common.guards.ending import end
 from common.guards.preemption import Preemption
 from common.guards.watchdog import Watchdog
@@ -34,7 +30,7 @@ class Guard:
         self.args, self.lock, self.watchdog, self.preemption = None, None, None, None
         self.sampler, self.states, self.sharded, self.epoch_done, self.so_far = None, None, False, None, None
         self.doing, self.position = None, None  # a stage 05 checkpoint read or written: for a failure's one line
-        self.carry = None  # resumed mid-epoch: this rank's training sums before the stop (carried())
+        self.carry = None  # resumed mid-epoch: this rank's training sums before the stop (resume.carried())
         self.data, self.seeded = None, False  # the training set's fingerprint; is it randomness.Seeded?
 
     def start(self, args):
@@ -93,7 +89,7 @@ class Guard:
         if state is not None and state["step"]:  # saved mid-epoch: the rest of it, and its sums and time so far
             self.sampler.resume_at(state["epoch"], state["step"] * self.args.batch_size)
             states["log"].cut = state["run"]["cut"][:3]
-            self.carry = carried(state["run"]["cut"], next(states["model"].parameters()).device)
+            self.carry = resume.carried(state["run"]["cut"], next(states["model"].parameters()).device)
             self.position = (state["epoch"], state["step"], self.carry, state["epoch"] * 2**32 + state["step"])
         return state
 
@@ -203,74 +199,9 @@ def run(main):
         code = 0
     except signals.Stopped as stopped:
         code, together = signals.say(stopped), False
-    except SystemExit as stop:  # the end of a run, a verdict every rank reached, or a usage error
-        code = stop.code
-    except BaseException as err:  # each kind explain() knows becomes one line (CheckpointException is no Exception)
-        code, together = explain(err, guard), False
-        if code is None and guard.watchdog is None:
-            raise
-        if code is None:  # a rank of a process group: the traceback, then no teardown that could hang or abort
-            traceback.print_exc()
-            code = 1
+    except SystemExit as stop:  # the end of a run, a verdict every rank reached, a usage error, or the task's own
+        code = stop.code if isinstance(stop.code, int | None) else failure.exit_line(stop.code)
+    except BaseException as err:  # each kind explain() knows becomes its line, any other kind the fallback's
+        code, together = failure.settle(err, guard), False
     guard.close(together)
     end(code, joined=guard.watchdog is not None)
-
-
-def explain(err, guard):
-    """One line for the errors a run meets from outside its code, or None."""
-    if guard.args is None and isinstance(err, (OSError, SyntaxError)):  # reading the options: the task file
-        where = f", line {err.lineno}" if isinstance(err, SyntaxError) else ""
-        return once(f"error: --task {err.filename}{where}: {getattr(err, 'strerror', None) or err.msg}: give a task "
-                    "file as common/tasks/images.py is one")  # fmt: skip
-    if isinstance(err, AttributeError) and getattr(err.obj, "__name__", "").startswith("task_"):
-        return once(f"error: --task {err.obj.__file__} defines no {err.name}(): a task defines model(args) and "
-                    "datasets(args), as common/tasks/images.py does")  # fmt: skip
-    if isinstance(err, AttributeError) and err.name == "to" and guard.args is not None:  # task.model(args).to()
-        return once(f"error: --task {guard.args.task}: model(args) returned a {type(err.obj).__name__}, not a "
-                    "torch.nn.Module")  # fmt: skip
-    raised = traceback.extract_tb(err.__traceback__)[-1].line or ""  # the source line, where Python finds it
-    if isinstance(err, (TypeError, ValueError)) and "task.datasets(" in raised:  # unpacking what datasets() returned
-        return once(f"error: --task {guard.args.task}: datasets(args) must return (training set, test set), two "
-                    f"torch.utils.data Datasets of (input, label) pairs ({err})")  # fmt: skip
-    if guard.watchdog and (message := guard.watchdog.explain(err)):  # a failed collective: who went silent
-        return message
-    # "DataLoader worker (pid(s) 812) exited unexpectedly", caused by "... (pid 812) is killed by signal: Killed."
-    lost = re.match(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is )?(.*?)\.?\s*$", str(err.__cause__ or err))
-    if isinstance(err, RuntimeError) and lost:
-        return (f"error: a DataLoader worker of this rank (pid {lost[1]}) ended ({lost[2]}), most likely killed by the "
-                "out-of-memory killer: use fewer --num-workers, or ask for more memory (#SBATCH --mem); then continue "
-                "with --resume")  # fmt: skip
-    if isinstance(err, OSError) and err.filename:  # a write: checkpoint.atomic() removed its temporary file
-        folder = guard.args.output_dir if guard.args else "."
-        return (f"error: could not write {err.filename}: {err.strerror} ({free_mib(folder):.0f} MiB free there): the "
-                f"previous {os.path.basename(err.filename)} is kept; free some space or choose another --output-dir, "
-                "then resume")  # fmt: skip
-    if type(err).__name__ == "CheckpointException":  # torch.distributed.checkpoint: every rank gets all failures
-        verb, folder = (guard.doing or "read or write the checkpoint in --output-dir").split(" ", 1)
-        if verb == "read":  # every rank gets every rank's failures: rank 0 says it
-            return once(
-                f"error: cannot load the checkpoint {folder}: {safeload.describe(err)}: resume from a complete one"
-            )
-        return once(f"error: could not write {folder}: {safeload.describe(err)} ({free_mib(guard.args.output_dir):.0f} MiB free "
-                "there): the previous checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
-    if isinstance(err, RuntimeError) and str(err).startswith("Error(s) in loading state_dict"):
-        return f"error: the checkpoint does not match this model: {str(err).splitlines()[0][:300]}"
-    return None
-
-
-def carried(cut, device):
-    """This rank's training sums of an epoch cut short, as its totals held them (float32, summed in its own
-    order); at another world size (stage 05), rank 0 carries them all."""
-    parts, rank = cut[3] if len(cut) > 3 else [cut[1]], dist.get_rank() if dist.is_initialized() else 0
-    if len(parts) != (dist.get_world_size() if dist.is_initialized() else 1):
-        parts = [cut[1]] + [[0.0, 0.0]] * rank
-    return torch.tensor(parts[rank], device=device)
-
-
-def once(message):
-    """A verdict every rank reaches alike: rank 0 says it, the others end with status 1."""
-    return message if is_rank0() else 1
-
-
-def free_mib(folder):
-    return shutil.disk_usage(folder).free / 2**20

@@ -186,6 +186,15 @@ def fallback(output_dir, damaged):
     return ""
 
 
+def carried(cut, device):
+    """This rank's training sums of an epoch cut short, as its totals held them (float32, summed in its own
+    order); at another world size (stage 05), rank 0 carries them all."""
+    parts, rank = cut[3] if len(cut) > 3 else [cut[1]], dist.get_rank() if dist.is_initialized() else 0
+    if len(parts) != (dist.get_world_size() if dist.is_initialized() else 1):
+        parts = [cut[1]] + [[0.0, 0.0]] * rank
+    return torch.tensor(parts[rank], device=device)
+
+
 class Sampler(torch.utils.data.Sampler):
     """A training sampler whose epochs can be resumed part-way. set_epoch(epoch) makes the epoch's order, the
     same in a resumed run; resume_at(epoch, samples) skips, in that epoch, the first `samples` of the order

@@ -171,6 +171,15 @@ class Watchdog:
         return (f"the rendezvous store at {self.where} is gone: rank 0 (or torchrun), which served it, ended first "
                 "(killed, out of memory; its own error, if it had one, is above)")  # fmt: skip
 
+    def failed(self, line):
+        """This rank's own error, in the store: a failed collective on the others names it (explain()); returns
+        `line`. Bounded: the store may be gone with rank 0."""
+        saying = threading.Thread(target=lambda: self.store and self.store.set(f"failed/{self.rank}", line[:500]))
+        saying.daemon = True
+        saying.start()
+        saying.join(2)
+        return line
+
     def peers(self):
         """(store, rank, world size) of this process's process group, for the guard rails that talk through the
         store; None before rendezvous()."""
@@ -193,7 +202,9 @@ class Watchdog:
             try:
                 for r in range(self.world_size):
                     last = float(store.get(f"alive/{r}")) if store.check([f"alive/{r}"]) else 0
-                    if now - last > 3 * HEARTBEAT:
+                    if store.check([f"failed/{r}"]):  # it said why it ended: no guess
+                        stalled.append(f"{r} ({store.get(f'host/{r}').decode()}) failed: {store.get(f'failed/{r}').decode()[7:]}")  # fmt: skip
+                    elif now - last > 3 * HEARTBEAT:
                         stalled.append(f"{r} ({store.get(f'host/{r}').decode()}, silent for {now - last:.0f} s)")
             except dist.DistError:  # the store ended with rank 0
                 stalled.append(f"0 (the store at {self.where} is gone)")
@@ -204,8 +215,8 @@ class Watchdog:
         if asking.is_alive():
             cause = f"rank 0, which holds the store at {self.where}, stopped answering"
         elif stalled:
-            cause = (f"rank {', rank '.join(stalled)} ended or stopped answering: killed (out of memory, a signal; "
-                     "its own error, if it had one, is above), stopped, hung or swapping")  # fmt: skip
+            cause = (f"rank {', rank '.join(stalled)} ended or stopped answering: its own error, if it had one, is "
+                     "above; else killed (a signal, a crash, the out-of-memory killer), stopped, hung or swapping")  # fmt: skip
         else:
             cause = "every rank still answers: see the collective's error"
         return (f"error: rank {rank}: a collective failed within --dist-timeout {timeout} s: {cause} "

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common.distributed import expand_hostlist
+from common.environment import expand_hostlist
 
 pytestmark = pytest.mark.slurm
 

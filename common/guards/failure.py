@@ -1,0 +1,190 @@
+"""Guard rail: any failure ends in one line. explain() tailors the line for the failures it knows; any
+other exception that reaches rails.run(), of any class (a BaseException too), gets the line made here: its type,
+its message (one line, bounded) and the place in the user's code that raised it, the task file's line where
+the task raised it; the full traceback is kept in the output folder, traceback-rank<N>.txt, for whoever needs
+it. No exception prints a traceback: tests/test_one_line.py tries the hostile ones."""
+
+import argparse
+import errno
+import os
+import re
+import shutil
+import sysconfig
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common import distributed, environment
+from common.environment import is_rank0
+from common.guards import safeload
+
+LIMIT = 300  # characters of a message in the line: a tensor printed into one would fill the log
+
+
+def libraries():
+    """Folders of code that is nobody's own here: Python's, the installed packages', torch's."""
+    paths = sysconfig.get_paths()
+    return tuple({paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")} | {os.path.dirname(torch.__file__)})
+
+
+def frames(err):
+    """(file, line, function) of each frame that raised `err`, outermost first; then those of a traceback that
+    came as text in its message, innermost: a DataLoader worker's error, which torch raises again here."""
+    found = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(err.__traceback__)]
+    text = message(err)
+    return found + [(m[1], int(m[2]), m[3]) for m in re.finditer(r'File "([^"]+)", line (\d+), in (\S+)', text)]
+
+
+def place(err, task=None):
+    """Where in the user's code `err` was raised: the innermost frame in the task file `task`, else the
+    innermost outside Python, the installed packages and torch; None where every frame is theirs."""
+    ours = [f for f in frames(err) if not f[0].startswith(("<", *libraries()))]
+    mine = [f for f in ours if task is not None and Path(f[0]).resolve() == Path(task).resolve()]
+    return (mine or ours or [None])[-1]
+
+
+def message(err):
+    """str(err), whatever its class makes of it: a __str__ that fails is no second failure."""
+    try:
+        return str(err)
+    except Exception:  # the user's exception class: anything can fail in it
+        return "(its message cannot be printed)"
+
+
+def summary(err):
+    """`Type: message` on one line: the first line of the message, or a DataLoader worker's last (its own
+    error), blanks squeezed, at most LIMIT characters; the type alone where the message is empty."""
+    lines = [line for line in message(err).splitlines() if line.strip()]
+    if "Original Traceback" in message(err):
+        lines = lines[-1:]
+    text = " ".join(lines[0].split()) if lines else ""
+    text = text[:LIMIT] + " [...]" if len(text) > LIMIT or len(lines) > 1 else text
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def keep(err, folder, rank):
+    """The full traceback in `folder`, as traceback-rank<rank>.txt: its path, or None where it cannot be kept."""
+    path = Path(folder) / f"traceback-rank{rank}.txt"
+    try:
+        path.write_text("".join(traceback.format_exception(type(err), err, err.__traceback__)))
+    except OSError:  # a full disk, a folder gone: the line is still said
+        return None
+    return path
+
+
+def line(err, task, folder, rank):
+    """The one line for `err`: what, where in the user's code, and where its traceback is kept (in `folder`,
+    None before the run owns one)."""
+    where = place(err, task)
+    at = f" (at {where[0]}:{where[1]}, in {where[2]})" if where else ""
+    kept = keep(err, folder, rank) if folder is not None else None
+    traceback_in = f"; the traceback is in {kept}" if kept else ""
+    return f"error: {summary(err)}{at}{traceback_in}: fix it and run again (with --resume once a checkpoint is saved)"
+
+
+def exit_line(text):
+    """A SystemExit's text as one `error:` line: the project's own are one already; a task's sys.exit("...")
+    may be anything."""
+    lines = [part.strip() for part in str(text).splitlines() if part.strip()] or ["(no message)"]
+    if len(lines) == 1 and lines[0].startswith("error:"):
+        return lines[0]
+    text = " ".join(lines[0].split())
+    return f"error: {text[:LIMIT]}{' [...]' if len(text) > LIMIT or len(lines) > 1 else ''}"
+
+
+def loading_task(err):
+    """Is `err` the failure to read the --task file itself (missing, a folder, a FIFO), not one of the task's own
+    reads? Python's loader raised it, or environment.regular_file() before it: the task never ran."""
+    raised = traceback.extract_tb(err.__traceback__)[-1].filename if err.__traceback__ else ""
+    return isinstance(err, OSError) and (raised.startswith("<frozen importlib") or raised == environment.__file__)
+
+
+def written(err, output_dir):
+    """Is `err` a failed write of the run (a full disk, a quota, a read-only folder, or any error on a file in
+    --output-dir)? Not a read of the task's data, which no free space mends."""
+    if not isinstance(err, OSError) or not err.filename:
+        return False
+    full = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
+    return full or (output_dir is not None and Path(err.filename).resolve().is_relative_to(Path(output_dir).resolve()))
+
+
+def clash(err):
+    """The line for a task option that repeats a flag of the stage (argparse's conflict, raised at start)."""
+    where = place(err)
+    at = f", line {where[1]}" if where else ""
+    return (f"error: --task {where[0] if where else ''}{at}: {message(err)}: a task's options must not repeat the "
+            "stage's flags (see --help): rename it")  # fmt: skip
+
+
+def fallback(err, guard):
+    """rails.run()'s line: once the ranks have met each says its own (it may be alone); before, rank 0 for all."""
+    rank, owned = distributed.launcher().rank, guard.lock is not None or guard.watchdog is not None  # a claimed folder
+    args = guard.args or argparse.Namespace(task=None, output_dir=None)
+    said = line(err, args.task, args.output_dir if owned else None, rank)
+    if guard.watchdog is None and not dist.is_initialized():
+        return said if is_rank0() else 1  # as once()
+    said = said.replace("error: ", f"error: rank {rank}: ", 1)
+    return guard.watchdog.failed(said) if guard.watchdog else said  # the others then name it, not guess
+
+
+def settle(err, guard):
+    """explain()'s line, else the fallback's (fallback()): also where explaining fails (a str() that does)."""
+    try:
+        return explain(err, guard) or fallback(err, guard)
+    except Exception:
+        return fallback(err, guard)
+
+
+def explain(err, guard):
+    """One line for the errors a run meets from outside its code, or None."""
+    if isinstance(err, argparse.ArgumentError) and guard.args is None:  # the task's add_arguments()
+        return once(clash(err))
+    if guard.args is None and (isinstance(err, SyntaxError) or loading_task(err)):  # the task file
+        where = f", line {err.lineno}" if isinstance(err, SyntaxError) else ""
+        return once(f"error: --task {err.filename}{where}: {getattr(err, 'strerror', None) or err.msg}: give a task "
+                    "file as common/tasks/images.py is one")  # fmt: skip
+    if isinstance(err, AttributeError) and getattr(err.obj, "__name__", "").startswith("task_"):
+        return once(f"error: --task {err.obj.__file__} defines no {err.name}(): a task defines model(args) and "
+                    "datasets(args), as common/tasks/images.py does")  # fmt: skip
+    if isinstance(err, AttributeError) and err.name == "to" and guard.args is not None:  # task.model(args).to()
+        return once(f"error: --task {guard.args.task}: model(args) returned a {type(err.obj).__name__}, not a "
+                    "torch.nn.Module")  # fmt: skip
+    raised = traceback.extract_tb(err.__traceback__)[-1].line or ""  # the source line, where Python finds it
+    if isinstance(err, (TypeError, ValueError)) and "task.datasets(" in raised:  # unpacking what datasets() returned
+        return once(f"error: --task {guard.args.task}: datasets(args) must return (training set, test set), two "
+                    f"torch.utils.data Datasets of (input, label) pairs ({message(err)})")  # fmt: skip
+    if guard.watchdog and (silent := guard.watchdog.explain(err)):  # a failed collective: who went silent
+        return silent
+    # "DataLoader worker (pid(s) 812) exited unexpectedly", caused by "... (pid 812) is killed by signal: Killed."
+    lost = re.match(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is )?(.*?)\.?\s*$", message(err.__cause__ or err))  # fmt: skip
+    if isinstance(err, RuntimeError) and lost:  # out of memory only where SIGKILL ended it, as the kernel's killer does
+        why = "most likely the out-of-memory killer: use fewer --num-workers, or ask for more memory (#SBATCH --mem)"
+        why = why if "Killed" in lost[2] else "a crash in it (the task's data code, a library): --num-workers 0 shows it"  # fmt: skip
+        return f"error: a DataLoader worker of this rank (pid {lost[1]}) ended ({lost[2]}): {why}; then continue with --resume"  # fmt: skip
+    if written(err, guard.args and guard.args.output_dir):  # checkpoint.atomic() removed its temporary file
+        folder = guard.args.output_dir if guard.args else "."
+        return (f"error: could not write {err.filename}: {err.strerror} ({free_mib(folder):.0f} MiB free there): the "
+                f"previous {os.path.basename(err.filename)} is kept; free some space or choose another --output-dir, "
+                "then resume")  # fmt: skip
+    if type(err).__name__ == "CheckpointException":  # torch.distributed.checkpoint: every rank gets all failures
+        verb, folder = (guard.doing or "read or write the checkpoint in --output-dir").split(" ", 1)
+        if verb == "read":  # every rank gets every rank's failures: rank 0 says it
+            return once(
+                f"error: cannot load the checkpoint {folder}: {safeload.describe(err)}: resume from a complete one"
+            )
+        return once(f"error: could not write {folder}: {safeload.describe(err)} ({free_mib(guard.args.output_dir):.0f} MiB free "
+                "there): the previous checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
+    if isinstance(err, RuntimeError) and message(err).startswith("Error(s) in loading state_dict"):
+        return f"error: the checkpoint does not match this model: {message(err).splitlines()[0][:300]}"
+    return None
+
+
+def once(message):
+    """A verdict every rank reaches alike: rank 0 says it, the others end with status 1."""
+    return message if is_rank0() else 1
+
+
+def free_mib(folder):
+    return shutil.disk_usage(folder).free / 2**20

@@ -1,0 +1,215 @@
+"""One reading of the launcher, and one line for any failure: the invariants of common/environment.py's
+launcher() and common/guards/rails.py's run(). What each test proves is in tests/FAILURES.md."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO, S01, S03, free_port, metrics, one_error, python, run, srun_like, stage_args
+
+from common import cli
+from common.environment import is_rank0, launcher
+from common.guards import check, failure, preflight, rails
+
+SMALL_PLAN = ["--model", "cnn", "--dataset", "cifar10", "--batch-size", "8"]  # a plan that takes a second
+TORCHRUN = {"LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+SRUN = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_LOCALID": "0",
+        "SLURM_NTASKS": "2"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "env, rank",
+    [({**TORCHRUN, "RANK": "00"}, 0), ({**TORCHRUN, "RANK": " 0"}, 0), ({**TORCHRUN, "RANK": " 1"}, 1),
+     ({**SRUN, "SLURM_PROCID": "00"}, 0), ({**SRUN, "SLURM_NTASKS": "1"}, 0),  # an srun step without SLURM_PROCID
+     ({**SRUN, "SLURM_PROCID": "1", **TORCHRUN, "RANK": "0"}, 0),  # srun torchrun: torchrun's rank wins
+     ({**SRUN, "SLURM_PROCID": "0", **TORCHRUN, "RANK": "1"}, 1)],
+)  # fmt: skip
+def test_one_reading_of_the_launcher(env, rank):
+    """The rank the guard rails accept is the rank the process group joins as and the one is_rank0() reads:
+    before, RANK=00 joined as rank 0 while is_rank0() said no, and the run printed and wrote nothing."""
+    check.check_environment(env)
+    assert launcher(env).rank == rank
+    assert is_rank0(env) == (rank == 0)
+
+
+@pytest.mark.parametrize("value", ["²", "1.0", "-1", "0x1", "1_0"])
+def test_a_rank_the_launcher_cannot_read_is_refused_not_guessed(value):
+    """What the check refuses, launcher() reads as no rank (and no rank 0), never as a number of its own."""
+    env = {**TORCHRUN, "RANK": value}
+    with pytest.raises(SystemExit, match="RANK="):
+        check.check_environment(env)
+    assert launcher(env).rank is None and not is_rank0(env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "script, env",
+    [(S03, {"RANK": "00", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}),
+     (S01, {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"})],  # an srun step without SLURM_PROCID
+)  # fmt: skip
+def test_rank_0_of_a_launch_prints_and_writes(script, env, tiny_data, tmp_path):
+    """Before, these trained, printed nothing, wrote nothing and ended with status 0."""
+    env = env | ({"MASTER_PORT": free_port()} if "RANK" in env else {})
+    out = python(script, *stage_args(tiny_data, tmp_path, "--epochs", 1, "--limit", 64), **env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "epoch 1" in out.stdout.lower() and len(metrics(tmp_path)) == 1, out.stdout[-2000:]
+    assert (tmp_path / "checkpoint.pt").is_file()
+
+
+HEAD = "import torch\nfrom common.tasks import sequences\nadd_arguments, model = sequences.add_arguments, sequences.model\n"
+DATA = "datasets = sequences.datasets\n"
+RAISE = HEAD + DATA + "def model(args):\n    raise {}\n"  # line 6: the task's raise
+ITEMS = (
+    HEAD
+    + """class Items(torch.utils.data.Dataset):
+    def __init__(self, real, count):
+        self.real, self.count = real, count
+    def __len__(self):
+        return self.count
+    def __getitem__(self, i):
+        {}
+        return self.real[i]
+def datasets(args):
+    train, test = sequences.datasets(args)
+    return Items(train, {}), test
+"""
+)  # line 9: the data set's own line
+HOSTILE = {  # a task file; what its one line must say; whether the run owned its folder (a traceback kept)
+    "a missing package": (
+        "import nosuchpackage_for_the_test\n",
+        ["ModuleNotFoundError", "nosuchpackage", ":1,"],
+        False,
+    ),
+    "an empty message": (RAISE.format("RuntimeError()"), ["error: RuntimeError (at", ":6, in model"], True),
+    "a BaseException, many long lines": (
+        RAISE.format("type('Odd', (BaseException,), {})('first\\n' + 'x' * 100000)"),
+        ["Odd: first [...]", ":6, in model"],
+        True,
+    ),
+    "a __str__ that fails": (
+        HEAD + DATA + "class Bad(Exception):\n    def __str__(self):\n        return 1 / 0\n"
+        "def model(args):\n    raise Bad()\n",
+        ["Bad: (its message cannot be printed)", ":9, in model"],
+        True,
+    ),
+    "a __len__ that overstates": (ITEMS.format("", 10**6), ["__len__ is 1000000", "IndexError"], False),
+    "an error in a DataLoader worker": (
+        ITEMS.format("assert torch.utils.data.get_worker_info() is None, f'item {i} is broken'", 256),
+        ["AssertionError: item", ":10, in __getitem__"],
+        True,
+    ),
+    "a DataLoader worker that dies": (
+        ITEMS.format("torch.utils.data.get_worker_info() and __import__('os')._exit(3)", 256),
+        ["DataLoader worker of this rank", "exit code 3", "a crash in it"],
+        False,
+    ),
+    "sys.exit with lines of its own": (
+        RAISE.format("SystemExit('gave up\\nbecause')"),
+        ["error: gave up [...]"],
+        False,
+    ),
+    "a KeyboardInterrupt in the task": (RAISE.format("KeyboardInterrupt"), ["interrupted (Ctrl-C)"], False),
+    "an option that repeats a stage flag": (
+        HEAD + DATA + "def add_arguments(group):\n    group.add_argument('--lr', type=float)\n",
+        ["--lr: conflicting option string", ", line 6", "rename it"],
+        False,
+    ),
+    "a missing data file of its own": (
+        HEAD + "def datasets(args):\n    return open('/nonexistent/tokens.csv')\n",
+        ["FileNotFoundError", "/nonexistent/tokens.csv", ":5, in datasets"],
+        True,
+    ),
+}
+OPTION = (
+    HEAD
+    + DATA
+    + "import datetime, enum\nclass Mode(enum.IntEnum):\n    A = 1\n"
+    + ("def add_arguments(group):\n    sequences.add_arguments(group)\n    group.add_argument('--mode', default={})\n")
+)
+HOSTILE |= {
+    "an Enum option": (OPTION.format("Mode.A"), ["--mode is a Mode", "a str, int, float, bool, None"], False),
+    "a date option": (OPTION.format("datetime.date(2020, 1, 1)"), ["--mode is a date"], False),
+    "a --task that is a FIFO": (None, ["--task", "my_task.py", "not a regular file", "give a task file"], False),
+    "a --task that is /dev/zero": (None, ["--task /dev/zero", "not a regular file"], False),
+}
+EVERYDAY = {"a missing package"}  # the others: make test-all
+
+
+@pytest.mark.parametrize("case", [c if c in EVERYDAY else pytest.param(c, marks=pytest.mark.slow) for c in HOSTILE])
+def test_any_failure_is_one_line_naming_the_task_line(case, tmp_path):
+    """Whatever the task raises, and wherever (its import, model(), a DataLoader worker): one `error:` line with
+    the type, the message on one bounded line and the task file's line; the traceback kept in the output folder
+    once the run owns it. A task's data file that is missing is no failed write ("free some space")."""
+    source, words, kept = HOSTILE[case]
+    task = Path("/dev/zero") if "zero" in case else tmp_path / "my_task.py"
+    if "FIFO" in case:  # reading it blocked the run for ever
+        os.mkfifo(task)
+    elif source:
+        task.write_text(source)
+    extra = ["--loader", "classic", "--num-workers", 1] if "worker" in case else []
+    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", task, "--epochs", 1, *extra), timeout=90)
+    line = one_error(out, *words)
+    assert len(line) < 1000 and "free some space" not in line and "out-of-memory" not in line, line
+    traceback = tmp_path / "out" / "traceback-rank0.txt"
+    assert traceback.is_file() == kept and (not kept or "Traceback" in traceback.read_text()), line
+    assert (not kept) or str(traceback) in line
+
+
+def test_bf16_inputs_pass_the_data_check():
+    """The fingerprint hashes each input's bytes: numpy, which it went through, has no bfloat16 (a traceback)."""
+    items = [(torch.full((3,), float(i)), i % 2) for i in range(10)]
+    bf16 = [(x.bfloat16(), y) for x, y in items]
+    assert preflight.fingerprint(bf16) != preflight.fingerprint(items)
+    assert preflight.fingerprint(bf16) == preflight.fingerprint(list(bf16))
+
+
+def test_a_task_option_of_another_type_is_refused_at_start(tmp_path, monkeypatch):
+    """An Enum (an IntEnum too, an int that no checkpoint loads) or a date: before, a traceback at the first save,
+    or a checkpoint of its own called planted on resume."""
+    task = tmp_path / "my_task.py"
+    for default, kind in [("Mode.A", "Mode"), ("datetime.date(2020, 1, 1)", "date"), ("[1, (2, 'x')]", None)]:
+        task.write_text(OPTION.format(default))
+        args = cli.parse_args(["--task", str(task), "--output-dir", str(tmp_path)])[0]
+        if kind is None:  # plain values, lists of them too, pass
+            check.check_args(args)
+            continue
+        with pytest.raises(SystemExit):
+            check.check_args(args)
+        assert check.plain(args.mode) is False and kind == type(args.mode).__name__
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", pytest.param("/dev/zero", marks=pytest.mark.slow)])
+def test_plan_refuses_a_doctor_file_that_would_block(kind, tmp_path):
+    """`make plan`'s --doctor read a FIFO for ever, and /dev/zero until memory ran out."""
+    path = Path("/dev/zero") if kind == "/dev/zero" else tmp_path / "doctor.json"
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    out = run([sys.executable, "tools/plan.py", *SMALL_PLAN, "--doctor", path], timeout=60)
+    one_error(out, f"--doctor {path}", "not a regular file", "--bandwidth")
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_names_itself_to_the_others(tmp_path):
+    """Rank 1's task fails after the ranks met: it says its own line, and rank 0, whose collective then fails,
+    names rank 1 and its error instead of guessing (before: "killed (out of memory, ...)"). srun's ranks: torchrun
+    would stop rank 0 itself."""
+    task = tmp_path / "my_task.py"
+    task.write_text(HEAD + DATA + "from common.environment import launcher\ndef model(args):\n    if launcher().rank:\n"
+                    "        raise ValueError('no such layer')\n    return sequences.model(args)\n")  # fmt: skip
+    codes, outs = srun_like(2, S03, *stage_args(REPO / "data", tmp_path / "out", "--task", task, "--epochs", 1))
+    errors = [[line for line in out.splitlines() if line.startswith("error:")] for out in outs]
+    assert codes[0] and codes[1] and len(errors[0]) == 1 and len(errors[1]) == 1, outs
+    assert errors[1][0].startswith("error: rank 1: ValueError: no such layer") and f"{task}:8, in model" in errors[1][0]
+    assert "failed: rank 1: ValueError: no such layer" in errors[0][0], errors[0]
+    assert (tmp_path / "out" / "traceback-rank1.txt").is_file() and "Traceback" not in outs[0] + outs[1]
+
+
+def test_explaining_that_fails_still_ends_in_one_line(monkeypatch):
+    """explain() reads the error (its str(), its attributes): where that fails, the fallback's line still holds."""
+    monkeypatch.setattr(failure, "explain", lambda err, guard: 1 / 0)
+    try:
+        raise ValueError("bad")
+    except ValueError as err:
+        assert failure.settle(err, rails.Guard()).startswith(f"error: ValueError: bad (at {__file__}:")
