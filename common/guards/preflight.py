@@ -13,9 +13,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
+from torch.utils.data import IterableDataset
 
 from common import cli, data
 from common.environment import is_rank0
+from common.guards import samples
 from common.guards.ending import stop
 
 
@@ -115,26 +118,34 @@ def fingerprint(dataset, samples=1000):
         digest.update(dataset.images[::stride].numpy().tobytes())
         return f"{len(dataset)}-{digest.hexdigest()}"
     digest = hashlib.blake2b(digest_size=8)
-    for i in range(0, len(dataset), stride):
-        x, y = dataset[i]
-        digest.update(torch.as_tensor(x).cpu().numpy().tobytes() + str(int(y)).encode())
+    for i in range(0, len(dataset), stride):  # every tensor of a sample, however nested; other values as text
+        for leaf in pytree.tree_leaves(dataset[i]):
+            digest.update(leaf.cpu().numpy().tobytes() if isinstance(leaf, torch.Tensor) else repr(leaf).encode())
     return f"{len(dataset)}-{digest.hexdigest()}"
 
 
-def check_datasets(args, *datasets):
-    """What the task's datasets() returned: map-style data sets of (input, label) pairs, a label a class number."""
+def check_datasets(args, task, *datasets):
+    """What the task's datasets() returned: map-style data sets of (input, label) pairs, each a tensor or nested
+    dicts, lists and tuples of them, a label a class number unless the task has its own loss or metric; and
+    that its collate() (else stacking) batches the first two samples into an (input, label) pair."""
     for name, found in zip(("training", "test"), datasets, strict=False):
-        if hasattr(found, "images"):  # common/data.py Images: read whole batches, never probed an item at a time
+        if isinstance(found, IterableDataset):  # a stream has no index to resume at, nor a shard per rank
+            stop(f"error: --task {args.task}: its {name} set is an IterableDataset: a run resumes at the exact sample "
+                 "where it stopped, and every rank evaluates its own samples, which needs indices: return a map-style "
+                 "Dataset (__len__ and __getitem__), e.g. one that reads the stream's items by index from files")  # fmt: skip
+        if isinstance(found, data.Images):  # read whole batches, never probed an item at a time
             continue
         try:
             x, y = found[0]
-            if torch.as_tensor(y).is_floating_point():  # int() would pass it, and cross-entropy fail with a traceback
-                raise TypeError(f"a label of {torch.as_tensor(y).dtype}")
-            int(y)
+            floats = [t.dtype for t in pytree.tree_leaves(y) if torch.is_tensor(t) and t.is_floating_point()]
+            if (floats or isinstance(y, float)) and not hasattr(task, "loss") and not hasattr(task, "metric"):
+                raise TypeError(f"a label of {floats[0] if floats else float}: cross-entropy and accuracy count "
+                                "class numbers; define loss() and metric, score() for other targets")  # fmt: skip
         except Exception as err:  # the user's data set: anything can fail here
             stop(f"error: --task {args.task}: datasets() must return (training set, test set) of torch.utils.data "
-                 f"Datasets whose items are (input, label), the label a class number; its {name} set's first "
-                 f"item fails that ({type(err).__name__}: {str(err)[:100]})")  # fmt: skip
+                 f"Datasets whose items are (input, label), the label a class number by default; its {name} set's "
+                 f"first item fails that ({type(err).__name__}: {str(err)[:200]})")  # fmt: skip
+        samples.check_collate(args, task, name, [found[i] for i in range(min(len(found), 2))])
     if args.loader == "device" and not all(hasattr(d, "images") for d in datasets):
         stop(
             f"error: --loader device holds a data set of tensors (common/data.py Images) on the GPU; --task "
@@ -142,11 +153,11 @@ def check_datasets(args, *datasets):
         )
 
 
-def agree(args, *datasets):
+def agree(args, task, *datasets):
     """Before the first step: every rank must train the same run on the same data. A difference in the
     options that define the run, or in the data sets' sizes or fingerprints, ends every rank with the
     option (or data set) and the ranks that differ, instead of a collective mismatch deep in torch."""
-    check_datasets(args, *datasets)
+    check_datasets(args, task, *datasets)
     if not dist.is_initialized():
         return
     mine = {f"--{k.replace('_', '-')}": v for k, v in defining(args).items()}

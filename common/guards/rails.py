@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from common import checkpoint, distributed
 from common.environment import is_rank0
-from common.guards import check, divergence, lock, preflight, resume, safeload
+from common.guards import check, divergence, lock, preflight, resume, safeload, samples
 from common.guards.ending import end
 from common.guards.preemption import Preemption
 from common.guards.watchdog import Watchdog
@@ -42,7 +42,7 @@ class Guard:
         distributed.setup(), or None without a launcher."""
         self.args = args
         check.check_environment()  # every launcher variable, before anything reads it
-        check.check_args(args)
+        check.check_args(args, gpus=0 if args.no_cuda else torch.cuda.device_count())
         self.lock = lock.claim(args.output_dir)  # first: one run per folder, and a folder it can write
         lock.sweep(args.output_dir)
         return self.meet(args)
@@ -61,9 +61,9 @@ class Guard:
         self.watchdog.watch()  # heartbeats: a failed collective names the rank that went silent
         return store
 
-    def agree(self, train_set, test_set):
+    def agree(self, train_set, test_set, task):
         """Every rank trains the same run on the same data; the checkpoints record what it is trained on."""
-        preflight.agree(self.args, train_set, test_set)  # first: it says in one line what a task's data lacks
+        preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.data = preflight.fingerprint(train_set)
 
     def resumable(self, sampler):
@@ -207,6 +207,8 @@ def explain(err, guard):
     if isinstance(err, (TypeError, ValueError)) and "task.datasets(" in raised:  # unpacking what datasets() returned
         return once(f"error: --task {guard.args.task}: datasets(args) must return (training set, test set), two "
                     f"torch.utils.data Datasets of (input, label) pairs ({err})")  # fmt: skip
+    if guard.args is not None and (message := samples.explain(err, guard.args.task)):  # a label, a collate()
+        return message
     if guard.watchdog and (message := guard.watchdog.explain(err)):  # a failed collective: who went silent
         return message
     # "DataLoader worker (pid(s) 812) exited unexpectedly", caused by "... (pid 812) is killed by signal: Killed."
