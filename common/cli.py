@@ -170,17 +170,6 @@ def load_task(path):
     return task
 
 
-def metric_problem(task):
-    """What is wrong with the task's metric (common/metrics.py Metric), in a few words, or None."""
-    metric, scored = getattr(task, "metric", None), callable(getattr(task, "score", None))
-    if metric is None and not scored:  # accuracy
-        return None
-    if not (scored and isinstance(metric, tuple) and len(metric) == 2 and metric[1] in ("higher", "lower")):
-        return ('a metric is `metric = (name, "higher" or "lower")` with a function score(output, target) that '
-                "sums it over a batch: it defines one without the other, or another kind")  # fmt: skip
-    return None
-
-
 def parse_args(argv=None, options=()):
     """The options of the stage that runs (sys.argv[0]), its own `options` and those of its task (--task):
     returns (args, the task). Usage errors exit 2 with one line."""
@@ -194,10 +183,6 @@ def parse_args(argv=None, options=()):
     args = p.parse_args(argv)
     if hasattr(task, "check") and (problem := task.check(args)):
         p.error(problem)
-    if problem := metric_problem(task):
-        p.error(f"--task {path}: {problem}")
-    name, better = getattr(task, "metric", ("accuracy", "higher"))
-    if args.target_accuracy is not None and (name != "accuracy" or args.target is not None):
-        p.error(f"--target-accuracy: {path.name} measures {name} ({better} is better): give --target alone")
-    args.target = args.target_accuracy if args.target_accuracy is not None else args.target
+    if args.target_accuracy is not None:  # --target for accuracy, which the guard rails check the task measures
+        args.target = args.target_accuracy
     return args, task

@@ -22,7 +22,7 @@ except ImportError:  # an environment without it trains the same, untimed
 
 
 FIELDS = [
-    "epoch", "lr", "train_loss", "val_loss", "val_{}", "test_loss", "test_{}",  # {}: the task's metric
+    "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",  # or the task's metric
     "epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size", "nodes", "peak_memory_mib",
     "compile_seconds", "better",  # better: "higher" or "lower", the metric's direction, for tools/
 ]  # fmt: skip
@@ -93,7 +93,7 @@ class Log:
 
     def __init__(self, output_dir, world_size, compiled=False, metric=None):
         self.path, self.world_size, self.metric = output_dir / "metrics.csv", world_size, metric or Metric()
-        self.fields = [field.format(self.metric.name) for field in FIELDS]
+        self.fields = [field.replace("accuracy", self.metric.name) for field in FIELDS]
         self.nodes = max(world_size // ranks_per_node(world_size), 1)
         self.rows, self.clock = [], (0, 0.0)  # (epoch, start) of the epoch in progress
         self.cut = (0, [0.0, 0.0], 0.0)  # an epoch resumed part-way: its (epoch, [loss sum, samples], seconds) before

@@ -128,6 +128,7 @@ def check_datasets(args, task, *datasets):
     """What the task's datasets() returned: map-style data sets of (input, label) pairs, each a tensor or nested
     dicts, lists and tuples of them, a label a class number unless the task has its own loss or metric; and
     that its collate() (else stacking) batches the first two samples into an (input, label) pair."""
+    samples.check_metric(args, task)
     for name, found in zip(("training", "test"), datasets, strict=False):
         if isinstance(found, IterableDataset):  # a stream has no index to resume at, nor a shard per rank
             stop(f"error: --task {args.task}: its {name} set is an IterableDataset: a run resumes at the exact sample "
