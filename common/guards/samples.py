@@ -52,6 +52,9 @@ def explain(err, task):
         count = losses[0].shape[1]
         return (f"error: --task {task}: a label {outside[1]}, but the model has {count} outputs (labels 0 to "
                 f"{count - 1}): give model(args) one output per class, or labels in that range")  # fmt: skip
+    if "Expected more than 1 value per channel when training" in str(err):  # BatchNorm, a batch of one sample
+        return (f"error: --task {task}: a training batch of one sample reached BatchNorm, which needs two to "
+                "normalize: choose a --batch-size (per rank) that leaves no last batch of one, or --limit the set")  # fmt: skip
     collates = [f for f in frames if "collate" in f.f_code.co_name]
     if collates:
         code = collates[0].f_code
