@@ -50,15 +50,15 @@ def train(model, device, loader, optimizer, scaler, loss_fn, epoch, args, guard)
     model.train()
     totals = torch.zeros(2, device=device)  # summed on the device: no GPU -> CPU sync per step
     for batch_idx, (x, y) in enumerate(loader):
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        x, y = data.to_device((x, y), device)  # tensors, or dicts and lists of them (a task's collate())
         optimizer.zero_grad(set_to_none=True)
         with amp.autocast(device, args):
             loss = loss_fn(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-        totals[0] += loss.detach() * len(y)
-        totals[1] += len(y)
+        totals[0] += loss.detach() * data.count(y)
+        totals[1] += data.count(y)
         if batch_idx % args.log_interval == 0:
             metrics.progress(epoch, batch_idx, len(loader), loss)
         guard.end_of_step(epoch, batch_idx, totals)  # guard: a diverged loss stops; a stop signal saves and ends
@@ -68,17 +68,20 @@ def train(model, device, loader, optimizer, scaler, loss_fn, epoch, args, guard)
 
 
 @torch.no_grad()
-def evaluate(model, device, loader, loss_fn, samples, guard):
-    """`samples`: how many of the loader's samples are this rank's own; the padding after them counts nowhere."""
+def evaluate(model, device, loader, loss_fn, score, samples, guard):
+    """`samples`: how many of the loader's samples are this rank's own; the padding after them counts nowhere.
+    `score(output, target)`: the task's metric summed over a batch (correct answers, by default)."""
+    distributed.average_buffers(model)  # BatchNorm: every rank evaluates, and saves, the same running statistics
     model.eval()
-    totals = torch.zeros(3, device=device)  # summed loss, correct, samples
+    totals = torch.zeros(3, device=device)  # summed loss, score, samples
     for x, y in guard.evaluating(loader):  # guard: a stop saves here too, and the resumed run evaluates anew
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        output, n = model(x), min(len(y), samples)  # every rank runs as many forward passes (stage 05: collectives)
+        x, y = data.to_device((x, y), device)
+        output, n = model(x), min(data.count(y), samples)  # every rank runs as many forwards (stage 05: collectives)
         samples -= n
         if n:
-            totals[0] += loss_fn(output[:n], y[:n]) * n
-            totals[1] += (output[:n].argmax(dim=1) == y[:n]).sum()
+            output, y = data.first(output, n), data.first(y, n)
+            totals[0] += loss_fn(output, y) * n
+            totals[1] += score(output, y)
             totals[2] += n
     return totals
 
@@ -90,17 +93,18 @@ def main(guard):
     torch.manual_seed(args.seed)
 
     train_set, test_set = task.datasets(args)
+    collate = getattr(task, "collate", None)  # the task's batching of samples (padding, masks), else stacking
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
-    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set)  # guard: same data; seeds per sample
+    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set, task)  # guard: same data; seeds per sample
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
     train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
     train_sampler = guard.resumable(train_sampler)  # guard: an epoch that can resume part-way
     batch_size = args.batch_size // world_size  # --batch-size is the global batch
-    train_loader = data.loader(train_set, train_sampler, batch_size, args, device)
+    train_loader = data.loader(train_set, train_sampler, batch_size, args, device, collate)
     # evaluation: a shard per rank, padded to as many batches on every rank; the padding counts nowhere
     val_shard, test_shard = data.shard(len(val_set), rank, world_size), data.shard(len(test_set), rank, world_size)
-    val_loader = data.loader(val_set, val_shard.indices, args.test_batch_size, args, device)
-    test_loader = data.loader(test_set, test_shard.indices, args.test_batch_size, args, device)
+    val_loader = data.loader(val_set, val_shard.indices, args.test_batch_size, args, device, collate)
+    test_loader = data.loader(test_set, test_shard.indices, args.test_batch_size, args, device, collate)
     distributed.banner(args, rank, local_rank, world_size, device, train_loader)
 
     model = task.model(args).to(device)
@@ -116,25 +120,20 @@ def main(guard):
     scaler = amp.scaler(device, args)
 
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy: on logits or log-probabilities
-    log = metrics.Log(args.output_dir, world_size, args.compile)
-    states = {
-        "model": model,
-        "optimizer": optimizer,
-        "scheduler": scheduler,
-        "scaler": scaler,
-        "log": log,
-        "run": guard,
-    }  # guard: the checkpoint records how the run was made, and a resume must match it
+    metric = metrics.Metric.of(task)  # how good: the task's metric and score(), else accuracy
+    log = metrics.Log(args.output_dir, world_size, args.compile, metric)
+    # run=guard: the checkpoint records how the run was made, and a resume must match it
+    states = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log, run=guard)
     start_epoch = checkpoint.restore(guard.resume(states), states)  # guard: the checkpoint this run continues
     for epoch in range(start_epoch, args.epochs + 1):
-        if log.reached(args.target_accuracy, args.patience):  # the same all-reduced rows on every rank
+        if log.reached(args.target, args.patience):  # the same all-reduced rows on every rank
             break
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one after a resume
         log.start(epoch)
         train_totals = train(model, device, train_loader, optimizer, scaler, loss_fn, epoch, args, guard)
         seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
-        totals = torch.cat([train_totals, evaluate(model, device, val_loader, loss_fn, val_shard.samples, guard),
-                            evaluate(model, device, test_loader, loss_fn, test_shard.samples, guard)])  # fmt: skip
+        totals = torch.cat([train_totals, evaluate(model, device, val_loader, loss_fn, metric.score, val_shard.samples, guard),
+                            evaluate(model, device, test_loader, loss_fn, metric.score, test_shard.samples, guard)])  # fmt: skip
         if dist.is_initialized():
             dist.all_reduce(totals)  # sums over the ranks: losses, samples, correct answers
         guard.check_epoch(epoch, totals.tolist())  # guard: nothing non-finite is logged or saved

@@ -95,7 +95,7 @@ FREE = (
     # a job requeued onto fewer GPUs may need more accumulation than before
     "grad_accum", "checkpoint_activations",
     "full_shard",  # the mesh: a sharded checkpoint loads into any
-    "target_accuracy", "patience",  # when to stop early: a resumed run may change its mind
+    "target", "target_accuracy", "patience",  # when to stop early: a resumed run may change its mind
     "checkpoint_minutes",  # how often a run saves mid-epoch: the saves change nothing that is computed
 )  # fmt: skip
 
@@ -143,8 +143,9 @@ def parser(script, options=()):
     p.add_argument("--scheduler", choices=["step", "exponential", "cosine"], default="step", help="step: lr x gamma every --step-size epochs; exponential: x gamma every epoch; cosine: down to 0 over --epochs (default: step)")
     p.add_argument("--step-size", type=POSITIVE, default=1, help="epochs between steps of --scheduler step (default: 1, as pytorch/examples)")
     p.add_argument("--lr-scaling", choices=["none", "linear", "sqrt"], default="none", help=f"--lr is for a global batch of {REFERENCE_BATCH}: scale it with --batch-size linearly, by the square root, or not (default: none)")
-    p.add_argument("--target-accuracy", type=number(float, "(0, 100]"), help="stop once the last --patience evaluations (validation if any, else test) all reach this accuracy, in %%")
-    p.add_argument("--patience", type=POSITIVE, default=1, help="see --target-accuracy (default: 1)")
+    p.add_argument("--target", type=number(float, "(-inf, inf)"), help="stop once the last --patience evaluations (validation if any, else test) all reach this value of the task's metric: at least it where higher is better (accuracy, in %%), at most where lower is (an error)")
+    p.add_argument("--target-accuracy", type=number(float, "(0, 100]"), help="--target for a task whose metric is accuracy, in %%")
+    p.add_argument("--patience", type=POSITIVE, default=1, help="see --target (default: 1)")
     # fmt: on
     for add in options:
         add(p)
@@ -182,4 +183,6 @@ def parse_args(argv=None, options=()):
     args = p.parse_args(argv)
     if hasattr(task, "check") and (problem := task.check(args)):
         p.error(problem)
+    if args.target_accuracy is not None:  # --target for accuracy, which the guard rails check the task measures
+        args.target = args.target_accuracy
     return args, task

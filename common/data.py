@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 from PIL import Image
+from torch.utils import _pytree as pytree  # nested dicts, lists and tuples: the same walk as torch.compile's
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Subset
 
 from common import datafiles
@@ -192,8 +193,9 @@ def num_workers(args, per_sample, env=os.environ):
     return cpus_per_rank(env) - 1 if args.num_workers is None and per_sample else args.num_workers or 0
 
 
-def loader(dataset, sampler, batch_size, args, device):
-    """Batches of `dataset` in the order of `sampler`, by the pipeline --loader names."""
+def loader(dataset, sampler, batch_size, args, device, collate=None):
+    """Batches of `dataset` in the order of `sampler`, by the pipeline --loader names; a data set read sample by
+    sample is batched by `collate(samples)` (the task's: padding, masks), else by stacking."""
     if args.loader == "device":
         return OnDevice(dataset, sampler, batch_size, device)
     per_sample = args.loader == "classic" or not hasattr(dataset, "images")  # not in tensors (Images): one at a time
@@ -204,6 +206,30 @@ def loader(dataset, sampler, batch_size, args, device):
                    generator=torch.Generator().manual_seed(args.seed))  # fmt: skip
     if per_sample:
         dataset = PerSample(dataset) if hasattr(dataset, "images") else dataset
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **options)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, **options)
     # batched: the sampler's indices come in lists of batch_size, and the dataset builds each batch
     return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None, **options)
+
+
+def to_device(batch, device):
+    """`batch` on `device`: a tensor, or the tensors in nested dicts, lists and tuples (what a collate returns)."""
+    return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def count(batch):
+    """The samples in `batch`: the first dimension of its first tensor (of a label, or of a dict of them)."""
+    return next((len(t) for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)), len(batch))
+
+
+def first(batch, n):
+    """The first `n` samples of every tensor in `batch`."""
+    return pytree.tree_map(lambda t: t[:n] if isinstance(t, torch.Tensor) else t, batch)
+
+
+def chunk(batch, parts):
+    """`batch` in at most `parts` slices of samples, each as nested as `batch` (stage 05's micro-batches)."""
+    leaves, spec = pytree.tree_flatten(batch)
+    pieces = [t.chunk(parts) if isinstance(t, torch.Tensor) else None for t in leaves]
+    slices = len(next(p for p in pieces if p is not None))
+    return [pytree.tree_unflatten([leaf if p is None else p[i] for leaf, p in zip(leaves, pieces, strict=True)], spec)
+            for i in range(slices)]  # fmt: skip

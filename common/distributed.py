@@ -76,6 +76,20 @@ def cleanup():
         dist.destroy_process_group()
 
 
+def average_buffers(model):
+    """Average the model's floating-point buffers (BatchNorm's running statistics) over the ranks, in one
+    all-reduce: each rank updates its own from its own batches (FSDP shards no buffer; DDP broadcasts rank 0's
+    only before its next forward), so that every rank evaluates, and the checkpoint saves, the same ones."""
+    buffers = [b for b in model.buffers() if b.is_floating_point()]
+    if not dist.is_initialized() or not buffers:
+        return
+    flat = torch.cat([b.detach().reshape(-1).float() for b in buffers])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    for b, average in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
+        b.copy_(average.view_as(b))
+
+
 def print0(*args):
     """Print from global rank 0 only; flush so batch logs show progress as it happens."""
     if is_rank0():

@@ -3,6 +3,8 @@ progress line; the memory line of stage 05; the line profiler's decorator."""
 
 import csv
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -20,10 +22,34 @@ except ImportError:  # an environment without it trains the same, untimed
 
 
 FIELDS = [
-    "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",
+    "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",  # or the task's metric
     "epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size", "nodes", "peak_memory_mib",
-    "compile_seconds",
+    "compile_seconds", "better",  # better: "higher" or "lower", the metric's direction, for tools/
 ]  # fmt: skip
+
+
+def accuracy(output, target):
+    """The correct answers in a batch: the class of the largest output; of a single output (a logit, as
+    binary_cross_entropy_with_logits takes), class 1 where it is above 0."""
+    if output.ndim == 1 or output.shape[1] == 1:
+        return ((output.reshape(-1) > 0).long() == target.reshape(-1).long()).sum()
+    return (output.argmax(dim=1) == target).sum()
+
+
+class Metric(NamedTuple):
+    """How good a model is: the task's `metric = ("mae", "lower")` and `score(output, target)`, summed over a
+    batch, else accuracy (in %). An evaluation logs score's mean over its samples."""
+
+    name: str = "accuracy"
+    better: str = "higher"  # or "lower": the direction --target is reached in
+    score: Callable = accuracy
+
+    @classmethod
+    def of(cls, task):
+        return cls(*task.metric, task.score) if hasattr(task, "metric") else cls()
+
+    def value(self, total, samples):
+        return (100 if self.name == "accuracy" else 1) * total / samples
 
 
 def progress(epoch, batch, batches, loss):
@@ -65,8 +91,9 @@ class Log:
     """The rows of metrics.csv (the same all-reduced numbers on every rank; rank 0 writes them) and the epoch
     lines."""
 
-    def __init__(self, output_dir, world_size, compiled=False):
-        self.path, self.world_size = output_dir / "metrics.csv", world_size
+    def __init__(self, output_dir, world_size, compiled=False, metric=None):
+        self.path, self.world_size, self.metric = output_dir / "metrics.csv", world_size, metric or Metric()
+        self.fields = [field.replace("accuracy", self.metric.name) for field in FIELDS]
         self.nodes = max(world_size // ranks_per_node(world_size), 1)
         self.rows, self.clock = [], (0, 0.0)  # (epoch, start) of the epoch in progress
         self.cut = (0, [0.0, 0.0], 0.0)  # an epoch resumed part-way: its (epoch, [loss sum, samples], seconds) before
@@ -96,46 +123,64 @@ class Log:
     def write(self):
         if is_rank0():
             with atomic(self.path, "w") as f:
-                writer = csv.DictWriter(f, FIELDS)
+                writer = csv.DictWriter(f, self.fields)
                 writer.writeheader()
                 writer.writerows(self.rows)
 
     def epoch(self, epoch, lr, seconds, totals):
-        """`totals`: over all ranks, train loss and samples, then loss, correct and samples of validation and test."""
-        train_loss, seen, val_loss, val_correct, validated, test_loss, correct, tested = totals
+        """`totals`: over all ranks, train loss and samples, then loss, summed score and samples of validation and
+        test."""
+        train_loss, seen, val_loss, val_score, validated, test_loss, score, tested = totals
         if self.cut[0] == epoch:  # the steps before an interruption count too
             train_loss, seen = train_loss + self.cut[1][0], seen + self.cut[1][1]
-        row = dict(
-            epoch=epoch, lr=lr, train_loss=train_loss / seen, test_loss=test_loss / tested,
-            val_loss=val_loss / validated if validated else "", val_accuracy=100 * val_correct / validated if validated else "",
-            test_accuracy=100 * correct / tested, epoch_seconds=seconds, images_per_s=seen / seconds,
-            images_per_s_per_process=seen / seconds / self.world_size, world_size=self.world_size, nodes=self.nodes,
-            peak_memory_mib=torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else "",
-            compile_seconds=self.compiled,  # inside epoch_seconds: the first steps of each shape wait for it
-        )  # fmt: skip
+        name, value = self.metric.name, self.metric.value
+        row = {
+            "epoch": epoch, "lr": lr, "train_loss": train_loss / seen, "test_loss": test_loss / tested,
+            "val_loss": val_loss / validated if validated else "", f"val_{name}": value(val_score, validated) if validated else "",
+            f"test_{name}": value(score, tested), "epoch_seconds": seconds, "images_per_s": seen / seconds,
+            "images_per_s_per_process": seen / seconds / self.world_size, "world_size": self.world_size, "nodes": self.nodes,
+            "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else "",
+            "compile_seconds": self.compiled,  # inside epoch_seconds: the first steps of each shape wait for it
+            "better": self.metric.better,
+        }  # fmt: skip
         if torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()  # each epoch's own peak
         self.rows.append(row)
         self.compiled = 0.0
-        val = f"| val loss {row['val_loss']:.4f} ({row['val_accuracy']:.2f}%) " if validated else ""
         print0(
-            f"epoch {epoch:3d} | lr {lr:.4f} | train loss {row['train_loss']:.4f} {val}| test loss {row['test_loss']:.4f} "
-            f"| accuracy {int(correct)}/{int(tested)} ({row['test_accuracy']:.2f}%) | {seconds:.2f} s "
+            f"epoch {epoch:3d} | lr {lr:.4f} | train loss {row['train_loss']:.4f} "
+            + (f"| val loss {row['val_loss']:.4f} ({self.shown(row, 'val')}) " if validated else "")
+            + f"| test loss {row['test_loss']:.4f} | {self.shown(row, 'test', score, tested)} | {seconds:.2f} s "
             f"| {row['images_per_s']:.0f} img/s ({row['images_per_s_per_process']:.0f} per process)"
             + (f" | peak {row['peak_memory_mib']:.0f} MiB" if row["peak_memory_mib"] != "" else "")
             + (f" | compile {row['compile_seconds']:.1f} s" if row["compile_seconds"] else "")
         )
         self.write()
 
+    def shown(self, row, split, total=None, samples=None):
+        """The metric as the epoch line shows it: `accuracy 9512/10000 (95.12%)`, `95.12%`, `mae 0.1234`."""
+        value = row[f"{split}_{self.metric.name}"]
+        if self.metric.name != "accuracy":
+            return f"{self.metric.name} {value:.4f}"
+        return f"{value:.2f}%" if total is None else f"accuracy {int(total)}/{int(samples)} ({value:.2f}%)"
+
     def reached(self, target, patience):
-        """--target-accuracy: did the last `patience` evaluations (validation, else test) reach it? Alike on every rank."""
-        last = [r["test_accuracy"] if r["val_accuracy"] == "" else r["val_accuracy"] for r in self.rows[-patience:]]
-        if target is None or len(last) < patience or min(last) < target:
+        """--target: did the last `patience` evaluations (validation, else test) reach it, in the metric's direction?
+        Alike on every rank."""
+        name = self.metric.name
+        last = [r[f"test_{name}"] if r[f"val_{name}"] == "" else r[f"val_{name}"] for r in self.rows[-patience:]]
+        if (
+            target is None
+            or len(last) < patience
+            or not all(v >= target if self.metric.better == "higher" else v <= target for v in last)
+        ):
             return False
-        print0(f"stopping: the last {patience} evaluations reached --target-accuracy {target}%")
+        print0(f"stopping: the last {patience} evaluations reached --target {target:g} ({name}, {self.metric.better} "
+               "is better)")  # fmt: skip
         return True
 
     def summary(self):
         seconds, images = sum(r["epoch_seconds"] for r in self.rows), sum(r["images_per_s"] * r["epoch_seconds"] for r in self.rows)  # fmt: skip
+        last = self.shown(self.rows[-1], "test")
         print0(f"done: {len(self.rows)} epochs, {seconds:.1f} s of training, {images / seconds:.0f} img/s, "
-               f"test accuracy {self.rows[-1]['test_accuracy']:.2f}% | metrics in {self.path}")  # fmt: skip
+               f"test {last if self.metric.name != 'accuracy' else 'accuracy ' + last} | metrics in {self.path}")  # fmt: skip

@@ -10,8 +10,8 @@ Per GPU:
   - weights, gradients and optimizer state: exact, from the model and the optimizer; FSDP and HSDP keep
     each parameter's first-dimension chunk of this rank (the largest, rank 0's), as fully_shard splits it;
   - FSDP and HSDP gather one block's whole weights at a time, and prefetch the next: two of the largest;
-  - activations saved for backward: counted by saved-tensor hooks in one forward at per-rank batches of 1
-    and 2, extrapolated (they grow linearly with the batch), with --amp and --checkpoint-activations as the
+  - activations saved for backward: counted by saved-tensor hooks in one forward at per-rank batches of 2
+    and 3, extrapolated (they grow linearly with the batch), with --amp and --checkpoint-activations as the
     stage applies them. On fake tensors, which have shapes and dtypes but no memory: a model larger than
     this machine's memory is counted too;
   - an allowance for the CUDA context and the allocator: ALLOWANCE, and 10 % of the rest.
@@ -28,6 +28,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.distributed._composable import checkpoint as recompute  # noqa: E402
+from torch.utils import _pytree as pytree  # noqa: E402
+from torch.utils.data import default_collate  # noqa: E402
 
 from common import cli, data, models, optim  # noqa: E402
 from common.guards.bounded import Refused, text  # noqa: E402
@@ -53,8 +55,7 @@ def sample(args, task):
     if builtin(args):
         spec = data.SETS[args.dataset]
         return torch.zeros(len(spec.mean), spec.size, spec.size), torch.tensor(0)
-    x, y = task.datasets(args)[0][0]
-    return torch.as_tensor(x), torch.as_tensor(y)
+    return task.datasets(args)[0][0]  # tensors, or dicts, lists and tuples of them
 
 
 def shard_bytes(model, ranks):
@@ -67,12 +68,12 @@ def shard_bytes(model, ranks):
     return total
 
 
-def activation_bytes(args, model, loss_fn, example, batch):
-    """Bytes saved for backward by one forward and loss at `batch` samples shaped as `example`, as the stages
-    train (dropout, BatchNorm in train mode; --amp in bf16; --checkpoint-activations per block): tensors
-    counted once by storage, parameters left out (they are the weights). Fake tensors have no addresses: a
-    storage is told by its object."""
-    x, y = (torch.zeros(batch, *t.shape, dtype=t.dtype) for t in example)  # fake: shapes and dtypes, no values
+def activation_bytes(args, model, loss_fn, batch):
+    """Bytes saved for backward by one forward and loss of the (fake) `batch`, as the stages train (dropout,
+    BatchNorm in train mode; --amp in bf16; --checkpoint-activations per block): tensors counted once by
+    storage, parameters left out (they are the weights). Fake tensors have no addresses: a storage is told
+    by its object."""
+    x, y = batch
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
     saved = {}
 
@@ -92,7 +93,8 @@ def activation_bytes(args, model, loss_fn, example, batch):
 
 
 def measure(args):
-    """What does not depend on the number of GPUs: the model, its activations at per-rank batches 1 and 2,
+    """What does not depend on the number of GPUs: the model, its activations at per-rank batches 1 and 2 (from
+    2 and 3: BatchNorm refuses to train on one sample), batched by the task's collate() as the stages do,
     and the largest unit FSDP gathers (a block, or the root's own first and last layers). On fake tensors
     that pass for the CPU's, so that autocast casts them as in the stage (meta tensors it leaves in fp32);
     under --amp they keep BatchNorm's per-channel statistics in bf16 where the CPU keeps fp32: a few bytes.
@@ -100,15 +102,17 @@ def measure(args):
     task = cli.load_task(args.task)
     example = sample(args, task)  # real data, read before the fake mode
     loss_fn, blocks = getattr(task, "loss", F.cross_entropy), getattr(task, "blocks", models.blocks)
-    with FakeTensorMode():
+    batches = [getattr(task, "collate", default_collate)([example] * size) for size in (2, 3)]
+    with FakeTensorMode() as fake:
         model = build(args)
         if args.checkpoint_activations:
             for block in blocks(model):
                 recompute(block)
         units = [sum(p.numel() for p in block.parameters()) for block in blocks(model)]
         units.append(sum(p.numel() for p in model.parameters()) - sum(units))
-        one, two = (activation_bytes(args, model, loss_fn, example, batch) for batch in (1, 2))
-        return model, one, two, max(units)
+        fakes = [pytree.tree_map(lambda t: fake.from_tensor(t) if torch.is_tensor(t) else t, b) for b in batches]
+        two, three = (activation_bytes(args, model, loss_fn, batch) for batch in fakes)
+        return model, 2 * two - three, two, max(units)  # linear in the batch: its value at 1
 
 
 def per_gpu(args, world_size, measured):

@@ -1,4 +1,4 @@
-"""Compare runs: train and test loss and test accuracy per epoch, and time per epoch.
+"""Compare runs: train and test loss and the test metric (accuracy, or the task's own) per epoch, and time per epoch.
 
     python tools/plot.py RUN... [-o plot.png]        # make plot RUNS="runs/batch_size/<array job id>/*"
 
@@ -33,7 +33,7 @@ except ImportError:
 
 NAMED = re.compile(r"([A-Za-z_]+?)[-_]?(\d+)")  # bs64, cpus-8, gpus_4
 LIMITS = (4 * 2**20, 64)  # bytes and columns of a metrics.csv: a run of 10^4 epochs writes 2 MiB in 14
-COLUMNS = {"epoch", "world_size", "epoch_seconds", "images_per_s", "test_accuracy"}  # what the tools read
+COLUMNS = {"epoch", "world_size", "epoch_seconds", "images_per_s"}  # what the tools read, and test_<the metric>
 
 
 def output(formats=None):
@@ -67,7 +67,8 @@ def load(path):
             reader = csv.DictReader(f)
             if len(reader.fieldnames or []) > LIMITS[1]:
                 raise Refused(f"{csv_path} has {len(reader.fieldnames)} columns, more than a run writes")
-            missing = COLUMNS - set(reader.fieldnames or [])
+            name = metric(reader.fieldnames or [])
+            missing = (COLUMNS | {f"test_{name}"}) - set(reader.fieldnames or [])
             if missing:
                 sys.exit(f"error: {csv_path} is not a metrics.csv of these stages (no {', '.join(sorted(missing))} "
                          "column): give the folders the stages wrote")  # fmt: skip
@@ -75,7 +76,10 @@ def load(path):
                 cells = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None) or [])
                 if cells != len(reader.fieldnames):  # a row cut short, or two run together
                     raise ValueError(f"{cells} cells under a header of {len(reader.fieldnames)}")
-                rows.append(checked({k: float(v) if v else None for k, v in row.items()}))
+                better = row.pop("better", None) or "higher"  # the metric's direction (text); older runs: higher
+                row = checked({k: float(v) if v else None for k, v in row.items()}, name)
+                rows.append(row | {"metric": name, "better": better, "test_metric": row[f"test_{name}"],
+                                   "val_metric": row.get(f"val_{name}")})  # fmt: skip
     except Refused as err:
         sys.exit(f"error: {err}: give the metrics.csv a run wrote, or leave the run out")
     except (ValueError, csv.Error) as err:  # a cell that is no number, bytes that are no text, a row cut short
@@ -86,10 +90,15 @@ def load(path):
     return csv_path.parent, rows
 
 
-def checked(row):
+def metric(fieldnames):
+    """The name of the metric a metrics.csv holds in test_<name>: accuracy, or the task's (common/metrics.py)."""
+    return next((f[5:] for f in fieldnames if f.startswith("test_") and f != "test_loss"), "accuracy")
+
+
+def checked(row, name):
     """`row`, if it holds what every stage writes: the columns read, a whole world size from 1, a rate above 0
     (the divisor of speed-ups); else a ValueError naming the cell."""
-    if empty := sorted(k for k in COLUMNS if row[k] is None):
+    if empty := sorted(k for k in COLUMNS | {f"test_{name}"} if row[k] is None):
         raise ValueError(f"no {', '.join(empty)}")
     if not (row["world_size"] >= 1 and row["world_size"].is_integer()):
         raise ValueError(f"world_size {row['world_size']:g} is not a number of processes")
@@ -131,7 +140,9 @@ def figure(folders, runs):
     names = [label(folder, rows) for folder, rows in zip(folders, runs, strict=True)]
     fig = Figure(figsize=(11, 8), layout="constrained")
     *panels, ax = fig.subplots(2, 2).flat
-    columns = [("train_loss", "train loss"), ("test_loss", "test loss"), ("test_accuracy", "test accuracy (%)")]
+    name = runs[0][0]["metric"]
+    columns = [("train_loss", "train loss"), ("test_loss", "test loss"),
+               ("test_metric", f"test {name}{' (%)' if name == 'accuracy' else ''}")]  # fmt: skip
     for panel, (column, title) in zip(panels, columns, strict=True):
         for i, (name, rows) in enumerate(zip(names, runs, strict=True)):
             panel.plot([r["epoch"] for r in rows], [r[column] for r in rows], "o-", color=f"C{i % 10}", label=name)

@@ -1,6 +1,6 @@
-"""Scaling you can read off your own runs: images/s, speed-up, efficiency and time to an accuracy per world size.
+"""Scaling you can read off your own runs: images/s, speed-up, efficiency and time to a target per world size.
 
-    python tools/scaling.py RUN... [--target-accuracy 99] [--out scaling.md] [--plot scaling.png] [--bandwidth GBps]
+    python tools/scaling.py RUN... [--target 99] [--out scaling.md] [--plot scaling.png] [--bandwidth GBps]
 
 RUNs as for tools/plot.py. The global batch and the model's size are read from the run's checkpoint
 (checkpoint.pt, or stage 05's checkpoint/state.pt; one written before the size was recorded: the size of the
@@ -26,11 +26,11 @@ from common.guards.bounded import Refused, torch_file
 NOTE = (
     "images/s: the median of the epochs after the first, which includes warm-up (a one-epoch run: that epoch)."
     " Efficiency: speed-up / (world size"
-    " / smallest world size). Time to {0:g}%: training seconds until the validation (else test) accuracy reached it.\n"
+    " / smallest world size). Time to {0}: training seconds until the validation (else test) {1} reached it.\n"
 )
 PAPER = "On paper: {:,} fp32 gradients ({:.1f} MB) at {:g} GB/s, without latency or overlap with backward().\n"
 HEADER = (
-    "| world size | nodes | global batch | images/s | speed-up | efficiency | time to {0:g}% | run |\n"
+    "| world size | nodes | global batch | images/s | speed-up | efficiency | time to {0} | run |\n"
     "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | :--- |"
 )
 
@@ -86,14 +86,15 @@ def measure(folder, rows, target):
     run = recorded(folder)
     flags = run.get("flags", {})
     seconds = itertools.accumulate(r["epoch_seconds"] for r in rows)
-    accuracy = [r["test_accuracy"] if r.get("val_accuracy") is None else r["val_accuracy"] for r in rows]
+    values = [r["test_metric"] if r.get("val_metric") is None else r["val_metric"] for r in rows]
+    higher = rows[0]["better"] == "higher"
     world, first = int(rows[0]["world_size"]), rows[0]
     return dict(
         world=world, nodes=first.get("nodes") or (1 if world == 1 else None), flags=flags, stage=folder.resolve().parent.name,
         parameters=run.get("parameters"),
         batch=first.get("global_batch") or flags.get("batch_size"),
         rate=statistics.median(r["images_per_s"] for r in rows[1:] or rows),  # a one-epoch run: that epoch
-        to_target=next((s for s, a in zip(seconds, accuracy, strict=True) if a >= target), None),
+        to_target=next((s for s, v in zip(seconds, values, strict=True) if (v >= target if higher else v <= target)), None),
     )  # fmt: skip
 
 
@@ -121,11 +122,12 @@ def row(base, run, rate, to_target, name):
 
 def report(names, runs, args):
     """The Markdown text, and the (world size, images/s) points on paper."""
-    base, paper, lines = runs[0], [], [NOTE.format(args.target_accuracy), *differences(names, runs)]
+    goal = f"{args.target:g}%" if args.metric == "accuracy" else f"{args.metric} {args.target:g}"
+    base, paper, lines = runs[0], [], [NOTE.format(goal, args.metric), *differences(names, runs)]
     if args.bandwidth is not None:
         params = parameters(base, args.params)
         lines.append(PAPER.format(params, 4 * params / 1e6, args.bandwidth))
-    lines.append(HEADER.format(args.target_accuracy))
+    lines.append(HEADER.format(goal))
     for name, r in zip(names, runs, strict=True):
         to_target = "not reached" if r["to_target"] is None else f"{r['to_target']:.1f} s"
         lines.append(row(base, r, r["rate"], to_target, name))
@@ -157,7 +159,12 @@ def figure(runs, paper):
 def main(argv=None):
     p = cli.Parser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path, help="run folders (holding metrics.csv) or metrics.csv files")
-    p.add_argument("--target-accuracy", type=float, default=99.0, help="in %%, for the time-to column (default: 99)")
+    p.add_argument(
+        "--target",
+        "--target-accuracy",
+        type=float,
+        help="the metric's value for the time-to column, reached at or above it where higher is better, at or below where lower is (default: 99, for accuracy in %%)",
+    )
     p.add_argument("--out", type=output(), help="also write the Markdown to this file, in a folder that exists")
     p.add_argument("--plot", type=output(FORMATS),
                    help="draw images/s against world size into this image, in a folder that exists; its suffix names the format (needs matplotlib)")  # fmt: skip
@@ -169,7 +176,11 @@ def main(argv=None):
         sys.exit("error: --plot needs matplotlib: pip install matplotlib")
     parts = [part for path in args.runs for part in by_world_size(*load(path))]
     loaded = sorted(parts, key=lambda run: run[1][0]["world_size"])  # as numbers: 2 before 16
-    runs = [measure(folder, rows, args.target_accuracy) for folder, rows, _ in loaded]
+    args.metric = loaded[0][1][0]["metric"]
+    if args.target is None and args.metric != "accuracy":
+        sys.exit(f"error: these runs measure {args.metric}: give the value to reach with --target")
+    args.target = 99.0 if args.target is None else args.target
+    runs = [measure(folder, rows, args.target) for folder, rows, _ in loaded]
     names = [name + (f" (world size {rows[0]['world_size']:g})" if split else "")
              for name, (_, rows, split) in zip(labels([folder for folder, _, _ in loaded]), loaded, strict=True)]  # fmt: skip
     text, paper = report(names, runs, args)

@@ -78,10 +78,13 @@ def usage(message):
     raise SystemExit(2)
 
 
-def check_args(args, warn=True):
+def check_args(args, warn=True, gpus=None):
     """What the parser cannot see alone, then --check's exit. Rank 0 alone reads a checkpoint, and on nodes that
     share no filesystem only its node has the file: a --resume PATH that is no checkpoint is one line before
-    anything starts (a FIFO would hang torch.load, a directory make it fail with a traceback)."""
+    anything starts (a FIFO would hang torch.load, a directory make it fail with a traceback). `gpus`: those the
+    run would use, where torch is loaded to count them (a stage's --check), else None."""
+    if args.sync_bn and gpus == 0:
+        usage("--sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only) and this run has none: drop it on CPUs")
     if cli.learning_rate(args) > cli.FLOAT32_MAX:
         usage(f"--lr {args.lr:g} scaled to --batch-size {args.batch_size} ({args.lr_scaling}) overflows float32")
     path = args.resume

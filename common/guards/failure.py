@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from common import distributed, environment
 from common.environment import is_rank0
-from common.guards import safeload
+from common.guards import safeload, samples
 
 LIMIT = 300  # characters of a message in the line: a tensor printed into one would fill the log
 
@@ -155,6 +155,8 @@ def explain(err, guard):
     if isinstance(err, (TypeError, ValueError)) and "task.datasets(" in raised:  # unpacking what datasets() returned
         return once(f"error: --task {guard.args.task}: datasets(args) must return (training set, test set), two "
                     f"torch.utils.data Datasets of (input, label) pairs ({message(err)})")  # fmt: skip
+    if guard.args is not None and (said := samples.explain(err, guard.args.task)):  # a label, a collate()
+        return said
     if guard.watchdog and (silent := guard.watchdog.explain(err)):  # a failed collective: who went silent
         return silent
     # "DataLoader worker (pid(s) 812) exited unexpectedly", caused by "... (pid 812) is killed by signal: Killed."

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
+from torch.utils.data import IterableDataset
 
 from common import cli, data
 from common.environment import is_rank0
-from common.guards import randomness
+from common.guards import randomness, samples
 from common.guards.ending import stop
 
 
@@ -118,13 +120,19 @@ def fingerprint(dataset, samples=1000):
         digest.update(dataset.images[::stride].numpy().tobytes())
         return f"{len(dataset)}-{digest.hexdigest()}"
     digest = hashlib.blake2b(digest_size=8)
-    for i in range(0, len(dataset), stride):
-        x, y = item(dataset, i)
-        x = torch.as_tensor(x).cpu().contiguous().reshape(-1)  # its bytes: numpy has no bfloat16
-        digest.update(x.view(torch.uint8).numpy().tobytes() + str(int(y)).encode())
+    for i in range(0, len(dataset), stride):  # every tensor of a sample, however nested; other values as text
+        for leaf in pytree.tree_leaves(item(dataset, i)):
+            digest.update(as_bytes(leaf))
     if len(dataset):
         item(dataset, len(dataset) - 1)  # the last item, which a __len__ that counts too many lacks
     return f"{len(dataset)}-{digest.hexdigest()}"
+
+
+def as_bytes(leaf):
+    """A tensor's bytes (numpy has no bfloat16: viewed as bytes first), or another value's repr()."""
+    if not isinstance(leaf, torch.Tensor):
+        return repr(leaf).encode()
+    return leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def item(dataset, i):
@@ -136,20 +144,29 @@ def item(dataset, i):
              f"{str(err)[:100]}): its __len__ must count the items __getitem__ returns, and each must load")  # fmt: skip
 
 
-def check_datasets(args, *datasets):
-    """What the task's datasets() returned: map-style data sets of (input, label) pairs, a label a class number."""
+def check_datasets(args, task, *datasets):
+    """What the task's datasets() returned: map-style data sets of (input, label) pairs, each a tensor or nested
+    dicts, lists and tuples of them, a label a class number unless the task has its own loss or metric; and
+    that its collate() (else stacking) batches the first two samples into an (input, label) pair."""
+    samples.check_metric(args, task)
     for name, found in zip(("training", "test"), datasets, strict=False):
+        if isinstance(found, IterableDataset):  # a stream has no index to resume at, nor a shard per rank
+            stop(f"error: --task {args.task}: its {name} set is an IterableDataset: a run resumes at the exact sample "
+                 "where it stopped, and every rank evaluates its own samples, which needs indices: return a map-style "
+                 "Dataset (__len__ and __getitem__), e.g. one that reads the stream's items by index from files")  # fmt: skip
         if isinstance(found, data.Images):  # read whole batches, never probed an item at a time
             continue
         try:
             x, y = randomness.drawn(found, 0, 0)  # the run's own generators untouched
-            if torch.as_tensor(y).is_floating_point():  # int() would pass it, and cross-entropy fail with a traceback
-                raise TypeError(f"a label of {torch.as_tensor(y).dtype}")
-            int(y)
+            floats = [t.dtype for t in pytree.tree_leaves(y) if torch.is_tensor(t) and t.is_floating_point()]
+            if (floats or isinstance(y, float)) and not hasattr(task, "loss") and not hasattr(task, "metric"):
+                raise TypeError(f"a label of {floats[0] if floats else float}: cross-entropy and accuracy count "
+                                "class numbers; define loss() and metric, score() for other targets")  # fmt: skip
         except Exception as err:  # the user's data set: anything can fail here
             stop(f"error: --task {args.task}: datasets() must return (training set, test set) of torch.utils.data "
-                 f"Datasets whose items are (input, label), the label a class number; its {name} set's first "
-                 f"item fails that ({type(err).__name__}: {str(err)[:100]})")  # fmt: skip
+                 f"Datasets whose items are (input, label), the label a class number by default; its {name} set's "
+                 f"first item fails that ({type(err).__name__}: {str(err)[:200]})")  # fmt: skip
+        samples.check_collate(args, task, name, [randomness.drawn(found, i, 0) for i in range(min(len(found), 2))])
     if args.loader == "device" and not all(isinstance(d, data.Images) for d in datasets):
         stop(
             f"error: --loader device holds a data set of tensors (common/data.py Images) on the GPU; --task "
@@ -157,11 +174,11 @@ def check_datasets(args, *datasets):
         )
 
 
-def agree(args, *datasets):
+def agree(args, task, *datasets):
     """Before the first step: every rank must train the same run on the same data. A difference in the
     options that define the run, or in the data sets' sizes or fingerprints, ends every rank with the
     option (or data set) and the ranks that differ, instead of a collective mismatch deep in torch."""
-    check_datasets(args, *datasets)
+    check_datasets(args, task, *datasets)
     if not dist.is_initialized():
         return
     mine = {f"--{k.replace('_', '-')}": v for k, v in defining(args).items()}

@@ -38,7 +38,7 @@ class Guard:
         distributed.setup(), or None without a launcher."""
         self.args = args
         check.check_environment()  # every launcher variable, before anything reads it
-        check.check_args(args)
+        check.check_args(args, gpus=0 if args.no_cuda else torch.cuda.device_count())
         self.lock = lock.claim(args.output_dir)  # first: one run per folder, and a folder it can write
         randomness.seed(args.seed)  # numpy's and random's, as the stage seeds torch's
         return self.meet(args)
@@ -57,10 +57,10 @@ class Guard:
         self.watchdog.watch()  # heartbeats: a failed collective names the rank that went silent
         return store
 
-    def agree(self, train_set, val_set, test_set):
+    def agree(self, train_set, val_set, test_set, task):
         """Every rank trains the same run on the same data; the checkpoints record what it is trained on. Returns the
         sets, a task's own drawn with generators seeded per sample (randomness.Seeded); data.Images, by type, as is."""
-        preflight.agree(self.args, train_set, test_set)  # first: it says in one line what a task's data lacks
+        preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.data = preflight.fingerprint(train_set)
         own = [s if isinstance(s, data.Images) else randomness.Seeded(s, self.args.seed) for s in (train_set, val_set)]
         self.seeded = isinstance(own[0], randomness.Seeded)

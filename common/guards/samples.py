@@ -1,0 +1,74 @@
+"""Guard rail: a task's samples and batches, named in one line where they do not fit: a collate() that fails
+(with the shapes it was given), a batch that is no (input, label) pair, a label the model has no output for."""
+
+import re
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils.data import default_collate
+
+from common.guards.ending import stop
+
+
+def shapes(batch):
+    """The shapes of the tensors in `batch` (samples, nested) for an error line: [[5], 7] or {'ids': [5]}."""
+    return str(pytree.tree_map(lambda t: list(t.shape) if isinstance(t, torch.Tensor) else t, batch))[:200]
+
+
+def check_metric(args, task):
+    """The task's metric, if it has one (common/metrics.py Metric), and --target-accuracy only for accuracy."""
+    metric, scored = getattr(task, "metric", None), callable(getattr(task, "score", None))
+    if (metric is not None or scored) and not (
+        scored and isinstance(metric, tuple) and len(metric) == 2 and metric[1] in ("higher", "lower")
+    ):
+        stop(f'error: --task {args.task}: a metric is `metric = (name, "higher" or "lower")` with a function '
+             "score(output, target) that sums it over a batch: it defines one without the other, or another kind")  # fmt: skip
+    if metric and args.target_accuracy is not None:
+        stop(f"error: --target-accuracy: --task {args.task} measures {metric[0]} ({metric[1]} is better), not "
+             "accuracy: give --target")  # fmt: skip
+
+
+def check_collate(args, task, name, samples):
+    """The first samples of a data set, batched as training will: one line naming the shapes, not a traceback."""
+    collate, what = (task.collate, "its collate()") if hasattr(task, "collate") else (default_collate, "stacking")
+    try:
+        batch = collate(samples)
+    except Exception as err:  # the user's samples or collate: anything can fail here
+        fix = "" if hasattr(task, "collate") else ": define collate(samples) in the task to pad them (README)"
+        stop(f"error: --task {args.task}: {what} fails on the first samples of its {name} set, of shapes "
+             f"{shapes(samples)} ({type(err).__name__}: {str(err)[:150]}){fix}")  # fmt: skip
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        stop(f"error: --task {args.task}: {what} must return a pair (inputs, labels), each a tensor or a dict, list or "
+             f"tuple of them; of its {name} set's first samples it returns {shapes(batch)}")  # fmt: skip
+
+
+def explain(err, task):
+    """One line for a label outside the model's outputs, or a collate() that failed on a later batch; else None.
+    Said by the rank that met it: the others may have had no such label or batch."""
+    frames = [frame for frame, _ in traceback_frames(err)]
+    outside = re.search(r"Target (-?\d+) is out of bounds", str(err))
+    losses = [f.f_locals["input"] for f in frames if f.f_code.co_name in ("cross_entropy", "nll_loss")]
+    if outside and losses and torch.is_tensor(losses[0]) and losses[0].ndim > 1:
+        count = losses[0].shape[1]
+        return (f"error: --task {task}: a label {outside[1]}, but the model has {count} outputs (labels 0 to "
+                f"{count - 1}): give model(args) one output per class, or labels in that range")  # fmt: skip
+    if "Expected more than 1 value per channel when training" in str(err):  # BatchNorm, a batch of one sample
+        return (f"error: --task {task}: a training batch of one sample reached BatchNorm, which needs two to "
+                "normalize: choose a --batch-size (per rank) that leaves no last batch of one, or --limit the set")  # fmt: skip
+    collates = [f for f in frames if "collate" in f.f_code.co_name]
+    if collates:
+        code = collates[0].f_code
+        samples = collates[0].f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        return (f"error: --task {task}: batching samples of shapes {shapes(samples)} failed ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:150]}): define (or fix) collate(samples) in the task (README)")  # fmt: skip
+    if "in DataLoader worker" in str(err) and "collate" in str(err):  # the worker's traceback, as text
+        return (f"error: --task {task}: batching samples failed in a DataLoader worker ({str(err).splitlines()[-1][:150]}): "
+                "--num-workers 0 names their shapes; define (or fix) collate(samples) in the task (README)")  # fmt: skip
+    return None
+
+
+def traceback_frames(err):
+    tb = err.__traceback__
+    while tb is not None:
+        yield tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next

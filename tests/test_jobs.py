@@ -1,0 +1,289 @@
+"""The jobs people train beside the examples: batches of any structure (a task's collate(), dicts of tensors as
+inputs and labels), the task's own metric (regression: MAE, no accuracy anywhere), BatchNorm evaluated and saved
+alike on every rank, the worked example common/tasks/text.py stopped and resumed bit-identical, and one line
+for each way such a task can be wrong."""
+
+import argparse
+import csv
+import re
+import signal
+
+import pytest
+import torch
+from helpers import (
+    REPO,
+    S01,
+    S03,
+    S05,
+    assert_same_state,
+    checkpoint,
+    clean_env,
+    metrics,
+    one_error,
+    python,
+    run,
+    stage_args,
+    start,
+    torchrun,
+)
+from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
+
+from common import data
+from common.guards import preflight
+from common.metrics import Log, Metric
+from common.tasks import text
+
+TEXT = REPO / "common" / "tasks" / "text.py"
+SAMPLES, BATCH = 256, 32  # as test_preemption's MNIST: 8 steps per epoch
+TESTS = SAMPLES // 5  # 51 test texts: 2 ranks do not divide them
+
+# A regression with BatchNorm: float targets, MSE, and MAE as the metric. 45 test samples: 2 ranks do not divide them
+REGRESSION = """
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+metric = ("mae", "lower")
+TRAIN, TEST = {train}, {test}
+
+
+def score(output, target):
+    return (output.squeeze(1) - target).abs().sum()
+
+
+def loss(output, target):
+    return F.mse_loss(output.squeeze(1), target)
+
+
+def model(args):
+    return nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def data():
+    x = torch.randn(TRAIN + TEST, 4, generator=torch.Generator().manual_seed(0))
+    return x, x @ torch.tensor([1.0, -2.0, 0.5, 0.0]) + 3
+
+
+def datasets(args):
+    x, y = data()
+    return TensorDataset(x[:TRAIN], y[:TRAIN]), TensorDataset(x[TRAIN:], y[TRAIN:])
+"""
+
+
+def regression(folder, train=256, test=45, extra=""):
+    path = folder / "regression.py"
+    path.write_text(REGRESSION.format(train=train, test=test) + extra)
+    return path
+
+
+def text_args(out, *extra):
+    task = ["--task", TEXT, "--samples", SAMPLES, "--dim", 16, "--layers", 2]
+    return stage_args(REPO / "data", out, *task, "--epochs", 2, "--batch-size", BATCH, *extra)
+
+
+def accuracy(output):
+    """(correct, samples) of the last epoch line."""
+    return tuple(map(int, re.findall(r"accuracy (\d+)/(\d+)", output)[-1]))
+
+
+def load(path):
+    """The task file at `path` as a module, as the stages load it."""
+    from common import cli
+
+    return cli.load_task(path)
+
+
+def test_regression_in_stage_05_at_two_ranks_prints_the_saved_models_mae_and_no_accuracy(tmp_path):
+    """Float targets, the task's metric (MAE, lower is better) and BatchNorm under FSDP: the printed test MAE is the
+    saved model's, whose running statistics every rank shares (each rank kept its own before)."""
+    task = regression(tmp_path)
+    out = torchrun(2, S05, *stage_args(REPO / "data", tmp_path, "--task", task, "--epochs", 1, "--batch-size", 32,
+                                       "--lr", 0.5, "--save-model"))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "accuracy" not in out.stdout and "| mae " in out.stdout, out.stdout
+    header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "test_mae" in header and "val_mae" in header and not [h for h in header if "accuracy" in h], header
+    row = metrics(tmp_path)[-1]
+    assert row["better"] == "lower"
+    module = load(task)
+    model = module.model(None)
+    model.load_state_dict(checkpoint(tmp_path, "model.pt"))
+    x, y = module.data()
+    with torch.no_grad():
+        mae = float(module.score(model.eval()(x[256:]), y[256:])) / 45
+    printed = float(re.findall(r"\| mae (\S+)", out.stdout)[-1])
+    assert float(row["test_mae"]) == pytest.approx(mae, rel=1e-5) and printed == pytest.approx(mae, abs=1e-4)
+
+
+def test_the_text_example_at_two_ranks_counts_every_test_text_once(tmp_path):
+    """Texts of different lengths, padded by the task's collate() into a dict of tokens and mask."""
+    out = torchrun(2, S03, *text_args(tmp_path, "--epochs", 1, "--save-model", "--test-batch-size", 8))
+    assert out.returncode == 0, out.stderr[-2000:]
+    options = argparse.Namespace(samples=SAMPLES, max_len=32, vocab=16, dim=16, layers=2, seed=1, limit=None)
+    model = text.model(options)
+    model.load_state_dict(checkpoint(tmp_path, "model.pt"))
+    inputs, labels = text.collate(list(text.datasets(options)[1]))
+    with torch.no_grad():
+        correct = int((model.eval()(inputs).argmax(1) == labels).sum())
+    assert len(labels) == TESTS and TESTS % 2 and accuracy(out.stdout) == (correct, TESTS), out.stdout
+
+
+@pytest.mark.slow
+def test_the_text_example_stopped_mid_epoch_at_two_ranks_resumes_bit_identical(tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert torchrun(2, S03, *text_args(whole)).returncode == 0
+    proc = start(S03, *text_args(cut), nproc=2, env=clean_env(**SLOW))
+    output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
+    step = saved_mid_epoch(cut, output, proc.returncode, proc)
+    resumed = torchrun(2, S03, *text_args(cut, "--resume"))
+    assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
+    assert accuracy(resumed.stdout)[1] == TESTS
+    cut, whole = checkpoint(cut), checkpoint(whole)
+    for part in ("model", "optimizer", "scheduler"):  # every tensor; the logged training loss sums in another order
+        assert_same_state(cut[part], whole[part], part)
+    assert [r["test_accuracy"] for r in cut["log"]["rows"]] == [r["test_accuracy"] for r in whole["log"]["rows"]]
+
+
+@pytest.mark.slow
+def test_dict_inputs_and_dict_labels_in_stage_05_with_micro_batches(tmp_path):
+    """Hugging Face-style samples: a dict of inputs and a dict of labels, split into --grad-accum micro-batches."""
+    task = tmp_path / "dicts.py"
+    task.write_text(
+        "import torch\nfrom torch import nn\nfrom torch.nn import functional as F\nfrom common.tasks import text\n"
+        "add_arguments, check, model = text.add_arguments, text.check, text.model\n"
+        "def collate(samples):\n    inputs, labels = text.collate(samples)\n    return inputs, {'label': labels}\n"
+        "def loss(output, target):\n    return F.cross_entropy(output, target['label'])\n"
+        "metric = ('accuracy', 'higher')\n"
+        "def score(output, target):\n    return (output.argmax(1) == target['label']).sum()\n"
+        "datasets = text.datasets\n"
+    )
+    args = stage_args(REPO / "data", tmp_path / "out", "--task", task, "--samples", SAMPLES, "--epochs", 1,
+                      "--batch-size", BATCH, "--grad-accum", 2)  # fmt: skip
+    out = torchrun(2, S05, *args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert accuracy(out.stdout)[1] == TESTS
+
+
+@pytest.mark.slow
+def test_a_metric_over_a_test_set_of_one_sample_at_two_ranks_is_finite(tmp_path):
+    """Rank 1 has no test sample of its own: it adds nothing, and the mean is over the one sample."""
+    out = torchrun(2, S03, *stage_args(REPO / "data", tmp_path, "--task", regression(tmp_path, test=1), "--epochs", 1))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(metrics(tmp_path)[-1]["test_mae"]) < float("inf")
+
+
+def test_the_target_of_a_lower_is_better_metric_is_reached_at_or_below_it(tmp_path):
+    log = Log(tmp_path, 1, metric=Metric("mae", "lower", None))
+    log.rows = [{"val_mae": "", "test_mae": 0.5}]
+    assert log.reached(0.5, 1) and not log.reached(0.4, 1)
+    accuracy_log = Log(tmp_path, 1)
+    accuracy_log.rows = [{"val_accuracy": "", "test_accuracy": 90.0}]
+    assert accuracy_log.reached(90, 1) and not accuracy_log.reached(91, 1)
+
+
+def test_a_one_output_model_counts_its_logit_above_zero_as_class_1():
+    output, target = torch.tensor([[2.0], [-1.0], [0.5]]), torch.tensor([1.0, 0.0, 0.0])
+    assert Metric().score(output, target) == 2
+
+
+def test_nested_batches_are_moved_counted_split_and_cut():
+    batch = ({"tokens": torch.ones(5, 3), "mask": [torch.zeros(5, 3, dtype=torch.bool)]}, torch.arange(5))
+    moved = data.to_device(batch, torch.device("cpu"))
+    assert data.count(moved[1]) == 5 and data.count(moved[0]) == 5
+    parts = data.chunk(moved[0], 2)
+    assert [data.count(p) for p in parts] == [3, 2] and parts[1]["mask"][0].shape == (2, 3)
+    assert data.first(moved, 2)[0]["tokens"].shape == (2, 3)
+
+
+def test_the_fingerprint_reads_every_tensor_of_nested_samples():
+    class Dicts(torch.utils.data.Dataset):
+        def __init__(self, value):
+            self.value = value
+
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"ids": torch.tensor([i, self.value])}, {"label": torch.tensor(i)}
+
+    assert preflight.fingerprint(Dicts(1)) == preflight.fingerprint(Dicts(1)) != preflight.fingerprint(Dicts(2))
+
+
+STREAM = (
+    "import torch\nfrom torch.utils.data import IterableDataset\nfrom common.tasks import sequences\n"
+    "model = sequences.model\nadd_arguments = sequences.add_arguments\n"
+    "class Stream(IterableDataset):\n    def __iter__(self):\n        yield torch.zeros(16, dtype=torch.long), 0\n"
+    "def datasets(args):\n    return Stream(), Stream()\n"
+)
+VARIABLE = (
+    "from common.tasks import text\nadd_arguments, check, model, datasets = text.add_arguments, text.check, "
+    "text.model, text.datasets\n"
+)
+OUTSIDE = "\ndef datasets(args):\n    x, y = data()\n    return TensorDataset(x, (y > 3).long() * 7), TensorDataset(x, (y > 3).long())\n"  # noqa: E501
+BAD = {  # a task file (or its parts), what the error line names
+    "an IterableDataset": (STREAM, ["IterableDataset", "needs indices", "map-style Dataset"]),
+    "texts of different lengths and no collate()": (VARIABLE, ["stacking fails", "of shapes [([", "define collate"]),
+    "a collate() returning a dict": (
+        VARIABLE + "def collate(samples):\n    return text.collate(samples)[0]\n",
+        ["must return a pair (inputs, labels)", "'tokens'"],
+    ),
+    "a collate() that fails": (
+        VARIABLE + "def collate(samples):\n    raise ValueError('no padding here')\n",
+        ["its collate() fails", "no padding here", "of shapes [(["],
+    ),
+    "labels outside the model's outputs": (None, ["a label 7", "has 2 outputs"]),
+    "a metric without score()": (None, ["metric = (name", "score(output, target)"]),
+    "a batch of one sample through BatchNorm": (None, ["batch of one sample", "BatchNorm"]),
+}
+EVERYDAY = {"an IterableDataset", "texts of different lengths and no collate()", "labels outside the model's outputs"}
+
+
+@pytest.mark.parametrize("case", [c if c in EVERYDAY else pytest.param(c, marks=pytest.mark.slow) for c in BAD])
+def test_a_task_whose_batches_do_not_fit_is_one_line_naming_it(case, tmp_path):
+    source, words = BAD[case]
+    extra = []
+    if case == "labels outside the model's outputs":  # two outputs (the model's last layer), labels 0 and 7
+        task = regression(tmp_path, extra=OUTSIDE)
+        task.write_text(task.read_text().replace("nn.Linear(16, 1)", "nn.Linear(16, 2)").replace("def loss", "def _loss")
+                        .replace('metric = ("mae", "lower")', "").replace("def score", "def _score"))  # fmt: skip
+    elif case == "a metric without score()":
+        task = regression(tmp_path)
+        task.write_text(task.read_text().replace("def score", "def _score"))
+    elif case == "a batch of one sample through BatchNorm":
+        task, extra = regression(tmp_path, train=33), ["--batch-size", 32]
+    else:
+        task = tmp_path / "my_task.py"
+        task.write_text(source)
+    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", task, "--epochs", 1, *extra))
+    one_error(out, f"--task {task}", *words)
+
+
+def test_sync_bn_without_gpus_is_refused_by_check(tmp_path):
+    out = python(S03, "--sync-bn", "--check", "--output-dir", tmp_path)
+    one_error(out, "--sync-bn needs GPUs")
+    assert out.returncode == 2
+
+
+def test_plan_counts_a_model_with_batchnorm(tmp_path):
+    """BatchNorm refuses to train on one sample: the planner measures at per-rank batches of 2 and 3."""
+    out = run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "tools" / "plan.py"), "--task",
+               str(regression(tmp_path)), "--batch-size", "8"])  # fmt: skip
+    assert out.returncode == 0 and "#SBATCH --gres=gpu:1" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_tools_read_the_metric_a_run_measured(tmp_path):
+    """tools/scaling.py: the time to the task's metric reaching --target, in its direction."""
+    rows = [dict(epoch=e, lr=1, train_loss=1, val_loss="", val_mae="", test_loss=1, test_mae=mae, epoch_seconds=10,
+                 images_per_s=100, images_per_s_per_process=100, world_size=1, nodes=1, peak_memory_mib="",
+                 compile_seconds=0, better="lower") for e, mae in ((1, 0.5), (2, 0.2))]  # fmt: skip
+    (tmp_path / "run").mkdir()
+    with open(tmp_path / "run" / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    scaling = [str(REPO / ".venv" / "bin" / "python"), str(REPO / "tools" / "scaling.py"), str(tmp_path / "run")]
+    out = run([*scaling, "--target", "0.3"])
+    assert out.returncode == 0 and "time to mae 0.3" in out.stdout and "| 20.0 s |" in out.stdout, out.stderr
+    assert "accuracy" not in out.stdout
+    one_error(run(scaling), "measure mae", "--target")
