@@ -24,7 +24,7 @@ CPU = torch.device("cpu")
 
 
 def batches(dataset, sampler, loader, batch_size=8):
-    args = SimpleNamespace(loader=loader, num_workers=0)
+    args = SimpleNamespace(loader=loader, num_workers=0, seed=1)
     return list(data.loader(dataset, sampler, batch_size, args, CPU))
 
 

@@ -13,14 +13,14 @@ from helpers import REPO, S03, S05, TEST_SIZE, free_port, stage_args, torchrun
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, data
+from common import amp, data, metrics
 from common.guards import rails, resume
 from common.guards.preemption import Preemption
 from common.models import Net
 
 BATCH, STEPS = 32, 6
 ARGS = SimpleNamespace(
-    log_interval=10**6, output_dir="unused", dry_run=False, amp=False, loader="batched", num_workers=0,
+    log_interval=10**6, output_dir="unused", dry_run=False, amp=False, loader="batched", num_workers=0, seed=1,
     checkpoint_minutes=None, batch_size=BATCH,
 )  # fmt: skip
 CPU = torch.device("cpu")
@@ -87,7 +87,9 @@ def assert_counted_once(output, model_file, data_dir, val_fraction=0.0):
     model.load_state_dict(torch.load(model_file, weights_only=True))
     test_set = data.dataset(data_dir, "mnist", train=False)
     loader = data.loader(test_set, range(TEST_SIZE), 1000, ARGS, CPU)
-    loss, correct, count = stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, TEST_SIZE, RUN).tolist()
+    loss, correct, count = (
+        stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, metrics.accuracy, TEST_SIZE, RUN).tolist()
+    )
     assert count == TEST_SIZE
     assert f"accuracy {int(correct)}/{TEST_SIZE} ({100 * correct / count:.2f}%)" in line, line
     assert f"test loss {loss / count:.4f}" in line, line
@@ -95,7 +97,9 @@ def assert_counted_once(output, model_file, data_dir, val_fraction=0.0):
         _, val_set = data.split(data.dataset(data_dir, "mnist", train=True), val_fraction, seed=1)
         loader = data.loader(val_set, range(len(val_set)), 1000, ARGS, CPU)
         loss, correct, count = (
-            stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, len(val_set), RUN).tolist()
+            stage("01_single_gpu")
+            .evaluate(model, CPU, loader, F.cross_entropy, metrics.accuracy, len(val_set), RUN)
+            .tolist()
         )
         assert f"val loss {loss / count:.4f} ({100 * correct / count:.2f}%)" in line, line
 

@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 from common import amp, data, models
+from common.metrics import accuracy
 
 STEPS = 4
 # what each claim is checked to: the same sums in another order (fp32 on CPU, a few steps of Adadelta at lr 1)
@@ -64,7 +65,7 @@ def test_stage05_exports_stage01s_model(tiny_data, tmp_path):
     model = models.Net()
     model.load_state_dict(checkpoint(tmp_path, "model.pt"), strict=True)
     loader = data.loader(data.dataset(tiny_data, "mnist", train=False), range(TEST_SIZE), 1000, ARGS, CPU)
-    correct = stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, TEST_SIZE, RUN)[1]
+    correct = stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, accuracy, TEST_SIZE, RUN)[1]
     assert 100 * correct.item() / TEST_SIZE == pytest.approx(float(rows[-1]["test_accuracy"]))
 
 

@@ -11,7 +11,7 @@ from common import data, models
 from common.tasks import images
 
 CPU = torch.device("cpu")
-ARGS = SimpleNamespace(loader="batched", num_workers=0)
+ARGS = SimpleNamespace(loader="batched", num_workers=0, seed=1)
 SHAPES = {  # in_channels, image_size, classes
     "mnist": (1, 28, 10),
     "fashion-mnist": (1, 28, 10),
