@@ -11,6 +11,7 @@ Launch (from 05_fsdp/):
     sbatch job.slurm --model wideresnet --dataset cifar100 --amp --checkpoint-activations --grad-accum 2
 
 Changes from stage 04:
+  - construction: on the meta device, no rank holding the whole model; each fills only its own shards;
   - sharding: fully_shard on each BatchNorm layer, each block and the root, instead of DDP;
   - mixed precision: FSDP's policies (amp.policies) instead of autocast;
   - sharded checkpoints: checkpoint.save_sharded(), each rank writing its own shards;
