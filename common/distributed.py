@@ -94,8 +94,8 @@ def mesh(args, world_size, device):
     (FSDP)."""
     if not dist.is_initialized():
         return None
-    if device.type == "cpu":
-        return_freed_blocks()
+    if device.type == "cpu" and sys.platform == "linux":  # FSDP frees gathered blocks each step, which glibc
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # kept; M_MMAP_THRESHOLD fixed at 1 MiB: each one unmapped when freed
     from torch.distributed.device_mesh import init_device_mesh  # here: the stages that do not shard skip it
 
     everyone = [None] * world_size  # torchruns with unequal --nproc_per_node: every rank must build one mesh
@@ -104,17 +104,6 @@ def mesh(args, world_size, device):
     if args.full_shard or len(set(everyone)) > 1 or per_node >= world_size or world_size % per_node:
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
     return init_device_mesh(device.type, (world_size // per_node, per_node), mesh_dim_names=("replicate", "shard"))
-
-
-def return_freed_blocks():
-    """FSDP on the CPU allocates and frees every gathered block and gradient each step. glibc raises its mmap
-    threshold to the size of each large block freed (up to 32 MiB) and serves the next ones from heaps it keeps
-    after a free: resident memory then grows step after step past the rank's shards (at 64 blocks of 16 MiB,
-    past the whole model). A fixed threshold maps each block over 1 MiB on its own and unmaps it when freed."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD, in glibc's malloc.h
-    except (OSError, AttributeError):  # another C library (musl, macOS): its allocator, as it is
-        pass
 
 
 def use_device(local_rank, args):
