@@ -11,6 +11,7 @@ Launch (from 05_fsdp/):
     sbatch job.slurm --model wideresnet --dataset cifar100 --amp --checkpoint-activations --grad-accum 2
 
 Changes from stage 04:
+  - construction: on the meta device, no rank holding the whole model; each fills only its own shards;
   - sharding: fully_shard on each BatchNorm layer, each block and the root, instead of DDP;
   - mixed precision: FSDP's policies (amp.policies) instead of autocast;
   - sharded checkpoints: checkpoint.save_sharded(), each rank writing its own shards;
@@ -46,7 +47,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common import amp, checkpoint, cli, data, distributed, metrics, optim
 from common.guards import rails  # the guard rails: each line that uses `guard` says what it guards; skip them
-from common.models import blocks, norms
+from common.models import blocks, materialise, norms
 
 
 @metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
@@ -56,13 +57,7 @@ def train(model, device, loader, optimizer, scaler, loss_fn, epoch, args, guard)
     for batch_idx, (x, y) in enumerate(loader):
         x, y = data.to_device((x, y), device)  # tensors, or dicts and lists of them (a task's collate())
         optimizer.zero_grad(set_to_none=True)
-        loss, micro = 0, list(zip(data.chunk(x, args.grad_accum), data.chunk(y, args.grad_accum), strict=True))
-        for i, (xm, ym) in enumerate(micro):  # --grad-accum: the rank's batch in slices, gradients summed
-            if dist.is_initialized():  # reduce the gradients once, after the last slice, not after each
-                model.set_requires_gradient_sync(i == len(micro) - 1)
-            part = loss_fn(model(xm), ym) * data.count(ym) / data.count(y)  # its share of the batch's mean loss
-            scaler.scale(part).backward()
-            loss += part.detach()
+        loss = optim.backward(model, x, y, loss_fn, scaler, args.grad_accum)  # --grad-accum: in slices, reduced once
         scaler.step(optimizer)
         scaler.update()
         totals[0] += loss.detach() * data.count(y)
@@ -115,7 +110,8 @@ def main(guard):
     test_loader = data.loader(test_set, test_shard.indices, args.test_batch_size, args, device, collate)
     distributed.banner(args, rank, local_rank, world_size, device, train_loader)
 
-    model = task.model(args).to(device)
+    with torch.device("meta" if getattr(task, "META", True) else "cpu"):  # shapes only: no rank holds it whole
+        model = task.model(args)
     units = getattr(task, "blocks", blocks)(model)  # the task's, else the layers its nn.Sequential or ModuleList lists
     mesh = distributed.mesh(args, world_size, device)  # several nodes: shard within each, replicate across (HSDP)
     metrics.memory(model, args, world_size, mesh)
@@ -134,6 +130,7 @@ def main(guard):
         for block in units:  # each block's weights are gathered just before it runs, then freed
             fully_shard(block, mesh=mesh, mp_policy=block_policy)
         fully_shard(model, mesh=mesh, mp_policy=root_policy)  # the rest at the root; gradients reduce-scattered
+    materialise(model, device, task, args)  # each rank fills its own shards: stage 01's weights, at any world size
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)

@@ -12,6 +12,7 @@ outside (common/guards/): they check the launch before any wait and hand setup()
 that bounds every wait and names the rank that went silent.
 """
 
+import ctypes
 import datetime
 import os
 import socket
@@ -50,6 +51,8 @@ def mesh(args, world_size, device):
     (FSDP)."""
     if not dist.is_initialized():
         return None
+    if device.type == "cpu" and sys.platform == "linux":  # FSDP frees gathered blocks each step, which glibc
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # kept; M_MMAP_THRESHOLD fixed at 1 MiB: each one unmapped when freed
     from torch.distributed.device_mesh import init_device_mesh  # here: the stages that do not shard skip it
 
     everyone = [None] * world_size  # torchruns with unequal --nproc_per_node: every rank must build one mesh

@@ -6,6 +6,8 @@ log-probabilities, as the stages train with F.nll_loss.
   wideresnet  WRN-depth-width of Zagoruyko & Komodakis, "Wide Residual Networks" (2016), for 32x32 images
 """
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -88,11 +90,17 @@ class WideResNet(nn.Module):
         layers += [nn.BatchNorm2d(widths[3]), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
         self.features = nn.Sequential(*layers)
         self.fc = nn.Linear(widths[3], num_classes)
-        for m in self.modules():  # the authors' initialization: He et al. for convolutions, zero biases
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.Linear):
-                nn.init.zeros_(m.bias)
+        for m in self.modules():
+            self.init_weights(m)
+
+    @staticmethod
+    def init_weights(m):
+        """The authors' initialization, layer by layer after PyTorch's: He et al. for convolutions, zero
+        biases. Stage 05, which builds the model on the meta device, applies it the same way (materialise())."""
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.Linear):
+            nn.init.zeros_(m.bias)
 
     def forward(self, x):
         return F.log_softmax(self.fc(self.features(x)), dim=1)
@@ -137,3 +145,90 @@ def build(name, in_channels, num_classes, image_size, depth=16, width=4):
             raise SystemExit(f"error: --depth {depth}: a WideResNet is 6n+4 layers deep, n >= 1 (10, 16, 22, 28, 40)")
         return WideResNet(in_channels, num_classes, depth, width)
     raise SystemExit(f"error: unknown model {name!r}: net, cnn or wideresnet")
+
+
+def materialise(model, device, task, args):
+    """Stage 05 builds the model on the meta device (shapes, no memory) and shards it; each rank then allocates
+    its own shards and fills them, never holding more than one layer whole: from the task's file of whole
+    weights, `weights(args)`, if it names one, else with stage 01's initial weights at the same seed (each
+    layer's reset_parameters(), children first as a constructor runs them, then the task's or the model's
+    init_weights(layer)): the same at any world size. A task built on the CPU (META = False) is only moved."""
+    if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        return model.to(device)
+    model.to_empty(device=device)
+    if getattr(task, "weights", None) and (path := task.weights(args)):
+        return load_whole(model, path)
+    resets = [m for m in post_order(model, set()) if reset_of(m) and list(held(m, True))]
+    covered = {id(t) for m in resets for *_, t in held(m, True)}
+    for name, m in model.named_modules():
+        if any(id(t) not in covered for *_, t in held(m)):
+            raise SystemExit(f"error: {name} ({type(m).__name__}) has tensors that no reset_parameters() sets, which "
+                             "stage 05 needs to initialise a model built on the meta device: give it one, or set "
+                             "META = False in the task file")  # fmt: skip
+    done, init = set(), getattr(task, "init_weights", None) or getattr(model, "init_weights", None)
+    for m in resets:
+        on_cpu(m, reset_of(m), done, recurse=True)
+    for m in model.modules() if init else ():
+        on_cpu(m, lambda m=m: init(m), done)
+    return model
+
+
+def post_order(module, seen):
+    for child in module.children():
+        if child not in seen:
+            yield from post_order(child, seen)
+    seen.add(module)
+    yield module
+
+
+def reset_of(module):
+    return getattr(module, "reset_parameters", None) or getattr(
+        module, "_reset_parameters", None
+    )  # the latter: attention's
+
+
+def held(module, recurse=False):
+    """(owner, "_parameters" or "_buffers", name, tensor) for each tensor of `module` (and its sub-layers)."""
+    for owner in module.modules() if recurse else [module]:
+        for kind in ("_parameters", "_buffers"):
+            yield from ((owner, kind, name, t) for name, t in getattr(owner, kind).items() if t is not None)
+
+
+def on_cpu(module, init, done, recurse=False):
+    """init() on CPU copies of the whole tensors of `module` (their values so far if `done`, gathered), drawing
+    from the global generator as the constructor did; then each rank keeps its own shard of each."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    slots = list(held(module, recurse))
+    for owner, kind, name, t in slots:
+        whole = (t.full_tensor() if isinstance(t, DTensor) else t) if id(t) in done else torch.empty(t.shape)
+        whole = whole.detach().to("cpu", t.dtype, copy=True)
+        getattr(owner, kind)[name] = nn.Parameter(whole, t.requires_grad) if kind == "_parameters" else whole
+    try:
+        with torch.no_grad():
+            init()
+            for owner, kind, name, t in slots:
+                whole, local = getattr(owner, kind)[name], t
+                if isinstance(t, DTensor):  # this rank's piece, cut as fully_shard cut it: no communication
+                    whole = distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local()
+                    local = t.to_local()
+                local.copy_(whole)
+                done.add(id(t))
+    finally:
+        for owner, kind, name, t in slots:
+            getattr(owner, kind)[name] = t
+
+
+def load_whole(model, path):
+    """A file of whole weights into the sharded model: rank 0 maps it from disk, the others receive their
+    shards of each tensor; no GPU holds it whole."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    weights = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if rank0 else {}
+    if dist.is_initialized():
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:
+        model.load_state_dict(weights)
+    return model

@@ -8,7 +8,9 @@ rule for adaptive optimizers such as Adam or Adadelta), or `none`.
 """
 
 import torch
+import torch.distributed as dist
 
+from common import data
 from common.cli import learning_rate
 
 
@@ -38,3 +40,16 @@ def scheduler(args, optimizer):
     if args.scheduler == "exponential":
         return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.gamma)
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.step_size, gamma=args.gamma)
+
+
+def backward(model, x, y, loss_fn, scaler, micro_batches):
+    """Stage 05's --grad-accum, a memory saver: the rank's batch in `micro_batches` slices, one backward each,
+    their gradients summed and reduced across the ranks once, after the last. Returns the batch's mean loss."""
+    loss, micro = 0, list(zip(data.chunk(x, micro_batches), data.chunk(y, micro_batches), strict=True))
+    for i, (xm, ym) in enumerate(micro):
+        if dist.is_initialized():  # reduce the gradients once, after the last slice, not after each
+            model.set_requires_gradient_sync(i == len(micro) - 1)
+        part = loss_fn(model(xm), ym) * data.count(ym) / data.count(y)  # its share of the batch's mean loss
+        scaler.scale(part).backward()
+        loss += part.detach()
+    return loss

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from helpers import (
     INJECT,
     REPO,
+    S01,
     S03,
     S05,
     TEST_SIZE,
@@ -30,6 +31,7 @@ from helpers import (
 )
 from test_equivalence import ARGS, BATCH, CPU, RUN, model_without_dropout, stage
 from test_stages import check_run
+from torch import nn
 from torch.distributed._composable import checkpoint as recompute
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -38,6 +40,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common import amp, data, models
 from common.metrics import accuracy
+from common.tasks import sequences
 
 STEPS = 4
 # what each claim is checked to: the same sums in another order (fp32 on CPU, a few steps of Adadelta at lr 1)
@@ -305,3 +308,142 @@ def test_nodes_of_unequal_rank_counts_share_one_mesh(tiny_data, tmp_path):
     outputs = "".join(agent.communicate(timeout=240)[0] for agent in agents)
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     assert "mesh: 4 ranks (shard)" in outputs and "done: 1 epochs" in outputs
+
+
+BIG_TASK = '''"""About 1 GB of fp32 weights: 64 linear layers of 2048 x 2048, a few random samples. Each rank writes
+its resident memory before the model is built and its peak at the end, in bytes, to --output-dir."""
+import atexit
+import os
+
+import torch
+import torch._dynamo  # noqa: F401  loaded by the first fully_shard(): 110 MB of torch's code, whatever the model
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def resident(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+def model(args):
+    path = args.output_dir / f"memory-{os.environ.get('WORLD_SIZE', 1)}-{os.environ.get('RANK', 0)}"
+    before = resident("VmRSS:")
+    atexit.register(lambda: path.write_text(f"{before} {resident('VmHWM:')}"))
+    return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(64)], nn.Linear(2048, 2))
+
+
+def datasets(args):
+    g = torch.Generator().manual_seed(args.seed)
+    return (TensorDataset(torch.randn(4, 2048, generator=g), torch.randint(2, (4,), generator=g)) for _ in "ab")
+'''
+
+
+@pytest.mark.slow
+def test_a_model_of_a_gigabyte_never_whole_on_a_rank(tmp_path):
+    """4 ranks train 1 GB of weights, one step (SGD: no optimizer state): each rank's peak resident memory
+    stays under its resident memory before the model was built plus 0.75 of the weights: its quarter of them,
+    their gradients, and the layers in flight (FSDP holds up to four at once in the backward pass, 1/16 of the
+    weights here; blocks of 16 MiB, which glibc kept after each free until stage 05 fixed its threshold: a
+    bare fully_shard loop grew past 3 times the weights in one step). The checkpoint resumes at 2 ranks."""
+    (tmp_path / "big.py").write_text(BIG_TASK)
+    out = tmp_path / "out"
+    args = ("--task", tmp_path / "big.py", "--output-dir", out, "--num-workers", 0, "--batch-size", 4,
+            "--optimizer", "sgd", "--lr", 0.01)  # fmt: skip
+    done = torchrun(4, S05, *args, "--epochs", 1, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    weights = (64 * 2049 * 2048 + 2 * 2049) * 4
+    for rank in range(4):
+        before, peak = map(int, (out / f"memory-4-{rank}").read_text().split())
+        assert peak - before < 0.75 * weights, f"rank {rank}: {(peak - before) / weights:.2f} of the weights"
+    resumed = torchrun(2, S05, *args, "--epochs", 2, "--resume", timeout=600)
+    assert resumed.returncode == 0 and "resumed after epoch 1" in resumed.stdout, resumed.stderr[-3000:]
+    assert "done: 2 epochs" in resumed.stdout, resumed.stdout[-3000:]
+
+
+ON_META = """from common.tasks.images import *  # noqa: F403
+from common.tasks import images
+
+
+def model(args):
+    built = images.model(args)
+    (args.output_dir / f"built-on-{next(built.parameters()).device.type}").touch()
+    return built
+"""
+
+
+@pytest.mark.slow
+def test_initial_weights_are_stage01s_at_any_world_size(tiny_data, tmp_path):
+    """Stage 05 builds the model on the meta device and starts, at 1, 2 and 4 ranks, from the weights stage 01
+    starts from at the same seed. An --lr of 1e-30 leaves every weight as it started (below half an ulp)."""
+    (tmp_path / "task.py").write_text(ON_META)
+    flags = ("--task", tmp_path / "task.py", "--epochs", 1, "--dry-run", "--optimizer", "sgd", "--lr", 1e-30,
+             "--batch-size", 4, "--save-model")  # fmt: skip
+    assert python(S01, *stage_args(tiny_data, tmp_path / "01", *flags)).returncode == 0
+    start = checkpoint(tmp_path / "01", "model.pt")
+    for size in (1, 2, 4):
+        out = tmp_path / f"05-{size}"
+        done = python(S05, *stage_args(tiny_data, out, *flags)) if size == 1 else torchrun(size, S05, *stage_args(tiny_data, out, *flags))  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert [p.name for p in out.glob("built-on-*")] == ["built-on-meta"]
+        torch.testing.assert_close(checkpoint(out, "model.pt"), start, rtol=0, atol=0)
+
+
+def materialised(rank, world_size, port, result):
+    """Each rank builds a WideResNet (its own initialisation after PyTorch's) and a transformer (attention
+    initialises its projection after the projection's own) on the meta device, shards them as stage 05 does,
+    fills its shards; and loads a file of whole weights into a third."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    makers = {"wideresnet": lambda: models.build("wideresnet", 3, 10, 32, depth=10, width=2),
+              "transformer": lambda: sequences.Transformer(16, 16, 32, 2, 2)}  # fmt: skip
+    task, found = type("Task", (), {})(), {}
+    for name, make in [*makers.items(), ("loaded", makers["transformer"])]:
+        if name == "loaded":
+            task.weights = lambda args: result.with_name("whole.pt")
+        torch.manual_seed(7)
+        with torch.device("meta"):
+            model = make()
+        for block in models.norms(model) + models.blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        torch.manual_seed(7)
+        models.materialise(model, CPU, task, None)
+        found[name] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    if rank == 0:
+        torch.save(found, result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_sharded_initialisation_is_the_whole_models(tmp_path):
+    """At 2 ranks, no rank building any model whole: the sharded weights are those the models' constructors
+    give at the same seed, and a file of whole weights loads into the shards as it was saved."""
+    whole = {}
+    for name, make in (("wideresnet", lambda: models.build("wideresnet", 3, 10, 32, depth=10, width=2)),
+                       ("transformer", lambda: sequences.Transformer(16, 16, 32, 2, 2))):  # fmt: skip
+        torch.manual_seed(7)
+        whole[name] = make().state_dict()
+    whole["loaded"] = {k: torch.randn_like(v) for k, v in whole["transformer"].items()}
+    torch.save(whole["loaded"], tmp_path / "whole.pt")
+    mp.spawn(materialised, args=(2, free_port(), tmp_path / "found.pt"), nprocs=2)
+    found = torch.load(tmp_path / "found.pt", weights_only=True)
+    for name in whole:
+        assert found[name].keys() == whole[name].keys(), name
+        for key, value in found[name].items():
+            torch.testing.assert_close(value, whole[name][key], rtol=0, atol=0, msg=f"{name}: {key}")
+
+
+def test_a_layer_no_reset_parameters_sets_is_named():
+    """A tensor set in a constructor but by no reset_parameters() cannot be initialised from the meta device:
+    one line naming the layer and both ways out, before any training."""
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear, self.scale = nn.Linear(2, 2), nn.Parameter(torch.ones(2))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2), Scaled())
+    with pytest.raises(SystemExit, match=r"error: 1 \(Scaled\) has tensors that no reset_parameters\(\) sets.*META = False"):  # fmt: skip
+        models.materialise(model, CPU, None, None)

@@ -244,3 +244,14 @@ def test_a_doctor_file_missing_damaged_or_foreign_is_one_line(tmp_path, text, na
     message = str(stop.value.code)
     assert message.startswith(f"error: --doctor {path}") and named in message and "\n" not in message, message
     assert message.endswith("--bandwidth")  # the fix: the doctor's own file, or the figure by hand
+
+
+def test_the_host_memory_each_rank_needs(capsys):
+    """DDP's stages build the whole model on each rank's CPU; stage 05 one layer at a time (Net's fc1,
+    9216 x 128 weights and 128 biases, the largest), and rank 0 gathers it whole for --save-model."""
+    plan.main(["--model", "net", "--max-gpus", "2"])
+    whole, fc1 = 1199882 * 4 / 2**20, (9216 * 128 + 128) * 4 / 2**20
+    assert (
+        f"host memory per rank for the weights: DDP {whole:.1f} MiB (the whole model, built on the CPU); "
+        f"FSDP and HSDP {fc1:.1f} MiB (its largest layer), rank 0 {whole:.1f} MiB with --save-model"
+    ) in capsys.readouterr().out

@@ -228,7 +228,19 @@ def main(argv=None):
             )
             if best is None and total <= limit:
                 best = (world_size, name)
+    print(host(measured[0]))
     recommend(args, best)
+
+
+def host(model):
+    """The host memory each rank needs for the weights, beside its process and data: stages 03-04 build the
+    whole model on the CPU before moving it; stage 05 builds it on the meta device and fills one layer at a
+    time on the CPU (models.materialise); its --save-model gathers the whole weights on rank 0's CPU."""
+    layers = [m for m in model.modules() if models.reset_of(m)] or [model]
+    layer = max(sum(t.numel() * t.element_size() for *_, t in models.held(m, True)) for m in layers)
+    whole = sum(t.numel() * t.element_size() for *_, t in models.held(model, True))
+    return (f"\nhost memory per rank for the weights: DDP {whole / MiB:.1f} MiB (the whole model, built on the CPU); "
+            f"FSDP and HSDP {layer / MiB:.1f} MiB (its largest layer), rank 0 {whole / MiB:.1f} MiB with --save-model")  # fmt: skip
 
 
 def recommend(args, best):

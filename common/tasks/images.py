@@ -5,6 +5,9 @@ takes one with --task FILE (this file by default), a Python file that defines:
   datasets(args)        (training set, test set) of (input, label) pairs, the label a class number
   loss(output, target)  optional: the loss to train with (default: cross-entropy, on logits or log-probabilities)
   blocks(model)         optional: what stage 05 shards one at a time and recomputes (default: common/models.py)
+  init_weights(layer)   optional: stage 05 initialises the model layer by layer (common/models.py materialise())
+  weights(args)         optional: a file of whole weights for stage 05 to start from
+  META = False          optional: stage 05 builds the model whole on the CPU, not on the meta device
   add_arguments(group)  optional: the task's own options
   check(args)           optional: what is wrong with them, in a few words, or None
 
