@@ -32,7 +32,7 @@ def write_metrics(folder, world, epochs=2):
         for epoch in range(1, epochs + 1):
             row = dict.fromkeys(FIELDS, 1.0)  # the columns the plot does not tell apart
             row.update(epoch=epoch, train_loss=world / epoch, epoch_seconds=10 / world, world_size=world)
-            writer.writerow(dict(row, val_loss="", val_accuracy=""))  # no validation set
+            writer.writerow(dict(row, val_loss="", val_accuracy="", better="higher"))  # no validation set
     return folder
 
 
@@ -170,3 +170,12 @@ def test_an_output_it_cannot_write_is_one_line_before_any_work(tmp_path, capsys,
     assert stop.value.code == 2 and err.startswith("error: argument -o/--output: ") and err.count("\n") == 1, err
     assert named in err and ("png, ps" in err if "txt" in name else "mkdir -p" in err if "missing" in name else True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written, no folder made
+
+
+def test_a_metric_direction_that_is_neither_higher_nor_lower_is_refused(tmp_path):
+    """`better` decides whether a target is reached at or above it or at or below: a damaged one is one line."""
+    folder = write_metrics(tmp_path / "run", 1)
+    text = (folder / "metrics.csv").read_text().replace(",higher", ",sideways")
+    (folder / "metrics.csv").write_text(text)
+    with pytest.raises(SystemExit, match=r"line 2: better is 'sideways', neither higher nor lower"):
+        load_plot().load(folder)

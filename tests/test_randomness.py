@@ -89,9 +89,9 @@ def test_a_data_set_with_an_images_attribute_is_read_sample_by_sample():
     options = SimpleNamespace(loader="batched", num_workers=0, seed=1)
     guard = SimpleNamespace(args=options, data=None)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(preflight, "agree", lambda *sets: None)
+        patch.setattr(preflight, "agree", lambda *given: None)
         patch.setattr(preflight, "fingerprint", lambda dataset: "")
-        train_set, _, _ = rails.Guard.agree(guard, Draws(), Draws(), Draws())
+        train_set, _, _ = rails.Guard.agree(guard, Draws(), Draws(), Draws(), task=None)
     batches = list(data.loader(train_set, range(12), 4, options, torch.device("cpu")))
     assert [tuple(x.shape) for x, _ in batches] == [(4, 3)] * 3
 

@@ -37,6 +37,7 @@ def write_run(folder, world, rates, accuracy, seconds=(3, 2, 2, 2), val=None, **
             row = dict.fromkeys(FIELDS, 1.0)  # the columns the table does not read
             row.update(epoch=epoch, images_per_s=rate, test_accuracy=acc, epoch_seconds=secs, world_size=world)
             row.update(val_loss="", nodes="", val_accuracy="" if val is None else val[epoch - 1])  # nodes: an older run
+            row.update(better="higher")
             row.update(columns)
             writer.writerow(row)
     return folder

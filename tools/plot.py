@@ -77,6 +77,8 @@ def load(path):
                 if cells != len(reader.fieldnames):  # a row cut short, or two run together
                     raise ValueError(f"{cells} cells under a header of {len(reader.fieldnames)}")
                 better = row.pop("better", None) or "higher"  # the metric's direction (text); older runs: higher
+                if better not in ("higher", "lower"):  # it decides what reaching a target means: never guessed
+                    raise ValueError(f"better is {better!r}, neither higher nor lower")
                 row = checked({k: float(v) if v else None for k, v in row.items()}, name)
                 rows.append(row | {"metric": name, "better": better, "test_metric": row[f"test_{name}"],
                                    "val_metric": row.get(f"val_{name}")})  # fmt: skip
