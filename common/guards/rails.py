@@ -89,8 +89,9 @@ class Guard:
         if state is not None and state["step"]:  # saved mid-epoch: the rest of it, and its sums and time so far
             self.sampler.resume_at(state["epoch"], state["step"] * self.args.batch_size)
             states["log"].cut = state["run"]["cut"][:3]
-            self.carry = resume.carried(state["run"]["cut"], next(states["model"].parameters()).device)
-            self.position = (state["epoch"], state["step"], self.carry, state["epoch"] * 2**32 + state["step"])
+            sums = resume.carried(state["run"]["cut"], next(states["model"].parameters()).device)
+            self.carry = (state["epoch"], sums)
+            self.position = (state["epoch"], state["step"], sums, state["epoch"] * 2**32 + state["step"])
         return state
 
     def end_of_step(self, epoch, batch, totals):
@@ -101,10 +102,11 @@ class Guard:
             self.preemption.saved(time.monotonic() - self.epoch_done)
             self.epoch_done = None
         self.doing, count = None, epoch * 2**32 + step  # a step count that grows across epochs
-        if self.carry is not None:  # resumed mid-epoch: this rank's sums before the stop join its totals in place,
-            totals += self.carry  # at its first step: 0 + a + S is S + a exactly, the uninterrupted run's sum
-            self.carry, log = None, self.states["log"]
+        if self.carry is not None and epoch == self.carry[0]:  # resumed mid-epoch: this rank's sums before the
+            totals += self.carry[1]  # stop join its totals at its first step: 0 + a + S is S + a exactly
+            log = self.states["log"]
             log.cut = (log.cut[0], [0.0, 0.0], log.cut[2])  # counted now: the epoch's row adds only its time
+        self.carry = None  # an epoch resumed with no step left (stopped in its evaluation): its row adds them
         if batch % args.log_interval == 0:
             divergence.check_loss(epoch, step - 1, totals, args.output_dir)
         self.stop_or_save(epoch, step, totals, count)
