@@ -116,6 +116,7 @@ def test_regression_in_stage_05_at_two_ranks_prints_the_saved_models_mae_and_no_
     assert float(row["test_mae"]) == pytest.approx(mae, rel=1e-5) and printed == pytest.approx(mae, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_the_text_example_at_two_ranks_counts_every_test_text_once(tmp_path):
     """Texts of different lengths, padded by the task's collate() into a dict of tokens and mask."""
     out = torchrun(2, S03, *text_args(tmp_path, "--epochs", 1, "--save-model", "--test-batch-size", 8))
@@ -236,7 +237,7 @@ BAD = {  # a task file (or its parts), what the error line names
     "a metric without score()": (None, ["metric = (name", "score(output, target)"]),
     "a batch of one sample through BatchNorm": (None, ["batch of one sample", "BatchNorm"]),
 }
-EVERYDAY = {"an IterableDataset", "texts of different lengths and no collate()", "labels outside the model's outputs"}
+EVERYDAY = {"texts of different lengths and no collate()", "labels outside the model's outputs"}
 
 
 @pytest.mark.parametrize("case", [c if c in EVERYDAY else pytest.param(c, marks=pytest.mark.slow) for c in BAD])
@@ -259,12 +260,14 @@ def test_a_task_whose_batches_do_not_fit_is_one_line_naming_it(case, tmp_path):
     one_error(out, f"--task {task}", *words)
 
 
+@pytest.mark.slow
 def test_sync_bn_without_gpus_is_refused_by_check(tmp_path):
     out = python(S03, "--sync-bn", "--check", "--output-dir", tmp_path)
     one_error(out, "--sync-bn needs GPUs")
     assert out.returncode == 2
 
 
+@pytest.mark.slow
 def test_plan_counts_a_model_with_batchnorm(tmp_path):
     """BatchNorm refuses to train on one sample: the planner measures at per-rank batches of 2 and 3."""
     out = run([str(REPO / ".venv" / "bin" / "python"), str(REPO / "tools" / "plan.py"), "--task",
@@ -272,6 +275,7 @@ def test_plan_counts_a_model_with_batchnorm(tmp_path):
     assert out.returncode == 0 and "#SBATCH --gres=gpu:1" in out.stdout, out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_the_tools_read_the_metric_a_run_measured(tmp_path):
     """tools/scaling.py: the time to the task's metric reaching --target, in its direction."""
     rows = [dict(epoch=e, lr=1, train_loss=1, val_loss="", val_mae="", test_loss=1, test_mae=mae, epoch_seconds=10,

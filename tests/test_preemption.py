@@ -84,8 +84,7 @@ def saved_mid_epoch(out, output, code, proc):
     "signum",
     [
         signal.SIGTERM,
-        signal.SIGHUP,
-        *(pytest.param(s, marks=pytest.mark.slow) for s in (signal.SIGUSR1, signal.SIGINT)),
+        *(pytest.param(s, marks=pytest.mark.slow) for s in (signal.SIGHUP, signal.SIGUSR1, signal.SIGINT)),
     ],
 )
 def test_stage01_stopped_mid_epoch_resumes_bit_identical(signum, tiny_data, tmp_path):
