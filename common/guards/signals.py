@@ -24,11 +24,13 @@ STOPS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
 class Stopped(BaseException):
-    """A stop before the run could save anything: rails.run() ends the run with its line and status."""
+    """A stop before the run could save anything: rails.run() ends the run with its line and status. A request,
+    not an error, as the line of a stop that saved is: no `error:` (srun ends a step's other tasks with SIGTERM when
+    one fails, and the failing one's line must stay the only error of the job)."""
 
     def __init__(self, signum):
         name = signal.Signals(signum).name
-        super().__init__(f"error: {name} came during start-up, before the first step: nothing was saved and nothing "
+        super().__init__(f"stopped by {name} during start-up, before the first step: nothing was saved and nothing "
                          "is lost; start the run again as it was started")  # fmt: skip
         self.code = 128 + signum
 
