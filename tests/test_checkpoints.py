@@ -128,7 +128,7 @@ def test_a_resume_past_its_epochs_is_refused(tiny_data, tmp_path):
     with pytest.raises(SystemExit, match="holds epoch 2, past --epochs 1: nothing to do; give --epochs 3 or more"):
         resume.find(args, resume.WHOLE, False, state["run"]["data"])
     args.epochs = 2  # the run is done: it says so, and --save-model exports it
-    assert resume.find(args, resume.WHOLE, False, state["run"]["data"])["epoch"] == 2
+    assert resume.find(args, resume.WHOLE, False, state["run"]["data"])[0]["epoch"] == 2
 
 
 def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeypatch):
@@ -379,11 +379,12 @@ def test_checkpoints_move_between_stages(tiny_data, tmp_path):
 # a checkpoint that does not match the model or the flags
 @pytest.mark.slow
 def test_mismatched_checkpoint_is_an_error_that_says_so(tiny_data, tmp_path):
-    assert python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1)).returncode == 0
-    out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--lr", 0.5, "--resume"))
+    run = tmp_path / "run"  # its folder holds no other run's: "x" beside it, not inside it (ownership)
+    assert python(S01, *stage_args(tiny_data, run, "--epochs", 1)).returncode == 0
+    out = python(S01, *stage_args(tiny_data, run, "--epochs", 2, "--lr", 0.5, "--resume"))
     assert out.returncode != 0 and "--lr 1.0" in out.stderr
-    state = checkpoint(tmp_path)
+    state = checkpoint(run)
     state["model"]["fc2.weight"] = torch.zeros(5, 128)
-    torch.save(state, tmp_path / "other.pt")
-    out = python(S01, *stage_args(tiny_data, tmp_path / "x", "--epochs", 2, "--resume", tmp_path / "other.pt"))
+    torch.save(state, run / "other.pt")
+    out = python(S01, *stage_args(tiny_data, tmp_path / "x", "--epochs", 2, "--resume", run / "other.pt"))
     assert out.returncode != 0 and "does not match this model" in out.stderr

@@ -304,7 +304,7 @@ def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(tiny_data, t
     state = checkpoint(out)
     del state["run"]["data"]  # as written before the data was recorded: nothing to compare
     torch.save(state, out / "checkpoint.pt")
-    assert resume.find(args, resume.WHOLE, False, now)["epoch"] == 1
+    assert resume.find(args, resume.WHOLE, False, now)[0]["epoch"] == 1
 
 
 @pytest.fixture

@@ -110,7 +110,11 @@ HOSTILE = {  # a task file; what its one line must say; whether the run owned it
         ["error: gave up [...]"],
         False,
     ),
-    "a KeyboardInterrupt in the task": (RAISE.format("KeyboardInterrupt"), ["interrupted (Ctrl-C)"], False),
+    "a KeyboardInterrupt in the task": (
+        RAISE.format("KeyboardInterrupt"),
+        ["KeyboardInterrupt", "my_task.py:6"],
+        True,  # model(): the run owns its folder by then
+    ),
     "an option that repeats a stage flag": (
         HEAD + DATA + "def add_arguments(group):\n    group.add_argument('--lr', type=float)\n",
         ["--lr: conflicting option string", ", line 6", "rename it"],

@@ -2,6 +2,7 @@
 a rank of a process group ends without the interpreter's teardown (end())."""
 
 import atexit
+import multiprocessing
 import os
 import signal
 import sys
@@ -26,6 +27,9 @@ def end(code, joined):
     having given them back their default action."""
     for signum in STOPS:
         signal.signal(signum, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler raises when a DataLoader worker is killed
+    for child in multiprocessing.active_children():  # DataLoader workers that a failure's traceback still holds:
+        child.kill()  # they let SIGTERM pass (signals.shield_worker), and multiprocessing's exit would wait for ever
     if not joined:
         if code:
             raise SystemExit(code) from None
