@@ -24,6 +24,8 @@ import stat
 import struct
 import zipfile
 
+from common.environment import regular_file
+
 DIRECTORY, PICKLE, DEPTH = 16 * 2**20, 16 * 2**20, 32  # a checkpoint of 10^4 tensors needs 2 MiB of each
 TENSORS = ("_rebuild_tensor_v2", "_rebuild_tensor_v3")  # how torch.save writes a tensor on a storage
 WRAPS = ("_rebuild_parameter", "_rebuild_parameter_with_state")  # around a tensor built by one of those
@@ -58,13 +60,13 @@ class Window(io.RawIOBase):
 def regular(path):
     """The size of `path`, a regular file; Refused where it is none (a FIFO or a device never ends)."""
     try:
-        info = os.stat(path)
-    except OSError as err:
-        raise Refused(f"{path}: {err.strerror}") from None
+        info = os.stat(regular_file(path))  # the one check of every path a run reads (common/environment.py)
+    except OSError as err:  # regular_file()'s EINVAL: a FIFO, a socket or a device
+        nonregular = err.errno == errno.EINVAL
+        why = " is not a regular file (a FIFO, a socket or a device)" if nonregular else f": {err.strerror}"
+        raise Refused(f"{path}{why}") from None
     if stat.S_ISDIR(info.st_mode):
         raise Refused(f"{path}: {os.strerror(errno.EISDIR)}")
-    if not stat.S_ISREG(info.st_mode):
-        raise Refused(f"{path} is not a regular file (a FIFO, a socket or a device)")
     return info.st_size
 
 
