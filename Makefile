@@ -40,16 +40,17 @@ test-all: test  ## everything: make test, the real Slurm cluster's tests (root) 
 	$(PYTHON) -m pytest -m slurm
 	$(PYTHON) -m pytest -m "slow and not slurm" $(XDIST)
 
-# The oldest torch each stage and the doctor run on (common/guards/versions.py), each from PyPI into .venv-min/<torch>/
-# with the torchvision built for it; tests/test_versions.py runs there what each is the minimum of (one epoch,
-# two ranks where there are several) and the stages it is too old for (one line)
+# The oldest torch each stage and the doctor run on (common/guards/versions.py), each from PyPI with the torchvision
+# built for it, one at a time into .venv-min/ (a CUDA build: 5 to 7 GB, removed before the next); tests/test_versions.py
+# runs there what each is the minimum of (one epoch, two ranks where there are several) and the stages it is too old
+# for (one line). By hand before a release, not in CI: 18 GB of downloads in all.
 MIN_TORCH := 2.3.0 2.7.0 2.9.0
-test-min: $(MIN_TORCH:%=.venv-min/%/installed)  ## each stage on the oldest torch it runs on, CPU (installs 18 GB)
-	for v in $(MIN_TORCH); do .venv-min/$$v/bin/python -m pytest -p no:cacheprovider tests/test_versions.py || exit 1; done
-.venv-min/%/installed:
-	python3 -m venv .venv-min/$*
-	.venv-min/$*/bin/pip install --no-cache-dir torch==$* torchvision numpy pytest  # and the torchvision built for it
-	touch $@
+test-min:  ## each stage on the oldest torch it runs on, CPU (downloads 18 GB, one torch at a time)
+	for v in $(MIN_TORCH); do \
+	  rm -rf .venv-min && python3 -m venv .venv-min && \
+	  .venv-min/bin/pip install --no-cache-dir torch==$$v torchvision numpy pytest && \
+	  .venv-min/bin/python -m pytest -p no:cacheprovider tests/test_versions.py || exit 1; \
+	done; rm -rf .venv-min
 
 test-slurm: $(VENV) $(DATA)  ## the job scripts under a real local Slurm (root)
 	$(PYTHON) -m pytest -m slurm
