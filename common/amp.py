@@ -30,13 +30,13 @@ def policies(device, args):
     if not args.amp:
         return MixedPrecisionPolicy(), MixedPrecisionPolicy(), MixedPrecisionPolicy()
     if not dist.is_initialized():
-        raise SystemExit(
-            "error: --amp in stage 05 is FSDP's mixed precision, which a plain `python train.py` does not use: "
+        raise ValueError(
+            "--amp in stage 05 is FSDP's mixed precision, which a plain `python train.py` does not use: "
             "launch with torchrun or srun (one GPU: torchrun --standalone --nproc_per_node=1 train.py --amp)"
         )
     if dtype(device) != torch.bfloat16:
-        raise SystemExit(
-            "error: --amp in stage 05 computes in bf16, which this GPU lacks (fp16 would need a sharded loss "
+        raise ValueError(
+            "--amp in stage 05 computes in bf16, which this GPU lacks (fp16 would need a sharded loss "
             "scaler): drop --amp, or use stage 04 with --amp"
         )
     blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -100,13 +100,13 @@ def normalize(images, mean, std):
 
 def dataset(data_dir, name, train, limit=None):
     """The training (or test) set `name` of SETS, read from data_dir, its first `limit` images if given; a
-    SystemExit saying what to do if it is not there."""
+    FileNotFoundError saying what to do if it is not there."""
     spec = SETS[name]
     folder = Path(data_dir) / spec.folder
     missing = [file for file in spec.files if not (folder / file).is_file()]
     if missing:
-        raise SystemExit(
-            f"error: {name} is not in {folder} (missing {missing[0]}): run `make data DATASET={name}` on a machine "
+        raise FileNotFoundError(
+            f"{name} is not in {folder} (missing {missing[0]}): run `make data DATASET={name}` on a machine "
             f"with internet access (the login node), or point --data-dir at a folder holding {spec.folder}/"
         )
     if name == "synthetic":
@@ -142,7 +142,7 @@ def split(dataset, fraction, seed):
         return dataset, subset(torch.tensor([], dtype=torch.long))
     held = round(len(dataset) * fraction)
     if not 0 < held < len(dataset):
-        raise SystemExit(f"error: a validation fraction of {fraction} of {len(dataset)} images leaves a part empty")
+        raise ValueError(f"a validation fraction of {fraction} of {len(dataset)} images leaves a part empty")
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed))
     return subset(order[held:].sort().values), subset(order[:held].sort().values)
 

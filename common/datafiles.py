@@ -12,13 +12,14 @@ import torch
 from common.environment import regular_file
 
 
-def bad_file(path, name, problem):
-    """The error for a data file that is there but wrong: one line naming the file and the fix, no traceback
-    from deep inside numpy or torch. Deleting it first matters: `make data` keeps the files it finds."""
-    return SystemExit(
-        f"error: {path}: {problem}: delete it and run `make data DATASET={name}` again "
-        "(or point --data-dir at a good copy)"
-    )
+class BadFile(ValueError):
+    """A data file that is there but wrong: its message names the file and the fix, instead of a
+    traceback from deep inside numpy or torch. Deleting it first matters: `make data` keeps the files
+    it finds."""
+
+    def __init__(self, path, name, problem):
+        fix = f"delete it and run `make data DATASET={name}` again (or point --data-dir at a good copy)"
+        super().__init__(f"{path}: {problem}: {fix}")
 
 
 def read_idx(path, ndim, name):
@@ -27,16 +28,16 @@ def read_idx(path, ndim, name):
     raw = np.fromfile(regular_file(path), dtype=np.uint8)
     if raw[:4].tolist() != [0, 0, 8, ndim]:
         found = raw[:4].tobytes().hex(" ") or "nothing"
-        raise bad_file(
+        raise BadFile(
             path, name, f"not an IDX file of {ndim}-dimensional uint8 (it starts with {found}, not 00 00 08 0{ndim})"
         )
     header = 4 + 4 * ndim
     if len(raw) < header:
-        raise bad_file(path, name, f"{len(raw)} bytes, too short for its {header}-byte header (truncated?)")
+        raise BadFile(path, name, f"{len(raw)} bytes, too short for its {header}-byte header (truncated?)")
     sizes = raw[4:header].view(">u4").tolist()
     if len(raw) != header + math.prod(sizes):
         shape = " x ".join(map(str, sizes))
-        raise bad_file(
+        raise BadFile(
             path, name, f"{len(raw)} bytes, not the {header + math.prod(sizes)} of its {shape} header (truncated?)"
         )
     return torch.from_numpy(raw[header:].reshape(sizes))
@@ -46,11 +47,11 @@ def check_labels(path, labels, count, classes, name):
     """One label per image, each a class of the set: a shorter labels file would otherwise train on a subset,
     and a label out of range fail in the loss with a message naming nothing."""
     if len(labels) != count:
-        raise bad_file(path, name, f"{len(labels)} labels for {count} images")
+        raise BadFile(path, name, f"{len(labels)} labels for {count} images")
     outside = ((labels < 0) | (labels >= classes)).nonzero()
     if len(outside):
         index = int(outside[0])
-        raise bad_file(
+        raise BadFile(
             path, name, f"label {int(labels[index])} of image {index} is not one of the classes 0 to {classes - 1}"
         )
 
@@ -83,12 +84,12 @@ def read_cifar(paths, label_key, classes, name):
                 batch = NumpyOnly(f, encoding="bytes").load()
                 pixels, batch_labels = np.asarray(batch[b"data"]), torch.as_tensor(batch[label_key])
             except Exception as err:  # a truncated or foreign file: pickle alone raises a dozen kinds of error
-                raise bad_file(path, name, f"not a CIFAR batch ({type(err).__name__}: {err})") from err
+                raise BadFile(path, name, f"not a CIFAR batch ({type(err).__name__}: {err})") from err
         if pixels.dtype != np.uint8 or pixels.ndim != 2 or pixels.shape[1] != 3 * 32 * 32:
             shape = " x ".join(map(str, pixels.shape))
-            raise bad_file(path, name, f"its data is {pixels.dtype} {shape}, not uint8 N x 3072")
+            raise BadFile(path, name, f"its data is {pixels.dtype} {shape}, not uint8 N x 3072")
         if batch_labels.dtype != torch.int64 or batch_labels.ndim != 1:
-            raise bad_file(
+            raise BadFile(
                 path, name, f"its labels are not a list of integers but {batch_labels.dtype} {list(batch_labels.shape)}"
             )
         check_labels(path, batch_labels, len(pixels), classes, name)

@@ -125,11 +125,11 @@ def norms(model):
 
 def build(name, in_channels, num_classes, image_size, depth=16, width=4):
     """The model `name` for images of in_channels x image_size x image_size in num_classes classes; a
-    SystemExit that says what to change for a size it does not fit."""
+    ValueError that says what to change for a size it does not fit."""
     if name == "net":
         if image_size != 28:
-            raise SystemExit(
-                f"error: --model net fits 28x28 images (mnist, fashion-mnist), not {image_size}x{image_size}: "
+            raise ValueError(
+                f"--model net fits 28x28 images (mnist, fashion-mnist), not {image_size}x{image_size}: "
                 "use --model cnn or wideresnet for 32x32"
             )
         return Net(in_channels, num_classes)
@@ -137,14 +137,14 @@ def build(name, in_channels, num_classes, image_size, depth=16, width=4):
         return CNN(in_channels, num_classes)
     if name == "wideresnet":
         if image_size != 32:
-            raise SystemExit(
-                f"error: --model wideresnet fits 32x32 images (cifar10, cifar100, synthetic), not "
+            raise ValueError(
+                f"--model wideresnet fits 32x32 images (cifar10, cifar100, synthetic), not "
                 f"{image_size}x{image_size}: use --model net or cnn for 28x28"
             )
         if depth < 10 or (depth - 4) % 6:
-            raise SystemExit(f"error: --depth {depth}: a WideResNet is 6n+4 layers deep, n >= 1 (10, 16, 22, 28, 40)")
+            raise ValueError(f"--depth {depth}: a WideResNet is 6n+4 layers deep, n >= 1 (10, 16, 22, 28, 40)")
         return WideResNet(in_channels, num_classes, depth, width)
-    raise SystemExit(f"error: unknown model {name!r}: net, cnn or wideresnet")
+    raise ValueError(f"unknown model {name!r}: net, cnn or wideresnet")
 
 
 def materialise(model, device, task, args):
@@ -162,9 +162,9 @@ def materialise(model, device, task, args):
     covered = {id(t) for m in resets for *_, t in held(m, True)}
     for name, m in model.named_modules():
         if any(id(t) not in covered for *_, t in held(m)):
-            raise SystemExit(f"error: {name} ({type(m).__name__}) has tensors that no reset_parameters() sets, which "
-                             "stage 05 needs to initialise a model built on the meta device: give it one, or set "
-                             "META = False in the task file")  # fmt: skip
+            raise TypeError(f"{name} ({type(m).__name__}) has tensors that no reset_parameters() sets, which "
+                            "stage 05 needs to initialise a model built on the meta device: give it one, or set "
+                            "META = False in the task file")  # fmt: skip
     done, init = set(), getattr(task, "init_weights", None) or getattr(model, "init_weights", None)
     for m in resets:
         on_cpu(m, reset_of(m), done, recurse=True)

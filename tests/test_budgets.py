@@ -71,6 +71,28 @@ def test_no_function_is_longer_than_a_screen(path):
     assert [(f.name, f.end_lineno - f.lineno + 1) for f in functions if f.end_lineno - f.lineno + 1 > 60] == []
 
 
+def exits(tree):
+    """The lines that end the process: SystemExit, sys.exit, os._exit, exit() (under any name imported)."""
+    imported = [a for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module in ("sys", "os")
+                for a in n.names if a.name in ("exit", "_exit")]  # fmt: skip
+    named = {"SystemExit", "exit", "quit"} | {a.asname or a.name for a in imported}
+    qualified = {("sys", "exit"), ("os", "_exit")}
+    return [n.lineno for n in ast.walk(tree)
+            if (isinstance(n, ast.Name) and n.id in named)
+            or (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                and (n.value.id, n.attr) in qualified)]  # fmt: skip
+
+
+def test_the_lesson_raises_ordinary_exceptions():
+    """The lesson refuses a value, an object or a file with an ordinary exception (ValueError,
+    TypeError, FileNotFoundError); the guard rails turn it into one line (failure.refusal())."""
+    lesson = [p for p in REPO.glob("common/**/*.py") if "guards" not in p.relative_to(REPO).parts]
+    found = {p.relative_to(REPO).as_posix(): exits(ast.parse(p.read_text())) for p in lesson}
+    assert len(lesson) > 10 and {path: lines for path, lines in found.items() if lines} == {}
+    sample = "import sys\nfrom os import _exit as bye\nsys.exit(1)\nraise SystemExit\nbye(1)\nexit()"
+    assert sorted(exits(ast.parse(sample))) == [3, 4, 5, 6]
+
+
 def test_setup_shows_the_process_group_and_nothing_else():
     """The module a learner reads for setup() holds no thread, no store and no hook: the guard rails are in
     modules of their own (common/guards/watchdog.py, common/guards/preflight.py)."""

@@ -99,7 +99,7 @@ def test_the_idx_reader_returns_torchvisions_tensors(train, tiny_data):
 def refused(data_dir, name, path, train=True):
     """Loading the set must stop with one line naming the broken file and `make data`."""
     fix = re.escape(f"run `make data DATASET={name}` again")
-    with pytest.raises(SystemExit, match=f"^error: {re.escape(str(path))}: .*{fix}") as refusal:
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: .*{fix}") as refusal:
         data.dataset(data_dir, name, train=train)
     assert "\n" not in str(refusal.value)
     return str(refusal.value)
@@ -198,7 +198,7 @@ def test_split_is_seeded_disjoint_and_complete():
 
 
 def test_a_missing_set_names_its_folder_and_make_data(tmp_path):
-    with pytest.raises(SystemExit, match=f"{tmp_path / 'cifar-100-python'} .*`make data DATASET=cifar100`"):
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'cifar-100-python'} .*`make data DATASET=cifar100`"):
         data.dataset(tmp_path, "cifar100", train=True)
 
 
@@ -212,7 +212,7 @@ def test_a_crafted_cifar_batch_runs_no_code(tiny_sets, tmp_path):
     (folder / "train").symlink_to(tiny_sets / "cifar-100-python" / "train")
     (folder / "test").write_bytes(pickle.dumps({b"data": Payload()}))
     assert len(data.dataset(tmp_path, "cifar100", train=True)) == 8
-    with pytest.raises(SystemExit, match="not allowed"):
+    with pytest.raises(ValueError, match="not allowed"):
         data.dataset(tmp_path, "cifar100", train=False)
     assert not (tmp_path / "ran").exists()
 

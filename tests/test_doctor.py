@@ -94,6 +94,19 @@ def datasets(args):
 """
 
 
+def test_the_lessons_refusal_is_reported_as_its_message_and_a_tasks_error_with_its_type(tmp_path):
+    """A rank that cannot load the data: the lesson's refusal (a set not in --data-dir) reads as its
+    message, which names the fix; a task's own error keeps its type."""
+    sys.path.insert(0, str(DOCTOR.parent))
+    import doctor
+
+    training = SimpleNamespace(data_dir=tmp_path, dataset="mnist", limit=None)
+    facts = doctor.data_facts(cli.load_task(cli.TASK), training)
+    assert facts["fingerprints"] is None and facts["error"].startswith(f"mnist is not in {tmp_path / 'MNIST'}")
+    mine = SimpleNamespace(datasets=lambda args: int("x"))
+    assert doctor.data_facts(mine, training)["error"].startswith("ValueError: invalid literal")
+
+
 @pytest.mark.parametrize("theirs", [pytest.param("the same", marks=pytest.mark.slow), "other"])
 def test_another_tasks_data_is_compared_across_ranks(tmp_path, theirs):
     """--task: two srun-style ranks, each in its own working folder, load the task's own data (no MNIST

@@ -73,7 +73,7 @@ def test_net_keeps_the_names_checkpoints_hold():
     ],
 )
 def test_build_refuses_what_does_not_fit(args, message):
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(ValueError, match=message):
         models.build(*args)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import REPO, S01, S03, free_port, metrics, one_error, python, run, srun_like, stage_args
 
-from common import cli
+from common import cli, data, models
 from common.environment import is_rank0, launcher
 from common.guards import check, failure, preflight, rails
 
@@ -208,6 +208,49 @@ def test_a_rank_that_fails_names_itself_to_the_others(tmp_path):
     assert errors[1][0].startswith("error: rank 1: ValueError: no such layer") and f"{task}:8, in model" in errors[1][0]
     assert "failed: rank 1: ValueError: no such layer" in errors[0][0], errors[0]
     assert (tmp_path / "out" / "traceback-rank1.txt").is_file() and "Traceback" not in outs[0] + outs[1]
+
+
+def raised(call):
+    """The exception `call()` raises, its traceback with it."""
+    with pytest.raises(Exception) as caught:
+        call()
+    return caught.value
+
+
+def test_the_lessons_refusal_is_its_line_and_the_same_class_elsewhere_is_not(tmp_path):
+    """A ValueError, TypeError or FileNotFoundError that a `raise` of the lesson raised says its message
+    as the line. The same classes raised by the task's own code, by a builtin the lesson called (round() of
+    a NaN) or inside torch on the lesson's behalf are failures: the fallback names the type and the place."""
+    depth = raised(lambda: models.build("wideresnet", 3, 10, 32, 15))
+    assert failure.refusal(depth) == "error: --depth 15: a WideResNet is 6n+4 layers deep, n >= 1 (10, 16, 22, 28, 40)"
+    missing = raised(lambda: data.dataset(tmp_path, "mnist", train=True))
+    assert isinstance(missing, FileNotFoundError) and failure.refusal(missing) == f"error: {missing}"
+    assert f"mnist is not in {tmp_path / 'MNIST' / 'raw'}" in str(missing) and "make data DATASET=mnist" in str(missing)
+    task = tmp_path / "my_task.py"
+    task.write_text(RAISE.format("ValueError('no such layer')"))
+    for call, said in [
+        (lambda: cli.load_task(task).model(None), f"error: ValueError: no such layer (at {task}:6, in model)"),
+        (lambda: data.split(list(range(4)), float("nan"), 1), "error: ValueError: cannot convert float NaN to integer"),
+        (lambda: models.build("wideresnet", 3, 10, 32, 16, 0.5), "error: TypeError: empty(): argument 'size'"),
+    ]:
+        err = raised(call)
+        assert failure.refusal(err) is None and failure.settle(err, rails.Guard()).startswith(said), err
+
+
+def test_run_says_the_lessons_refusal_as_it_is_and_a_tasks_error_with_its_place(tmp_path, monkeypatch):
+    """rails.run(): every rank that met the lesson's refusal says its line and ends together (as a
+    SystemExit did); a ValueError of the task's own code keeps the fallback's type and place."""
+    ended, closed = [], []
+    monkeypatch.setattr(rails.signals, "stop_at_once", lambda: None)  # this test process keeps its handlers
+    monkeypatch.setattr(rails, "end", lambda code, joined: ended.append(code))
+    monkeypatch.setattr(rails.Guard, "close", lambda guard, together: closed.append(together))
+    task = tmp_path / "my_task.py"
+    task.write_text(RAISE.format("ValueError('no such layer')"))
+    rails.run(lambda guard: data.split(list(range(4)), 0.01, 1))
+    rails.run(lambda guard: cli.load_task(task).model(None))
+    assert ended[0] == "error: a validation fraction of 0.01 of 4 images leaves a part empty"
+    assert closed == [True, False]  # the refusal's ranks end together; the fallback's each alone
+    assert ended[1].startswith(f"error: ValueError: no such layer (at {task}:6, in model)"), ended
 
 
 def test_explaining_that_fails_still_ends_in_one_line(monkeypatch):

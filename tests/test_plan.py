@@ -179,6 +179,17 @@ def test_a_model_too_large_for_this_machine_is_counted_without_its_memory():
         plan.main(["--model", "wideresnet", "--dataset", "cifar10", "--width", str(10**9)])
 
 
+def test_a_model_the_lesson_refuses_is_its_line_and_a_tasks_own_error_is_not(tmp_path):
+    """models.build()'s refusal (--depth 15) is the lesson's line; a ValueError of a task's own model()
+    is no refusal of the lesson: it keeps its type and traceback."""
+    with pytest.raises(SystemExit, match=r"^error: --depth 15: a WideResNet is 6n\+4 layers deep, n >= 1 "):
+        plan.main(["--model", "wideresnet", "--dataset", "cifar10", "--depth", "15"])
+    task = tmp_path / "my_task.py"
+    task.write_text("from common.tasks.images import *\ndef model(args):\n    raise ValueError('no such layer')\n")
+    with pytest.raises(ValueError, match="^no such layer$"):
+        plan.main(["--task", str(task)])
+
+
 def test_every_allocation_of_part_of_a_node_or_whole_nodes_is_tried(capsys):
     """Three GPUs per node: 3 fit where 2 do not, and 3 is the answer (1, 2, 4, 8, 16 alone: nothing fits)."""
     argv = SMALL[:-1] + ["36", "--gpus-per-node", "3", "--max-gpus", "12"]  # 36 images: every world size divides it

@@ -113,6 +113,14 @@ def test_the_models_size_is_the_one_the_checkpoint_records(tmp_path, capsys):
     assert "250,000 fp32 gradients (1.0 MB)" in report(capsys, one, two, "--bandwidth", 1, "--params", 250_000)
 
 
+def test_a_model_common_models_does_not_know_is_one_line():
+    """A run written before checkpoints recorded the parameter count, of a task with a --model of its own:
+    the count models.build() would make of its options is refused in one line, not a traceback."""
+    run = {"flags": {"model": "transformer", "dataset": "mnist"}, "parameters": None}
+    with pytest.raises(SystemExit, match=r"^error: unknown model 'transformer': net, cnn or wideresnet$"):
+        scaling.parameters(run, None)
+
+
 @pytest.mark.slow
 def test_a_sharded_run_records_the_whole_models_size(tiny_data, tmp_path, capsys):
     """Stage 05 on 2 ranks: each holds half of every parameter, its checkpoint records the whole Net's count."""

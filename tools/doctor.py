@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
 from common import cli, distributed  # noqa: E402
 from common.environment import cpus_per_rank  # noqa: E402
-from common.guards import preemption, preflight, rails, versions  # noqa: E402
+from common.guards import failure, preemption, preflight, rails, versions  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]  # every dtype the stages all-reduce or train in
 FLOOR_GBPS = {"within nodes": 5, "across nodes": 1}  # busbw below PCIe 3 x16 / 10 GbE: the fast links are not used
@@ -132,7 +132,8 @@ def data_facts(task, training):
     try:
         return {"fingerprints": [preflight.fingerprint(s) for s in task.datasets(training)[:2]], "error": None}
     except (Exception, SystemExit) as err:  # the task's own code, or its one-line error: anything can fail
-        cause = str(err).removeprefix("error: ") if isinstance(err, SystemExit) else f"{type(err).__name__}: {err}"
+        said = failure.refusal(err) or (str(err) if isinstance(err, SystemExit) else None)  # a line already
+        cause = said.removeprefix("error: ") if said else f"{type(err).__name__}: {err}"
         return {"fingerprints": None, "error": cause.splitlines()[0] if cause.strip() else type(err).__name__}
 
 

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree  # noqa: E402
 from torch.utils.data import default_collate  # noqa: E402
 
 from common import cli, data, models, optim  # noqa: E402
+from common.guards import failure  # noqa: E402
 from common.guards.bounded import Refused, text  # noqa: E402
 
 MiB = 2**20
@@ -204,6 +205,10 @@ def main(argv=None):
     except RuntimeError as err:  # a tensor of more than 2^63 bytes, even fake: --width 1000000000
         fix = "a smaller --width or --depth" if builtin(args) else f"smaller options of {args.task}"
         sys.exit(f"error: this model cannot be counted ({str(err).splitlines()[0]}): {fix}")
+    except failure.REFUSALS as err:
+        if not failure.refusal(err):  # the task's own error: its traceback says where
+            raise
+        sys.exit(failure.refusal(err))  # the lesson's (--depth 15): a line that names the fix
     model_bytes = shard_bytes(measured[0], 1)
     count = f"{model_bytes / 4 / 1e6:.1f} M parameters"
     name = f"{args.model} ({count}) on {args.dataset}" if builtin(args) else f"{args.task} ({count})"

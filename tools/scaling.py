@@ -108,7 +108,11 @@ def parameters(run, given):
         sys.exit("error: --bandwidth needs --params: no checkpoint.pt records the model's size")
     spec, shape = data.SETS[flags["dataset"]], (flags.get("depth", 16), flags.get("width", 4))
     size = 28 if len(spec.mean) == 1 else 32  # the 1-channel sets are 28x28, the others 32x32: what build() checks
-    return sum(p.numel() for p in models.build(flags["model"], len(spec.mean), spec.classes, size, *shape).parameters())
+    try:
+        model = models.build(flags["model"], len(spec.mean), spec.classes, size, *shape)
+    except ValueError as err:  # a task of its own with a --model that common/models.py does not know
+        sys.exit(f"error: {err}")
+    return sum(p.numel() for p in model.parameters())
 
 
 def row(base, run, rate, to_target, name):

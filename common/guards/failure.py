@@ -2,10 +2,17 @@
 other exception that reaches rails.run(), of any class (a BaseException too), gets the line made here: its type,
 its message (one line, bounded) and the place in the user's code that raised it, the task file's line where
 the task raised it; the full traceback is kept in the output folder, traceback-rank<N>.txt, for whoever needs
-it. No exception prints a traceback: tests/test_one_line.py tries the hostile ones."""
+it. No exception prints a traceback: tests/test_one_line.py tries the hostile ones.
+
+The lesson refuses a value, an object or a file with an ordinary exception whose message is the
+whole line. refusal() knows it by where it was raised: a `raise` statement of the lesson (common/
+outside these guard rails), so the lesson imports nothing of ours to be understood. The same classes
+raised anywhere else (inside torch or Python, in the task's own code, in a call the lesson made) are
+failures like any other: explain()'s line, or the fallback's, with the place and the traceback."""
 
 import argparse
 import errno
+import linecache
 import os
 import re
 import shutil
@@ -21,6 +28,8 @@ from common.environment import is_rank0
 from common.guards import safeload, samples
 
 LIMIT = 300  # characters of a message in the line: a tensor printed into one would fill the log
+LESSON = Path(__file__).resolve().parents[1]  # common/
+REFUSALS = (ValueError, TypeError, FileNotFoundError)  # the lesson's: a value or option, an object, a file
 
 
 def libraries():
@@ -92,6 +101,26 @@ def exit_line(text):
         return lines[0]
     text = " ".join(lines[0].split())
     return f"error: {text[:LIMIT]}{' [...]' if len(text) > LIMIT or len(lines) > 1 else ''}"
+
+
+def refusal(err):
+    """`error: ` and the message of the lesson's own refusal, or None for any other error. A refusal is
+    one of REFUSALS raised by a `raise` statement in the lesson's code, its message naming cause and fix;
+    not an OSError of the system (it has an errno), nor one raised inside a call the lesson made."""
+    try:
+        if not isinstance(err, REFUSALS) or getattr(err, "errno", None) or not err.__traceback__:
+            return None
+        last = traceback.extract_tb(err.__traceback__)[-1]
+        path = Path(last.filename).resolve()
+        if not path.is_relative_to(LESSON) or path.is_relative_to(LESSON / "guards"):
+            return None
+        source = linecache.getline(last.filename, last.lineno)
+        colno = getattr(last, "colno", None)  # from Python 3.11: where on the line it was raised
+        statement = source[colno:] if colno is not None else source.lstrip()
+        said = " ".join(message(err).split())
+        return f"error: {said}" if statement.startswith("raise ") else None
+    except Exception:  # an error whose frames cannot be read: the fallback says it
+        return None
 
 
 def loading_task(err):

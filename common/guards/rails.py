@@ -126,7 +126,7 @@ class Guard:
         if self.preemption.check(count):
             self.save(epoch, step, totals)
             distributed.print0(f"saved at epoch {epoch}, step {step}: resume with --resume ({self.preemption.signal})")
-            raise SystemExit(self.preemption.exit_code())
+            raise signals.SavedStop(self.preemption.exit_code())
         if self.args.checkpoint_minutes and self.preemption.due(self.args.checkpoint_minutes, count):
             self.save(epoch, step, totals)
             distributed.print0(f"saved at epoch {epoch}, step {step} (--checkpoint-minutes {self.args.checkpoint_minutes})")  # fmt: skip
@@ -201,9 +201,13 @@ def run(main):
         code = 0
     except signals.Stopped as stopped:
         code, together = signals.say(stopped), False
+    except signals.SavedStop as stop:  # a stop every rank agreed on and saved for
+        code = stop.code
     except SystemExit as stop:  # the end of a run, a verdict every rank reached, a usage error, or the task's own
         code = stop.code if isinstance(stop.code, int | None) else failure.exit_line(stop.code)
-    except BaseException as err:  # each kind explain() knows becomes its line, any other kind the fallback's
-        code, together = failure.settle(err, guard), False
+    except BaseException as err:  # the lesson's refusal (every rank met it) is its line as it is; each
+        code = failure.refusal(err)  # kind explain() knows becomes its line, any other the fallback's
+        if code is None:
+            code, together = failure.settle(err, guard), False
     guard.close(together)
     end(code, joined=guard.watchdog is not None)

@@ -35,6 +35,16 @@ class Stopped(BaseException):
         self.code = 128 + signum
 
 
+class SavedStop(BaseException):
+    """A stop that every rank agreed on and saved for (rails.Guard.stop_or_save()): it leaves the
+    training loop, and rails.run() ends the run with `code`, 128 + the signal's number. A BaseException,
+    as a stop is no error: nothing on its way out catches it."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
 def stop_at_once():
     """Until resume() catches them (Preemption.catch()): a stop ends the run wherever it is, in one line."""
     for signum in STOPS:
