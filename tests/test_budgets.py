@@ -56,6 +56,11 @@ def test_changed_lines_counts_like_diff():
     assert changed_lines(["a", "b", "c"], ["a", "x", "c", "d"]) == 3  # one changed (<, >), one added (>)
 
 
+def test_the_readme_reads_in_one_sitting():
+    """The README points the way (what to read first, how to run it); the details live beside their code."""
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
 LESSON_AND_TOOLS = sorted(REPO.glob("common/**/*.py")) + sorted(REPO.glob("tools/*.py"))
 
 
