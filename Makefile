@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 DATA := data/MNIST/raw/train-images-idx3-ubyte
 STAGES := 01_single_gpu 02_dataparallel 03_ddp_single_node 04_ddp_multi_node 05_fsdp
 
-.PHONY: install help test test-all test-min test-slurm data run diff profile lint clean bench plan plot scaling doctor
+.PHONY: install help test test-all test-min test-slurm data run diff profile lint clean bench benchmarks plan plot scaling doctor
 
 install: .venv/installed  ## the default: a .venv with requirements.txt (torch, tests, lint, plots)
 .venv/installed: requirements.txt pyproject.toml
@@ -72,7 +72,7 @@ profile: $(VENV) $(DATA)  ## time per line of stage 01's train(), one epoch; ARG
 	rm -rf runs/profile
 	$(PYTHON) -m kernprof -l -v -o runs/profile.lprof 01_single_gpu/train.py --epochs 1 --output-dir runs/profile $(PROFILE) $(ARGS)
 
-SHELL_SCRIPTS := */*.slurm tests/slurm/*.sh .ci/run
+SHELL_SCRIPTS := */*.slurm tests/slurm/*.sh .ci/run bench/gpu/measure.sh
 lint: $(VENV)  ## ruff (check, format --check); bash -n and shellcheck on the job scripts and shell scripts
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
@@ -82,7 +82,12 @@ lint: $(VENV)  ## ruff (check, format --check); bash -n and shellcheck on the jo
 clean:  ## deletes runs/ (every run's metrics and checkpoints), plot and scaling outputs, decompressed MNIST, caches
 	rm -rf runs .pytest_cache */__pycache__ */*.out */*.gpu.csv plot.png scaling.md scaling.png data/MNIST/raw/*-ubyte
 
-bench: $(VENV) $(DATA)  ## the stages on this machine's GPUs, or its CPU: bench-results/bench.{csv,md,png}; DDP's costs; the guard rails' cost per step
+# One GPU, one call, priority first (BUDGET=480 s): what the stages promise on a GPU against its targets; on a CPU it
+# runs QUICK=1, a few thousand images, to check the script (bench/gpu/README.md)
+bench: $(VENV) $(DATA)  ## the GPU table: one GPU, about 8 minutes, bench-results/gpu/table.md (bench/gpu/README.md)
+	PY=$(PYTHON) bash bench/gpu/measure.sh
+
+benchmarks: $(VENV) $(DATA)  ## BENCHMARKS.md's tables: the stages on this machine's GPUs (1 to N) or its CPU; DDP's costs; the guard rails' cost per step
 	$(PYTHON) bench/bench.py $(if $(ARGS),-- $(ARGS))
 	$(PYTHON) bench/ddp_profile.py
 	$(PYTHON) bench/check_cost.py

@@ -155,3 +155,46 @@ def test_a_socket_interface_the_host_lacks_is_named(monkeypatch, backend, value,
     else:
         with pytest.raises(SystemExit, match=r"^error: .*_SOCKET_IFNAME=.* has no interface .*\(it has .*lo"):
             preflight.check_interfaces(backend)
+
+
+def sysfs(root, gpu_node):
+    """A machine of two NUMA nodes (CPUs 0-3, 4-7) whose GPU at 0000:3b:00.0 sits on `gpu_node`."""
+    for node, cpus in ((0, "0-3\n"), (1, "4-5,6-7\n")):
+        (root / f"devices/system/node/node{node}").mkdir(parents=True)
+        (root / f"devices/system/node/node{node}/cpulist").write_text(cpus)
+    (root / "bus/pci/devices/0000:3b:00.0").mkdir(parents=True)
+    (root / "bus/pci/devices/0000:3b:00.0/numa_node").write_text(f"{gpu_node}\n")
+    return root
+
+
+def test_the_numa_line_names_a_rank_whose_cpus_are_off_its_gpus_node(tmp_path):
+    """The doctor reads the GPU's NUMA node and that node's CPUs from sysfs (here a fake one) against the rank's
+    affinity: on the node, PASS; CPUs spanning both nodes (an unbound rank), WARN naming the rank and the CPUs off
+    it; a machine that does not say (-1), nothing to judge; no GPU, skipped."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("doctor", DOCTOR)
+    doctor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(doctor)
+    root = sysfs(tmp_path / "sys", gpu_node=1)
+    assert doctor.beside_gpu({4, 5}, "0000:3B:00.0", root) == (1, [])
+    assert doctor.beside_gpu(set(range(8)), "0000:3b:00.0", root) == (1, [0, 1, 2, 3])
+    assert doctor.numa_nodes({3, 4}, root) == [0, 1]
+    assert doctor.beside_gpu({0}, "0000:3b:00.0", sysfs(tmp_path / "one", gpu_node=-1)) is None
+    assert doctor.beside_gpu({0}, "0000:3b:00.0", tmp_path / "none") is None
+
+    def line(gpu, *beside):
+        ranks = [{"rank": r, "host": "n1", "cpus": 8, "beside_gpu": b} for r, b in enumerate(beside)]
+        [row] = doctor.check_numa(SimpleNamespace(everyone=ranks, gpu=gpu))
+        return row[:3]
+
+    near, far = doctor.beside_gpu({4, 5}, "0000:3b:00.0", root), doctor.beside_gpu(set(range(8)), "0000:3b:00.0", root)
+    assert line(True, near, near) == (
+        "NUMA",
+        "PASS",
+        "each rank's CPUs on its GPU's NUMA node (2 of 2 ranks' nodes known)",
+    )
+    _, status, detail = line(True, near, far)
+    assert status == "WARN" and detail == "rank 1 (n1): 4 of its 8 CPUs off NUMA node 1, its GPU's (0-3)", detail
+    assert line(True, None, None)[1:] == ("PASS", "unknown: sysfs gives no GPU's NUMA node (one node, or not said)")
+    assert line(False, None, None)[1:] == ("PASS", "skipped: no GPU")

@@ -80,3 +80,66 @@ def test_a_job_whose_tasks_per_node_differ_from_its_gpus_stops_in_one_line():
         assert out.returncode == 1 and out.stderr == "error: --ntasks-per-node=2 but --gres=gpu:4: make them equal\n", (
             out
         )
+
+
+def fake_launch(tmp_path, *tools):
+    """A PATH where `srun` records its arguments and environment and exits 0, `scontrol` names one node, `python -c
+    "import torch"` succeeds at once (any other python is this one) and each of `tools` (numactl, nvidia-smi)
+    exists and does nothing: a job script runs to its srun line without Slurm."""
+    import sys
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    scripts = {
+        "srun": f'printf "%s\\n" "$@" >{tmp_path}/srun.args; env >{tmp_path}/srun.env',
+        "scontrol": "echo node1",
+        "python": f'[ "$1" = -c ] && [ "$2" = "import torch" ] && exit 0; exec {sys.executable} "$@"',
+    } | {tool: "exit 0" for tool in tools}
+    for name, body in scripts.items():
+        (bin_ / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    return f"{bin_}:/usr/bin:/bin"
+
+
+def launch(script, tmp_path, path, *args):
+    """Run a job script as sbatch would, in its folder: (srun's arguments, srun's environment)."""
+    folder = (REPO / script).parent
+    env = {"PATH": path, "SLURM_SUBMIT_DIR": str(folder), "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "t",
+           "SLURM_CPUS_PER_TASK": "4", "SLURM_GPUS_ON_NODE": "2", "SLURM_NTASKS_PER_NODE": "2",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"}  # fmt: skip
+    out = subprocess.run(["bash", str(REPO / script), *map(str, args)], env=env, cwd=folder, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0 and not out.stderr, out
+    lines = (tmp_path / "srun.env").read_text().splitlines()
+    return (tmp_path / "srun.args").read_text().splitlines(), dict(line.split("=", 1) for line in lines if "=" in line)
+
+
+def test_every_job_script_switches_on_the_flight_recorder_into_the_runs_folder(tmp_path):
+    """NCCL's flight recorder, old and new names, dumping into the folder the ranks write: --output-dir, relative to
+    the submit folder, or the stage's default for the job's first step; the ranks srun starts bound to their cores."""
+    from common import cli
+    from common.guards import flightrecorder
+
+    path = fake_launch(tmp_path)
+    for script in SCRIPTS:
+        name = script.relative_to(REPO).as_posix()
+        given = name.startswith("04_ddp_multi_node/job.")  # one script on the default folder: the others given one
+        args, env = launch(name, tmp_path, path, "--epochs", 1, *([] if given else ["--output-dir", "out dir"]))
+        folder = script.parent / "out dir"
+        if given:  # what train.py finds itself in srun's first step
+            folder = cli.default_output_dir(script.parent / "train.py", {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"})
+        expected = flightrecorder.variables(f"{folder}/flight-recorder-rank-")
+        assert {k: env.get(k) for k in expected} == expected, name
+        assert expected["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == expected["TORCH_FR_DUMP_TEMP_FILE"]
+        srun_starts_ranks = "torchrun" not in args and script.parent.name in ("04_ddp_multi_node", "05_fsdp")
+        assert ("--cpu-bind=cores" in args) == srun_starts_ranks, (name, args)
+        assert not [a for a in args if a.startswith("--numa-binding")], (name, args)  # no numactl, no GPU here
+
+
+@pytest.mark.slow
+def test_torchrun_binds_ranks_to_their_gpus_numa_node_where_it_can(tmp_path):
+    """Given numactl and GPUs (nvidia-smi), torchrun gets --numa-binding=node where its torch has it (this one)."""
+    path = fake_launch(tmp_path, "numactl", "nvidia-smi")
+    for script in ("03_ddp_single_node/job.slurm", "04_ddp_multi_node/job_torchrun.slurm"):
+        args, _ = launch(script, tmp_path, path, "--epochs", 1, "--output-dir", tmp_path / "out")
+        assert args[args.index("torchrun") + 1] == "--numa-binding=node", args

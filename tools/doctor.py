@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
 from common import cli, distributed  # noqa: E402
 from common.environment import cpus_per_rank  # noqa: E402
-from common.guards import failure, preemption, preflight, rails, versions  # noqa: E402
+from common.guards import failure, flightrecorder, preemption, preflight, rails, versions  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]  # every dtype the stages all-reduce or train in
 FLOOR_GBPS = {"within nodes": 5, "across nodes": 1}  # busbw below PCIe 3 x16 / 10 GbE: the fast links are not used
@@ -104,15 +104,27 @@ def run(*cmd):
         return ""
 
 
-def numa_nodes(cpus):
-    """The NUMA nodes holding `cpus`, from /sys (none where it does not say)."""
-    found = set()
-    for node in Path("/sys/devices/system/node").glob("node[0-9]*"):
-        for part in (node / "cpulist").read_text().strip().split(","):
-            lo, _, hi = part.partition("-")
-            if part and cpus & set(range(int(lo), int(hi or lo) + 1)):
-                found.add(int(node.name[4:]))
-    return sorted(found)
+def cpulist(text):
+    """The CPUs of a sysfs cpulist ("0-3,8-11")."""
+    ranges = [part.partition("-") for part in text.strip().split(",") if part]
+    return {cpu for lo, _, hi in ranges for cpu in range(int(lo), int(hi or lo) + 1)}
+
+
+def numa_nodes(cpus, sysfs=Path("/sys")):
+    """The NUMA nodes holding `cpus`, from sysfs (none where it does not say)."""
+    nodes = (sysfs / "devices/system/node").glob("node[0-9]*")
+    return sorted(int(node.name[4:]) for node in nodes if cpus & cpulist((node / "cpulist").read_text()))
+
+
+def beside_gpu(cpus, bus, sysfs=Path("/sys")):
+    """(the NUMA node of the GPU at PCI address `bus`, those of `cpus` off it), from sysfs; None where the
+    machine does not say (no numa_node file, or -1: one node, or firmware that does not tell)."""
+    try:
+        node = int((sysfs / "bus/pci/devices" / bus.lower() / "numa_node").read_text())
+        near = cpulist((sysfs / f"devices/system/node/node{node}/cpulist").read_text())
+    except (OSError, ValueError):
+        return None
+    return (node, sorted(cpus - near)) if node >= 0 else None
 
 
 def interface_to(ip):
@@ -159,22 +171,21 @@ def file_facts(args, task, training, rank, world_size):
 
 def facts(args, local_rank, device):
     """What this rank finds out about itself, with no other rank involved."""
-    gpus, gpu, gpu_numa = 0, None, None
+    gpus, gpu, beside = 0, None, None
+    cpus, addr = os.sched_getaffinity(0), distributed.launcher().addr or "127.0.0.1"  # after any binding
     if device.type == "cuda":
         props, gpus = torch.cuda.get_device_properties(device), torch.cuda.device_count()
         gpu, bus = str(props.uuid), f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        numa = Path(f"/sys/bus/pci/devices/{bus}/numa_node")
-        gpu_numa = int(numa.read_text()) if numa.exists() else -1  # -1: the machine does not say
+        beside = beside_gpu(cpus, bus)
     elif os.environ.get("CUDA_VISIBLE_DEVICES"):  # no GPU torch can use: the one Slurm gave this rank stands in
         ids = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
         gpus, pick = len(ids), 0 if len(ids) == 1 else local_rank  # as setup() picks
         gpu = f"CUDA_VISIBLE_DEVICES {ids[pick]}" if pick < len(ids) else None
-    cpus, addr = os.sched_getaffinity(0), distributed.launcher().addr or "127.0.0.1"
     ip = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][4][0]
     ifname = "NCCL_SOCKET_IFNAME" if device.type == "cuda" else "GLOO_SOCKET_IFNAME"
     slurm = ("SLURM_STEP_ID", "SLURM_CPUS_PER_TASK", "SRUN_CPUS_PER_TASK", "SLURM_GPUS_ON_NODE")
     return {
-        "host": os.environ.get("SLURMD_NODENAME", socket.gethostname()), "gpus": gpus, "gpu": gpu, "gpu_numa": gpu_numa,
+        "host": os.environ.get("SLURMD_NODENAME", socket.gethostname()), "gpus": gpus, "gpu": gpu, "beside_gpu": beside,
         "cpus": len(cpus), "cpu_numa": numa_nodes(cpus), "cpus_per_rank": cpus_per_rank(),
         "workers": cpus_per_rank() - 1 if args.num_workers is None else args.num_workers,
         "versions": {
@@ -301,10 +312,28 @@ def check_gpu_per_rank(run):
 
 
 def check_numa(run):
-    far = [f"{who([f])}: CPUs on NUMA node {f['cpu_numa']}, its GPU on {f['gpu_numa']}" for f in run.everyone
-           if f["gpu_numa"] is not None and f["gpu_numa"] >= 0 and f["gpu_numa"] not in f["cpu_numa"]]  # fmt: skip
-    fix = "bind ranks near their GPUs: srun --cpu-bind=cores --gpu-bind=closest"
-    yield verdict("NUMA", far, "each rank's CPUs beside its GPU" if run.gpu else "no GPU", fix, "WARN")
+    """Each rank's CPUs (its affinity, after any binding) on its GPU's NUMA node: memory it copies to the GPU stays
+    near it. A rank whose CPUs span nodes, unbound, has some of them far."""
+    told = [f for f in run.everyone if f["beside_gpu"]]
+    far = [f"{who([f])}: {len(off)} of its {f['cpus']} CPUs off NUMA node {node}, its GPU's ({ranges(off)})"
+           for f in told for node, off in [f["beside_gpu"]] if off]  # fmt: skip
+    fix = ("bind each rank beside its GPU: torchrun --numa-binding=node (torch >= 2.9); srun --cpu-bind=cores with "
+           "the GPUs' cores in gres.conf (Cores=), or --cpu-bind=map_ldom:<the GPUs' nodes>")  # fmt: skip
+    seen = f"each rank's CPUs on its GPU's NUMA node ({len(told)} of {len(run.everyone)} ranks' nodes known)"
+    if not told:
+        seen = "unknown: sysfs gives no GPU's NUMA node (one node, or not said)"
+    yield verdict("NUMA", far, seen if run.gpu else "skipped: no GPU", fix, "WARN")
+
+
+def ranges(cpus):
+    """Sorted CPUs as a cpulist: [0, 1, 2, 5] -> "0-2,5"."""
+    runs = []
+    for cpu in cpus:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{lo}-{hi}" if hi > lo else f"{lo}" for lo, hi in runs)
 
 
 def check_cpus_per_rank(run):
@@ -468,6 +497,10 @@ def main(guard):
     versions.require(__file__)
     args, task, training = parse_args()
     nccl_log = None
+    if torch.cuda.is_available() and not args.no_cuda:  # a collective that hangs: each rank's last ones, on disk
+        args.output_dir.mkdir(parents=True, exist_ok=True)  # as the job scripts set it, unless set before
+        for name, value in flightrecorder.variables(flightrecorder.prefix(args.output_dir)).items():
+            os.environ.setdefault(name, value)
     if torch.cuda.is_available() and not args.no_cuda and "NCCL_DEBUG" not in os.environ:
         # NCCL names the transport of each connection: into a file per process, read after the collectives
         nccl_log = args.output_dir / f"nccl-{socket.gethostname().split('.')[0]}-{os.getpid()}.log"

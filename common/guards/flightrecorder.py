@@ -1,0 +1,46 @@
+"""Guard rail: a hang you can read afterwards. torch's flight recorder keeps each rank's last NCCL collectives in a
+ring buffer and, when one outlasts --dist-timeout, dumps them to <prefix><rank>. Run as
+`python -m common.guards.flightrecorder ARGS...` in a job script, in the stage's folder, it prints the `export` line
+that switches the recorder on (variables()) with that prefix in the run's folder, where ARGS put it (--output-dir,
+or its default for the job's first srun step, which starts the ranks): the job script evaluates it. torchfrtrace
+reads the dumps (README, Troubleshooting)."""
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from common import cli
+
+FILES = "flight-recorder-rank-"  # the dumps' names less the rank: torchfrtrace's --prefix
+ENTRIES = "2000"  # collectives kept per rank: torch's suggestion, a few steps of the stages
+
+
+def prefix(output_dir):
+    """Where each rank's dump goes, less its rank: in the run's folder, which exists before any collective."""
+    return f"{Path(output_dir).absolute()}/{FILES}"
+
+
+def output_dir(argv, script=Path("train.py"), env=os.environ):
+    """The run's folder of a stage given `argv` (other options are the stage's to check), in the job's first step."""
+    first_step = {**env, "SLURM_STEP_ID": "0"}  # the batch shell has no step; srun's first is 0, after a requeue too
+    p = cli.Parser(add_help=False)
+    p.add_argument("--output-dir", type=Path, default=cli.default_output_dir(script.resolve(), first_step))
+    return p.parse_known_args(argv)[0].output_dir
+
+
+def variables(prefix):
+    """What switches the recorder on, dumping to `prefix`<rank> on a timeout: a recent torch reads the TORCH_FR_
+    names, an older one (down to 2.3, that of stages 01-02) the TORCH_NCCL_ ones."""
+    return {"TORCH_FR_BUFFER_SIZE": ENTRIES, "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": ENTRIES, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}  # fmt: skip
+
+
+def exports(argv):
+    """The shell line that exports variables() for a stage given `argv`."""
+    found = variables(prefix(output_dir(argv)))
+    return "export " + " ".join(f"{name}={shlex.quote(value)}" for name, value in found.items())
+
+
+if __name__ == "__main__":
+    print(exports(sys.argv[1:]))
