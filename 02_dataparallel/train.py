@@ -123,8 +123,8 @@ def main(guard):
         seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
         validated = evaluate(step, val_loader, len(val_set), guard)
         tested = evaluate(step, test_loader, len(test_set), guard)
-        totals = metrics.Epoch(trained, validated, tested).tensor()  # this rank's, in one tensor
-        sums = metrics.Epoch.read(totals)  # by name again, read from the device once an epoch
+        totals = metrics.Epoch(trained, validated, tested).tensor()  # one copy (and all-reduce)
+        sums = metrics.Epoch.read(totals)  # by name again: training, validation, test
         guard.check_epoch(epoch, sums)  # guard: nothing non-finite is logged or saved
         log.epoch(epoch, scheduler.get_last_lr()[0], seconds, sums)
         scheduler.step()

@@ -134,10 +134,10 @@ def main(guard):
         seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
         validated = evaluate(step, val_loader, val_shard.samples, guard)
         tested = evaluate(step, test_loader, test_shard.samples, guard)
-        totals = metrics.Epoch(trained, validated, tested).tensor()  # this rank's, in one tensor
+        totals = metrics.Epoch(trained, validated, tested).tensor()  # one copy (and all-reduce)
         if dist.is_initialized():
             dist.all_reduce(totals)  # sums over the ranks: losses, samples, correct answers
-        sums = metrics.Epoch.read(totals)  # by name again, read from the device once an epoch
+        sums = metrics.Epoch.read(totals)  # by name again: training, validation, test
         guard.check_epoch(epoch, sums)  # guard: nothing non-finite is logged or saved
         log.epoch(epoch, scheduler.get_last_lr()[0], seconds, sums)
         scheduler.step()
