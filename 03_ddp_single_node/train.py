@@ -46,44 +46,43 @@ from common.guards import rails  # the guard rails: each line that uses `guard` 
 
 
 @metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
-def train(model, device, loader, optimizer, scaler, loss_fn, epoch, args, guard):
-    model.train()
-    totals = torch.zeros(2, device=device)  # summed on the device: no GPU -> CPU sync per step
+def train(step, loader, epoch, args, guard):
+    step.model.train()
+    sums = metrics.Sums.zeros(step.device)  # summed on the device: no GPU -> CPU sync per step
     for batch_idx, (x, y) in enumerate(loader):
-        x, y = data.to_device((x, y), device)  # tensors, or dicts and lists of them (a task's collate())
-        optimizer.zero_grad(set_to_none=True)
-        with amp.autocast(device, args):
-            loss = loss_fn(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        totals[0] += loss.detach() * data.count(y)
-        totals[1] += data.count(y)
+        x, y = data.to_device((x, y), step.device)  # tensors, or dicts and lists of them
+        step.optimizer.zero_grad(set_to_none=True)
+        with amp.autocast(step.device, args):
+            loss = step.loss_fn(step.model(x), y)
+        step.scaler.scale(loss).backward()
+        step.scaler.step(step.optimizer)
+        step.scaler.update()
+        sums.loss += loss.detach() * data.count(y)
+        sums.samples += data.count(y)
         if batch_idx % args.log_interval == 0:
             metrics.progress(epoch, batch_idx, len(loader), loss)
-        guard.end_of_step(epoch, batch_idx, totals)  # guard: a diverged loss stops; a stop signal saves and ends
+        guard.end_of_step(epoch, batch_idx, sums)  # guard: a diverged loss stops; a signal saves
         if args.dry_run:
             break
-    return totals
+    return sums
 
 
 @torch.no_grad()
-def evaluate(model, device, loader, loss_fn, score, samples, guard):
-    """`samples`: how many of the loader's samples are this rank's own; the padding after them counts nowhere.
-    `score(output, target)`: the task's metric summed over a batch (correct answers, by default)."""
-    distributed.average_buffers(model)  # BatchNorm: every rank evaluates, and saves, the same running statistics
-    model.eval()
-    totals = torch.zeros(3, device=device)  # summed loss, score, samples
+def evaluate(step, loader, samples, guard):
+    """`samples`: this rank's own of the loader's samples; the padding after them counts nowhere."""
+    distributed.average_buffers(step.model)  # BatchNorm: the same running statistics on every rank
+    step.model.eval()
+    sums = metrics.Sums.zeros(step.device)
     for x, y in guard.evaluating(loader):  # guard: a stop saves here too, and the resumed run evaluates anew
-        x, y = data.to_device((x, y), device)
-        output, n = model(x), min(data.count(y), samples)  # every rank runs as many forwards (stage 05: collectives)
+        x, y = data.to_device((x, y), step.device)
+        output, n = step.model(x), min(data.count(y), samples)  # each forward on every rank (FSDP)
         samples -= n
         if n:
             output, y = data.first(output, n), data.first(y, n)
-            totals[0] += loss_fn(output, y) * n
-            totals[1] += score(output, y)
-            totals[2] += n
-    return totals
+            sums.loss += step.loss_fn(output, y) * n
+            sums.score += step.score(output, y)
+            sums.samples += n
+    return sums
 
 
 def main(guard):
@@ -121,6 +120,7 @@ def main(guard):
 
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy: on logits or log-probabilities
     metric = metrics.Metric.of(task)  # how good: the task's metric and score(), else accuracy
+    step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score)
     log = metrics.Log(args.output_dir, world_size, args.compile, metric)
     # run=guard: the checkpoint records how the run was made, and a resume must match it
     states = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log, run=guard)
@@ -130,14 +130,16 @@ def main(guard):
             break
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one after a resume
         log.start(epoch)
-        train_totals = train(model, device, train_loader, optimizer, scaler, loss_fn, epoch, args, guard)
+        trained = train(step, train_loader, epoch, args, guard)
         seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
-        totals = torch.cat([train_totals, evaluate(model, device, val_loader, loss_fn, metric.score, val_shard.samples, guard),
-                            evaluate(model, device, test_loader, loss_fn, metric.score, test_shard.samples, guard)])  # fmt: skip
+        validated = evaluate(step, val_loader, val_shard.samples, guard)
+        tested = evaluate(step, test_loader, test_shard.samples, guard)
+        totals = metrics.Epoch(trained, validated, tested).tensor()  # one copy (and all-reduce)
         if dist.is_initialized():
             dist.all_reduce(totals)  # sums over the ranks: losses, samples, correct answers
-        guard.check_epoch(epoch, totals.tolist())  # guard: nothing non-finite is logged or saved
-        log.epoch(epoch, scheduler.get_last_lr()[0], seconds, totals.tolist())
+        sums = metrics.Epoch.read(totals)  # by name again: training, validation, test
+        guard.check_epoch(epoch, sums)  # guard: nothing non-finite is logged or saved
+        log.epoch(epoch, scheduler.get_last_lr()[0], seconds, sums)
         scheduler.step()
         checkpoint.save(args.output_dir, epoch, states)
     log.summary()

@@ -24,7 +24,7 @@ device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 model = models.build("net", 1, 10, 28, 16, 4).to(device)
 optimizer = torch.optim.Adadelta(model.parameters())
 x, y = torch.randn(64, 1, 28, 28, device=device), torch.randint(0, 10, (64,), device=device)
-totals = torch.zeros(2, device=device)
+totals = metrics.Sums.zeros(device)
 
 
 def step():
@@ -32,7 +32,7 @@ def step():
     loss = F.nll_loss(model(x), y)
     loss.backward()
     optimizer.step()
-    totals[0] += loss.detach() * len(y)
+    totals.loss += loss.detach() * len(y)
     return loss
 
 

@@ -1,9 +1,11 @@
-"""Per-epoch lines and the metrics CSV, in one format for every stage, from global rank 0 only; the
-progress line; the memory line of stage 05; the line profiler's decorator."""
+"""Per-epoch lines and the metrics CSV, in one format for every stage, from global rank 0 only; an
+epoch's sums by name; the progress line; the memory line of stage 05; the line profiler's
+decorator."""
 
 import csv
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -52,6 +54,39 @@ class Metric(NamedTuple):
         return (100 if self.name == "accuracy" else 1) * total / samples
 
 
+@dataclass
+class Sums:
+    """What batches add up to on a rank: each batch's mean loss times its samples, the task's
+    score summed (evaluations), the samples; on the device while an epoch runs: no sync a step."""
+
+    loss: torch.Tensor | float
+    score: torch.Tensor | float
+    samples: torch.Tensor | float
+
+    @classmethod
+    def zeros(cls, device):
+        return cls(*torch.zeros(3, device=device))
+
+    def tensor(self):
+        return torch.stack([self.loss, self.score, self.samples])  # Sums(*values) reads it back
+
+
+class Epoch(NamedTuple):
+    """An epoch's Sums (validation's zeros without --val-fraction), a row each in tensor(): one
+    all-reduce and one copy from the GPU an epoch."""
+
+    training: Sums
+    validation: Sums
+    test: Sums
+
+    def tensor(self):
+        return torch.stack([sums.tensor() for sums in self])
+
+    @classmethod
+    def read(cls, tensor):
+        return cls(*(Sums(*row) for row in tensor.tolist()))
+
+
 def progress(epoch, batch, batches, loss):
     """Print the progress line (every --log-interval batches: reading the loss waits for the GPU)."""
     print0(f"  epoch {epoch} batch {batch}/{batches} loss {loss.item():.4f}")
@@ -96,7 +131,7 @@ class Log:
         self.fields = [field.replace("accuracy", self.metric.name) for field in FIELDS]
         self.nodes = max(world_size // ranks_per_node(world_size), 1)
         self.rows, self.clock = [], (0, 0.0)  # (epoch, start) of the epoch in progress
-        self.cut = (0, [0.0, 0.0], 0.0)  # an epoch resumed part-way: its (epoch, [loss sum, samples], seconds) before
+        self.cut = {"epoch": 0}  # an epoch resumed part-way: its seconds and training sums before
         self.compiled = 0.0  # --compile: the seconds torch.compile spent, from its own callbacks, apart in the CSV
         if compiled:  # torch._dynamo takes a second and a half to import: only where it compiles anyway
             from torch._dynamo import callback
@@ -118,7 +153,7 @@ class Log:
     def seconds(self, device):
         """The time of the epoch in progress, its part before an interruption included."""
         epoch, start = self.clock
-        return elapsed(start, device) + (self.cut[2] if self.cut[0] == epoch else 0.0)
+        return elapsed(start, device) + (self.cut["seconds"] if self.cut["epoch"] == epoch else 0.0)
 
     def write(self):
         if is_rank0():
@@ -127,18 +162,21 @@ class Log:
                 writer.writeheader()
                 writer.writerows(self.rows)
 
-    def epoch(self, epoch, lr, seconds, totals):
-        """`totals`: over all ranks, train loss and samples, then loss, summed score and samples of validation and
-        test."""
-        train_loss, seen, val_loss, val_score, validated, test_loss, score, tested = totals
-        if self.cut[0] == epoch:  # the steps before an interruption count too
-            train_loss, seen = train_loss + self.cut[1][0], seen + self.cut[1][1]
-        name, value = self.metric.name, self.metric.value
+    def epoch(self, epoch, lr, seconds, sums):
+        """`sums`: the epoch's Epoch, summed over all ranks."""
+        training, val, test = sums.training, sums.validation, sums.test
+        if self.cut["epoch"] == epoch:  # the steps before an interruption count too
+            cut = self.cut["training"]
+            training = Sums(training.loss + cut["loss"], 0.0, training.samples + cut["samples"])
+        name, value, seen, shown = self.metric.name, self.metric.value, training.samples, self.shown
         row = {
-            "epoch": epoch, "lr": lr, "train_loss": train_loss / seen, "test_loss": test_loss / tested,
-            "val_loss": val_loss / validated if validated else "", f"val_{name}": value(val_score, validated) if validated else "",
-            f"test_{name}": value(score, tested), "epoch_seconds": seconds, "images_per_s": seen / seconds,
-            "images_per_s_per_process": seen / seconds / self.world_size, "world_size": self.world_size, "nodes": self.nodes,
+            "epoch": epoch, "lr": lr, "train_loss": training.loss / seen,
+            "val_loss": val.loss / val.samples if val.samples else "",
+            f"val_{name}": value(val.score, val.samples) if val.samples else "",
+            "test_loss": test.loss / test.samples, f"test_{name}": value(test.score, test.samples),
+            "epoch_seconds": seconds, "images_per_s": seen / seconds,
+            "images_per_s_per_process": seen / seconds / self.world_size,
+            "world_size": self.world_size, "nodes": self.nodes,
             "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else "",
             "compile_seconds": self.compiled,  # inside epoch_seconds: the first steps of each shape wait for it
             "better": self.metric.better,
@@ -149,8 +187,9 @@ class Log:
         self.compiled = 0.0
         print0(
             f"epoch {epoch:3d} | lr {lr:.4f} | train loss {row['train_loss']:.4f} "
-            + (f"| val loss {row['val_loss']:.4f} ({self.shown(row, 'val')}) " if validated else "")
-            + f"| test loss {row['test_loss']:.4f} | {self.shown(row, 'test', score, tested)} | {seconds:.2f} s "
+            + (f"| val loss {row['val_loss']:.4f} ({shown(row, 'val')}) " if val.samples else "")
+            + f"| test loss {row['test_loss']:.4f} "
+            f"| {shown(row, 'test', test.score, test.samples)} | {seconds:.2f} s "
             f"| {row['images_per_s']:.0f} img/s ({row['images_per_s_per_process']:.0f} per process)"
             + (f" | peak {row['peak_memory_mib']:.0f} MiB" if row["peak_memory_mib"] != "" else "")
             + (f" | compile {row['compile_seconds']:.1f} s" if row["compile_seconds"] else "")

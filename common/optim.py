@@ -7,6 +7,9 @@ epochs of warm-up), `sqrt` (the gradient noise shrinks with the square root of t
 rule for adaptive optimizers such as Adam or Adadelta), or `none`.
 """
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -40,6 +43,17 @@ def scheduler(args, optimizer):
     if args.scheduler == "exponential":
         return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.gamma)
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.step_size, gamma=args.gamma)
+
+
+class Step(NamedTuple):
+    """What a training step and an evaluation use: the stages' train() and evaluate() take it."""
+
+    model: torch.nn.Module
+    device: torch.device
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler  # amp.scaler()
+    loss_fn: Callable  # the task's loss(output, target)
+    score: Callable  # the task's metric summed over a batch (metrics.Metric)
 
 
 def backward(model, x, y, loss_fn, scaler, micro_batches):

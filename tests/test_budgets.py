@@ -126,3 +126,35 @@ def test_the_lesson_reads_in_one_sitting():
         [sys.executable, "tools/reading_path.py"], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and out.stdout.endswith("all limits hold\n"), out.stdout
+
+
+HOLDERS = {"totals", "sums", "cut", "carry", "position", "so_far"}  # have held an epoch's sums
+
+
+def held(node):
+    """The name a subscript reads from: `totals`, `self.cut`, `state["run"]["cut"]`."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        return node.slice.value
+    return None
+
+
+def by_position(index):
+    """An integer index, or a slice with integer bounds: a position, not a name."""
+    if isinstance(index, ast.Slice):
+        return any(by_position(bound) for bound in (index.lower, index.upper) if bound is not None)
+    return isinstance(index, ast.Constant) and type(index.value) is int
+
+
+def test_an_epochs_sums_are_read_by_name():
+    """metrics.Sums and metrics.Epoch name what an epoch adds up; the stages, the lesson and the
+    guard rails read them by name, never by a position that each of them would decode on its own."""
+    paths = sorted(REPO.glob("common/**/*.py")) + [REPO / stage / "train.py" for stage in STAGES]
+    nodes = [(path, node) for path in paths for node in ast.walk(ast.parse(path.read_text()))]
+    indexed = [(path, node) for path, node in nodes if isinstance(node, ast.Subscript)]
+    found = [f"{path.relative_to(REPO)}:{node.lineno}" for path, node in indexed
+             if held(node.value) in HOLDERS and by_position(node.slice)]  # fmt: skip
+    assert found == []

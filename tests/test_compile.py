@@ -5,14 +5,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from helpers import S01, checkpoint, free_port, metrics, one_error, python, stage_args
-from test_equivalence import ARGS, BATCH, CPU, RUN, STEPS, model_without_dropout, stage
+from test_equivalence import ARGS, BATCH, CPU, RUN, STEPS, model_without_dropout, stage, step
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, data, models
+from common import data, models
 from common.models import Net
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # after 6 Adadelta steps of the Net; bitwise equality is not expected
@@ -39,14 +38,13 @@ def both(rank, world_size, port, data_dir, name, result):
             model = DDP(model) if world_size > 1 else model
             if compiled:
                 model.compile()
-        optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
         args = type(ARGS)(**vars(ARGS), grad_accum=1)  # stage 05's train() reads it
-        totals = stage(name).train(model, CPU, loader, optimizer, amp.scaler(CPU, args), F.cross_entropy, 1, args, RUN)
-        if world_size > 1:
-            dist.all_reduce(totals)
+        sums = stage(name).train(step(model, args), loader, 1, args, RUN)
+        for total in (sums.loss, sums.samples) if world_size > 1 else ():
+            dist.all_reduce(total)
         weights = {k.removeprefix("module."): v for k, v in model.state_dict().items()}
         found[compiled] = (
-            totals[0] / totals[1],
+            sums.loss / sums.samples,
             {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in weights.items()},
         )
     if rank == 0:

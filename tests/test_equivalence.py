@@ -13,7 +13,7 @@ from helpers import REPO, S03, S05, TEST_SIZE, free_port, stage_args, torchrun
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, data, metrics
+from common import amp, data, metrics, optim
 from common.guards import rails, resume
 from common.guards.preemption import Preemption
 from common.models import Net
@@ -36,6 +36,13 @@ def idle_guard():
 RUN = idle_guard()
 
 
+def step(model, args=ARGS):
+    """What the stages' train() and evaluate() take: Adadelta at lr 1, the default loss, score."""
+    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+    scaler = amp.scaler(CPU, args)
+    return optim.Step(model, CPU, optimizer, scaler, F.cross_entropy, metrics.accuracy)
+
+
 def stage(name):
     spec = importlib.util.spec_from_file_location(name, REPO / name / "train.py")
     module = importlib.util.module_from_spec(spec)
@@ -56,10 +63,7 @@ def ddp_rank(rank, world_size, port, data_dir, result):
     sampler = DistributedSampler(range(BATCH * STEPS), num_replicas=world_size, rank=rank, shuffle=False)
     loader = data.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, ARGS, CPU)
     model = DDP(model_without_dropout())
-    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    stage("03_ddp_single_node").train(
-        model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), F.cross_entropy, 1, ARGS, RUN
-    )
+    stage("03_ddp_single_node").train(step(model), loader, 1, ARGS, RUN)
     if rank == 0:
         torch.save(model.module.state_dict(), result)
     dist.destroy_process_group()
@@ -70,8 +74,7 @@ def test_two_ranks_with_half_batches_equal_one_process(tiny_data, tmp_path):
     mp.spawn(ddp_rank, args=(2, free_port(), tiny_data, tmp_path / "ddp.pt"), nprocs=2)
     loader = data.loader(data.dataset(tiny_data, "mnist", train=True), range(BATCH * STEPS), BATCH, ARGS, CPU)
     model = model_without_dropout()
-    optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    stage("01_single_gpu").train(model, CPU, loader, optimizer, amp.scaler(CPU, ARGS), F.cross_entropy, 1, ARGS, RUN)
+    stage("01_single_gpu").train(step(model), loader, 1, ARGS, RUN)
     ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
     start = model_without_dropout().state_dict()
     for name, value in model.state_dict().items():
@@ -87,20 +90,16 @@ def assert_counted_once(output, model_file, data_dir, val_fraction=0.0):
     model.load_state_dict(torch.load(model_file, weights_only=True))
     test_set = data.dataset(data_dir, "mnist", train=False)
     loader = data.loader(test_set, range(TEST_SIZE), 1000, ARGS, CPU)
-    loss, correct, count = (
-        stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, metrics.accuracy, TEST_SIZE, RUN).tolist()
-    )
+    sums = stage("01_single_gpu").evaluate(step(model), loader, TEST_SIZE, RUN)
+    loss, correct, count = sums.loss.item(), sums.score.item(), sums.samples.item()
     assert count == TEST_SIZE
     assert f"accuracy {int(correct)}/{TEST_SIZE} ({100 * correct / count:.2f}%)" in line, line
     assert f"test loss {loss / count:.4f}" in line, line
     if val_fraction:
         _, val_set = data.split(data.dataset(data_dir, "mnist", train=True), val_fraction, seed=1)
         loader = data.loader(val_set, range(len(val_set)), 1000, ARGS, CPU)
-        loss, correct, count = (
-            stage("01_single_gpu")
-            .evaluate(model, CPU, loader, F.cross_entropy, metrics.accuracy, len(val_set), RUN)
-            .tolist()
-        )
+        sums = stage("01_single_gpu").evaluate(step(model), loader, len(val_set), RUN)
+        loss, correct, count = sums.loss.item(), sums.score.item(), sums.samples.item()
         assert f"val loss {loss / count:.4f} ({100 * correct / count:.2f}%)" in line, line
 
 

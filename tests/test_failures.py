@@ -50,6 +50,7 @@ from helpers import (
 from common import cli, data
 from common.checkpoint import atomic
 from common.guards import divergence, lock, preflight, rails, resume
+from common.metrics import Epoch
 
 STEPS = 4  # optimizer steps per epoch: 256 training images, batch 64
 
@@ -104,7 +105,7 @@ def test_a_non_finite_tensor_is_never_written(tmp_path):
         {"model": model, "optimizer": torch.optim.SGD(model.parameters())},
     )
     with pytest.raises(SystemExit, match="not finite"):
-        guard.check_epoch(1, [0.0] * 8)
+        guard.check_epoch(1, Epoch.read(torch.zeros(3, 3)))
     assert not list(tmp_path.iterdir())
 
 

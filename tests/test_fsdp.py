@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from helpers import (
     INJECT,
     REPO,
@@ -29,7 +28,7 @@ from helpers import (
     stage_args,
     torchrun,
 )
-from test_equivalence import ARGS, BATCH, CPU, RUN, model_without_dropout, stage
+from test_equivalence import ARGS, BATCH, CPU, RUN, model_without_dropout, stage, step
 from test_stages import check_run
 from torch import nn
 from torch.distributed._composable import checkpoint as recompute
@@ -39,7 +38,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 from common import amp, data, models
-from common.metrics import accuracy
 from common.tasks import sequences
 
 STEPS = 4
@@ -68,7 +66,7 @@ def test_stage05_exports_stage01s_model(tiny_data, tmp_path):
     model = models.Net()
     model.load_state_dict(checkpoint(tmp_path, "model.pt"), strict=True)
     loader = data.loader(data.dataset(tiny_data, "mnist", train=False), range(TEST_SIZE), 1000, ARGS, CPU)
-    correct = stage("01_single_gpu").evaluate(model, CPU, loader, F.cross_entropy, accuracy, TEST_SIZE, RUN)[1]
+    correct = stage("01_single_gpu").evaluate(step(model), loader, TEST_SIZE, RUN).score
     assert 100 * correct.item() / TEST_SIZE == pytest.approx(float(rows[-1]["test_accuracy"]))
 
 
@@ -117,11 +115,9 @@ def ranks(rank, world_size, port, data_dir, result):
                     recompute(block)
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
-        optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
         args = type(ARGS)(**vars(ARGS), grad_accum=accum)
-        stage("05_fsdp" if way != "ddp" else "03_ddp_single_node").train(
-            model, CPU, loader, optimizer, amp.scaler(CPU, args), F.cross_entropy, 1, args, RUN
-        )
+        name = "05_fsdp" if way != "ddp" else "03_ddp_single_node"
+        stage(name).train(step(model, args), loader, 1, args, RUN)
         trained[way] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     if rank == 0:
         torch.save({way: {k.removeprefix("module."): v for k, v in w.items()} for way, w in trained.items()}, result)

@@ -25,22 +25,22 @@ def finite(state):
     return True
 
 
-def check_loss(epoch, batch, totals, output_dir):
-    """At a progress line: stop every rank if the summed loss `totals[0]` is not finite on any of them (it
-    turns so with the first non-finite loss and stays so). One all-reduce of one number."""
-    bad = torch.isfinite(totals[:1]).logical_not().float()
+def check_loss(epoch, batch, sums, output_dir):
+    """At a progress line: stop every rank if the summed loss `sums.loss` is not finite on any of
+    them (it turns so with the first non-finite loss and stays so). One all-reduce of one number."""
+    bad = torch.isfinite(sums.loss).logical_not().float()
     if dist.is_initialized():
         dist.all_reduce(bad)  # every rank stops at the same batch
     if bad.item():
         stop(f"error: the training loss is not finite by epoch {epoch}, batch {batch}: " + ADVICE.format(output_dir))
 
 
-def check_epoch(epoch, totals, output_dir):
-    """The all-reduced sums of an epoch (training loss, samples, then loss, correct and samples of the
-    validation and test sets), the same on every rank."""
-    for name, value in {"training": totals[0], "validation": totals[2], "test": totals[5]}.items():
-        if not math.isfinite(value):
-            stop(f"error: epoch {epoch} ended with a non-finite {name} loss ({value}): " + ADVICE.format(output_dir))
+def check_epoch(epoch, sums, output_dir):
+    """`sums`: the all-reduced sums of an epoch (metrics.Epoch), the same on every rank."""
+    for name, part in sums._asdict().items():  # training, validation, test
+        if not math.isfinite(part.loss):
+            stop(f"error: epoch {epoch} ended with a non-finite {name} loss ({part.loss}): "
+                 + ADVICE.format(output_dir))  # fmt: skip
 
 
 def check_weights(states, what, output_dir, device=None):

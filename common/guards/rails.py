@@ -13,6 +13,8 @@ may skip each of them: the training reads the same without. What each one holds 
 """
 
 import time
+from dataclasses import asdict
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,17 @@ from common.guards import check, divergence, failure, lock, ownership, preflight
 from common.guards.ending import end
 from common.guards.preemption import Preemption
 from common.guards.watchdog import Watchdog
+from common.metrics import Sums
+
+
+class Position(NamedTuple):
+    """Where the run stands: `step` steps into `epoch`, this rank's training sums there, and
+    `count`, a step count that grows across epochs (evaluation batches counting on)."""
+
+    epoch: int
+    step: int
+    sums: Sums
+    count: int
 
 
 class Guard:
@@ -30,7 +43,7 @@ class Guard:
         self.args, self.lock, self.watchdog, self.preemption = None, None, None, None
         self.sampler, self.states, self.sharded, self.epoch_done, self.so_far = None, None, False, None, None
         self.doing, self.position = None, None  # a stage 05 checkpoint read or written: for a failure's one line
-        self.carry = None  # resumed mid-epoch: this rank's training sums before the stop (resume.carried())
+        self.carry = None  # resumed mid-epoch: the Position it stopped at, this rank's sums then
         self.data, self.seeded = None, False  # the training set's fingerprint; is it randomness.Seeded?
 
     def start(self, args):
@@ -87,14 +100,14 @@ class Guard:
             state["reader"] = safeload.reader(state["folder"])
             self.doing = f"read {state['folder']}"
         if state is not None and state["step"]:  # saved mid-epoch: the rest of it, and its sums and time so far
-            self.sampler.resume_at(state["epoch"], state["step"] * self.args.batch_size)
-            states["log"].cut = state["run"]["cut"][:3]
-            sums = resume.carried(state["run"]["cut"], next(states["model"].parameters()).device)
-            self.carry = (state["epoch"], sums)
-            self.position = (state["epoch"], state["step"], sums, state["epoch"] * 2**32 + state["step"])
+            epoch, step, cut = state["epoch"], state["step"], state["run"]["cut"]
+            self.sampler.resume_at(epoch, step * self.args.batch_size)
+            states["log"].cut = cut
+            sums = resume.carried(cut, next(states["model"].parameters()).device)
+            self.carry = self.position = Position(epoch, step, sums, epoch * 2**32 + step)
         return state
 
-    def end_of_step(self, epoch, batch, totals):
+    def end_of_step(self, epoch, batch, sums):
         """After training step `batch` (counted from 0 in this run's part of the epoch): every --log-interval
         steps, stop if the loss went non-finite on any rank; then stop_or_save()."""
         args, step = self.args, self.sampler.skipped() // self.args.batch_size + batch + 1
@@ -102,14 +115,15 @@ class Guard:
             self.preemption.saved(time.monotonic() - self.epoch_done)
             self.epoch_done = None
         self.doing, count = None, epoch * 2**32 + step  # a step count that grows across epochs
-        if self.carry is not None and epoch == self.carry[0]:  # resumed mid-epoch: this rank's sums before the
-            totals += self.carry[1]  # stop join its totals at its first step: 0 + a + S is S + a exactly
-            log = self.states["log"]
-            log.cut = (log.cut[0], [0.0, 0.0], log.cut[2])  # counted now: the epoch's row adds only its time
+        if self.carry is not None and epoch == self.carry.epoch:  # resumed mid-epoch: this rank's
+            sums.loss += self.carry.sums.loss  # sums before the stop join its own at its first
+            sums.samples += self.carry.sums.samples  # step: 0 + a + S is S + a exactly
+            log = self.states["log"]  # counted now: the epoch's row adds only its time
+            log.cut = log.cut | {"training": dict.fromkeys(log.cut["training"], 0.0)}
         self.carry = None  # an epoch resumed with no step left (stopped in its evaluation): its row adds them
         if batch % args.log_interval == 0:
-            divergence.check_loss(epoch, step - 1, totals, args.output_dir)
-        self.stop_or_save(epoch, step, totals, count)
+            divergence.check_loss(epoch, step - 1, sums, args.output_dir)
+        self.stop_or_save(epoch, step, sums, count)
 
     def evaluating(self, loader):
         """`loader`'s batches, for evaluate(): after each, as after a step, a stop or --checkpoint-minutes saves the
@@ -117,29 +131,32 @@ class Guard:
         for batch in loader:
             yield batch
             if self.position:  # None before this run's first step (a test's evaluation): nothing to save
-                self.stop_or_save(*self.position[:3], self.position[3] + 1)
+                at = self.position
+                self.stop_or_save(at.epoch, at.step, at.sums, at.count + 1)
 
-    def stop_or_save(self, epoch, step, totals, count):
+    def stop_or_save(self, epoch, step, sums, count):
         """`count` steps done (evaluation batches counting on): on a stop, save at the step all ranks agreed on and
         end the run; with --checkpoint-minutes, save when they have passed."""
-        self.position = (epoch, step, totals, count)  # (epoch, step, its totals, count): where the run stands
+        self.position = Position(epoch, step, sums, count)
         if self.preemption.check(count):
-            self.save(epoch, step, totals)
+            self.save(epoch, step, sums)
             distributed.print0(f"saved at epoch {epoch}, step {step}: resume with --resume ({self.preemption.signal})")
             raise signals.SavedStop(self.preemption.exit_code())
         if self.args.checkpoint_minutes and self.preemption.due(self.args.checkpoint_minutes, count):
-            self.save(epoch, step, totals)
+            self.save(epoch, step, sums)
             distributed.print0(f"saved at epoch {epoch}, step {step} (--checkpoint-minutes {self.args.checkpoint_minutes})")  # fmt: skip
 
-    def save(self, epoch, step, totals):
-        """A checkpoint `step` steps into `epoch`: the sums and time so far go with it, so that the resumed
-        run's row in metrics.csv counts the whole epoch."""
-        started, log = time.monotonic(), self.states["log"]
-        parts = [totals.clone() for _ in range(dist.get_world_size() if dist.is_initialized() else 1)]
+    def save(self, epoch, step, sums):
+        """A checkpoint `step` steps into `epoch`: the sums and time so far go with it (its "cut"),
+        so that the resumed run's row in metrics.csv counts the whole epoch."""
+        started, log, mine = time.monotonic(), self.states["log"], sums.tensor()
+        parts = [mine.clone() for _ in range(dist.get_world_size() if dist.is_initialized() else 1)]
         if dist.is_initialized():  # each rank's own sums (the epoch's part before a resume included): carried()
-            dist.all_gather(parts, totals)
-        sums = torch.stack(parts).sum(0).tolist()
-        self.so_far = (epoch, sums, log.seconds(totals.device), [p.tolist() for p in parts])
+            dist.all_gather(parts, mine)
+        total = asdict(Sums(*torch.stack(parts).sum(0).tolist()))
+        ranks = [asdict(Sums(*part.tolist())) for part in parts]
+        seconds = log.seconds(mine.device)
+        self.so_far = {"epoch": epoch, "seconds": seconds, "training": total, "ranks": ranks}
         self.check_weights(f"epoch {epoch} left weights that are")
         if not self.sharded:
             resume.keep_previous(self.args.output_dir)
@@ -148,10 +165,10 @@ class Guard:
         self.preemption.saved(time.monotonic() - started)
         self.so_far = None
 
-    def check_epoch(self, epoch, totals):
-        """Before the epoch's row and checkpoint: its all-reduced losses and the weights must be finite; the
-        checkpoint the epoch's replaces stays as checkpoint-previous.pt."""
-        divergence.check_epoch(epoch, totals, self.args.output_dir)
+    def check_epoch(self, epoch, sums):
+        """Before the epoch's row and checkpoint: its all-reduced losses (metrics.Epoch) and the
+        weights must be finite; the checkpoint the epoch's replaces stays as the previous one."""
+        divergence.check_epoch(epoch, sums, self.args.output_dir)
         self.check_weights(f"epoch {epoch} left weights that are")
         if not self.sharded:
             resume.keep_previous(self.args.output_dir)

@@ -27,6 +27,7 @@ from common.guards.check import integer
 from common.guards.ending import stop
 from common.guards.preflight import defining
 from common.guards.safeload import Planted, damage
+from common.metrics import Sums
 
 PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
 
@@ -187,12 +188,13 @@ def fallback(output_dir, damaged):
 
 
 def carried(cut, device):
-    """This rank's training sums of an epoch cut short, as its totals held them (float32, summed in its own
-    order); at another world size (stage 05), rank 0 carries them all."""
-    parts, rank = cut[3] if len(cut) > 3 else [cut[1]], dist.get_rank() if dist.is_initialized() else 0
-    if len(parts) != (dist.get_world_size() if dist.is_initialized() else 1):
-        parts = [cut[1]] + [[0.0, 0.0]] * rank
-    return torch.tensor(parts[rank], device=device)
+    """This rank's training Sums of an epoch cut short (a checkpoint's "cut": Guard.save()), as its
+    own sums held them (float32, summed in its own order); at another world size (stage 05), rank 0
+    carries them all."""
+    ranks, rank = cut["ranks"], dist.get_rank() if dist.is_initialized() else 0
+    if len(ranks) != (dist.get_world_size() if dist.is_initialized() else 1):
+        ranks = [cut["training"]] + [dict.fromkeys(cut["training"], 0.0)] * rank
+    return Sums(**{name: torch.tensor(value, device=device) for name, value in ranks[rank].items()})
 
 
 class Sampler(torch.utils.data.Sampler):
