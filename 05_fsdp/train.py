@@ -12,7 +12,7 @@ Launch (from 05_fsdp/):
 
 Changes from stage 04:
   - construction: on the meta device, no rank holding the whole model; each fills only its own shards;
-  - sharding: fully_shard on each BatchNorm layer, each block and the root, instead of DDP;
+  - sharding: fully_shard on each block worth a gather (BatchNorm layers too under --amp) and the root, not DDP;
   - mixed precision: FSDP's policies (amp.policies) instead of autocast;
   - sharded checkpoints: checkpoint.save_sharded(), each rank writing its own shards;
   - --compile: per block, before fully_shard, instead of the whole DDP model;
@@ -47,7 +47,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common import amp, checkpoint, cli, data, distributed, metrics, optim
 from common.guards import rails  # the guard rails: each line that uses `guard` says what it guards; skip them
-from common.models import blocks, materialise, norms
+from common.models import blocks, gathered, materialise, norms
 
 
 @metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
@@ -125,9 +125,9 @@ def main(guard):
     if dist.is_initialized():  # a plain `python train.py` has no process group: nothing to wrap
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        for norm in norms(model):  # BatchNorm layers: units of their own, in fp32 under --amp
+        for norm in norms(model) if args.amp else []:  # BatchNorm layers under --amp: units of their own, in fp32
             fully_shard(norm, mesh=mesh, mp_policy=norm_policy)
-        for block in units:  # each block's weights are gathered just before it runs, then freed
+        for block in gathered(units):  # each block's weights are gathered just before it runs, then freed
             fully_shard(block, mesh=mesh, mp_policy=block_policy)
         fully_shard(model, mesh=mesh, mp_policy=root_policy)  # the rest at the root; gradients reduce-scattered
     materialise(model, device, task, args)  # each rank fills its own shards: stage 01's weights, at any world size

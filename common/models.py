@@ -118,8 +118,15 @@ def blocks(model):
     return found or [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
 
 
+def gathered(blocks):
+    """Stage 05's units: hooks cost per unit and step; the smallest blocks, together up to 1/8 of the largest, join the root."""
+    sizes = sorted((sum(p.numel() for p in b.parameters()), i) for i, b in enumerate(blocks))
+    totals = dict(zip((i for _, i in sizes), itertools.accumulate(n for n, _ in sizes), strict=True))  # smallest first
+    return [b for i, b in enumerate(blocks) if 8 * totals[i] > sizes[-1][0]]
+
+
 def norms(model):
-    """The BatchNorm layers: stage 05 makes each a unit of its own, which computes in fp32 under --amp."""
+    """The BatchNorm layers: under --amp, stage 05 makes each a unit of its own, which computes in fp32."""
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 

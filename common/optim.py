@@ -7,6 +7,7 @@ epochs of warm-up), `sqrt` (the gradient noise shrinks with the square root of t
 rule for adaptive optimizers such as Adam or Adadelta), or `none`.
 """
 
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -18,14 +19,17 @@ from common.cli import learning_rate
 
 
 def optimizer(args, parameters):
-    lr, decay = learning_rate(args), args.weight_decay
+    """Sharded weights (DTensors) step by foreach, as torch chooses on GPUs: a loop dispatches each through Python."""
+    parameters, dtensor = list(parameters), getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
+    foreach = any(isinstance(p, dtensor) for p in parameters) or None  # None: torch's default
+    options = dict(lr=learning_rate(args), weight_decay=args.weight_decay, foreach=foreach)
     if args.optimizer == "adadelta":
-        return torch.optim.Adadelta(parameters, lr=lr, weight_decay=decay)
+        return torch.optim.Adadelta(parameters, **options)
     if args.optimizer == "adam":
-        return torch.optim.Adam(parameters, lr=lr, weight_decay=decay)
+        return torch.optim.Adam(parameters, **options)
     if args.optimizer == "rmsprop":
-        return torch.optim.RMSprop(parameters, lr=lr, momentum=args.momentum, weight_decay=decay)
-    return torch.optim.SGD(parameters, lr=lr, momentum=args.momentum, weight_decay=decay)
+        return torch.optim.RMSprop(parameters, momentum=args.momentum, **options)
+    return torch.optim.SGD(parameters, momentum=args.momentum, **options)
 
 
 def state_tensors(args):
@@ -61,7 +65,7 @@ def backward(model, x, y, loss_fn, scaler, micro_batches):
     their gradients summed and reduced across the ranks once, after the last. Returns the batch's mean loss."""
     loss, micro = 0, list(zip(data.chunk(x, micro_batches), data.chunk(y, micro_batches), strict=True))
     for i, (xm, ym) in enumerate(micro):
-        if dist.is_initialized():  # reduce the gradients once, after the last slice, not after each
+        if dist.is_initialized() and len(micro) > 1:  # reduce the gradients once, after the last slice, not after each
             model.set_requires_gradient_sync(i == len(micro) - 1)
         part = loss_fn(model(xm), ym) * data.count(ym) / data.count(y)  # its share of the batch's mean loss
         scaler.scale(part).backward()

@@ -4,11 +4,13 @@ size, and its exported model is stage 01's."""
 import os
 import socket
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from helpers import (
     INJECT,
     REPO,
@@ -37,7 +39,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, data, models
+from common import amp, data, models, optim
 from common.tasks import sequences
 
 STEPS = 4
@@ -443,3 +445,35 @@ def test_a_layer_no_reset_parameters_sets_is_named():
         model = nn.Sequential(nn.Linear(2, 2), Scaled())
     with pytest.raises(TypeError, match=r"^1 \(Scaled\) has tensors that no reset_parameters\(\) sets.*META = False"):  # fmt: skip
         models.materialise(model, CPU, None, None)
+
+
+def test_only_blocks_worth_a_gather_are_units_and_sharded_weights_step_by_foreach():
+    """Stage 05's units: each costs hooks every step, so the smallest blocks, together at most 1/8 of the largest,
+    stay in the root's (the Net: fc1 alone; WRN-16-4: its first convolution and two smallest blocks); and the
+    sharded weights step by foreach on the CPU too, to the very numbers of the loop torch chooses there."""
+    net, wrn = models.Net(), models.build("wideresnet", 3, 10, 32, depth=16, width=4)
+    assert models.gathered(models.blocks(net)) == [net.fc1]
+    assert models.gathered(models.blocks(wrn)) == models.blocks(wrn)[3:]
+    args = SimpleNamespace(
+        optimizer="adadelta", lr=1.0, weight_decay=0.0, momentum=0.0, batch_size=64, lr_scaling="none"
+    )
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        found = []
+        for chosen in (True, False):
+            torch.manual_seed(0)
+            model = model_without_dropout()
+            for block in models.gathered(models.blocks(model)):
+                fully_shard(block)
+            fully_shard(model)
+            parameters = list(model.parameters())
+            optimizer = optim.optimizer(args, parameters) if chosen else torch.optim.Adadelta(parameters, lr=1.0)
+            for _ in range(3):
+                optimizer.zero_grad(set_to_none=True)
+                F.nll_loss(model(torch.ones(2, 1, 28, 28)), torch.tensor([3, 7])).backward()
+                optimizer.step()
+            found.append((optimizer.defaults["foreach"], [p.full_tensor() for p in parameters]))
+    finally:
+        dist.destroy_process_group()
+    assert [f for f, _ in found] == [True, None]
+    assert all(torch.equal(a, b) for a, b in zip(found[0][1], found[1][1], strict=True))
