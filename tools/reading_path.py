@@ -31,7 +31,7 @@ LIMITS = {  # lesson lines reached from train.py, per stage; +70 for batches of 
     "02_dataparallel": 560,  # +40: named records, not positions: an epoch's sums (metrics.Sums,
     "03_ddp_single_node": 570,  # metrics.Epoch), what train() and evaluate() take (optim.Step)
     "04_ddp_multi_node": 570,
-    "05_fsdp": 810,  # +90: building with no whole model anywhere (models.materialise), --grad-accum
+    "05_fsdp": 810,  # +100: building with no whole model anywhere (models.materialise), --grad-accum, units
 }
 GUARD_CALLS = 8  # guard-rail call sites in one train.py
 SETUP_LINES, SETUP_REACH = 25, 100
