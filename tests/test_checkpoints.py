@@ -44,6 +44,7 @@ def small(script, data_dir, out, *extra):
     return run([sys.executable, str(script), *stage_args(data_dir, out, "--limit", 64, *extra)], env=clean_env())
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(tiny_data, tmp_path):
     assert small(S01, tiny_data, tmp_path, "--epochs", 2).returncode == 0
     previous = tmp_path / resume.PREVIOUS

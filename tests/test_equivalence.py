@@ -112,9 +112,8 @@ def test_evaluation_counts_every_test_image_once(tiny_data, tmp_path):
     assert_counted_once(out.stdout, tmp_path / "model.pt", tiny_data)
 
 
-@pytest.mark.parametrize(
-    "world_size", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(7, marks=pytest.mark.slow)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3, 7])
 def test_fsdp_evaluates_uneven_shards_without_waiting(tiny_data, tmp_path, world_size):
     """Stage 05 on splits the world size does not divide, in batches that would leave one rank a batch more:
     under FSDP every forward is a collective, so unequal batch counts would wait out --dist-timeout. 10 test

@@ -109,6 +109,7 @@ def test_a_non_finite_tensor_is_never_written(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_divergence_on_one_rank_stops_every_rank_at_the_same_batch(tiny_data, tmp_path):
     procs = ranks(S03, [stage_args(tiny_data, tmp_path, "--epochs", 3, "--log-interval", 2)] * 2,
                   PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=1, FAULT_NAN=STEPS + 1)  # fmt: skip
@@ -363,6 +364,7 @@ def test_ranks_reading_different_data_stop_naming_the_data(tiny_data, tmp_path):
     assert rank1.returncode != 0
 
 
+@pytest.mark.slow
 def test_a_timed_save_is_made_by_every_rank_at_one_step_without_a_collective_per_step(tiny_data, tmp_path):
     """Rank 1's own clock never calls for a save (--checkpoint-minutes 1000: a free option, the ranks may
     differ in it): it hears of rank 0's proposal through the store, and both save at the same step, mid-epoch

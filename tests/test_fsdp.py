@@ -127,6 +127,7 @@ def ranks(rank, world_size, port, data_dir, result):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp_micro_batches_and_recompute_equal_ddp(tiny_data, tmp_path):
     """After a few steps at world size 2, FSDP's weights are DDP's, with the global batch in four
     micro-batches too (gradients summed, reduced once), with recomputed activations, and under HSDP's
@@ -414,6 +415,7 @@ def materialised(rank, world_size, port, result):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_sharded_initialisation_is_the_whole_models(tmp_path):
     """At 2 ranks, no rank building any model whole: the sharded weights are those the models' constructors
     give at the same seed, and a file of whole weights loads into the shards as it was saved."""

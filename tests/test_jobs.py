@@ -94,6 +94,7 @@ def load(path):
     return cli.load_task(path)
 
 
+@pytest.mark.slow
 def test_regression_in_stage_05_at_two_ranks_prints_the_saved_models_mae_and_no_accuracy(tmp_path):
     """Float targets, the task's metric (MAE, lower is better) and BatchNorm under FSDP: the printed test MAE is the
     saved model's, whose running statistics every rank shares (each rank kept its own before)."""

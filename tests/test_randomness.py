@@ -37,6 +37,7 @@ def args(data_dir, out, *extra):
     return stage_args(data_dir, out, "--epochs", 2, "--batch-size", 32, *extra)
 
 
+@pytest.mark.slow
 def test_augmentation_from_torch_numpy_and_random_in_workers_resumes_bit_identical(tiny_data, tmp_path):
     task = tmp_path / "noisy.py"
     task.write_text(EVERY_GENERATOR)

@@ -51,6 +51,7 @@ def test_the_example_task_learns_in_an_epoch_in_stage_01(tmp_path):
     assert samples == 800 and correct > 0.8 * samples, out.stdout  # 4 classes: a quarter by chance
 
 
+@pytest.mark.slow
 def test_the_example_task_at_two_ranks_counts_every_test_sample_once(tmp_path):
     out = torchrun(2, S03, *args(tmp_path, "--epochs", 1, "--save-model", "--test-batch-size", 8))
     assert out.returncode == 0, out.stderr[-2000:]
@@ -138,7 +139,8 @@ def test_a_wrong_task_file_is_one_line_naming_it(case, tmp_path):
     )
 
 
-@pytest.mark.parametrize("change", [pytest.param("an option", marks=pytest.mark.slow), "the task"])
+@pytest.mark.slow
+@pytest.mark.parametrize("change", ["an option", "the task"])
 def test_a_resume_with_another_task_or_task_option_is_refused_naming_it(change, tiny_data, tmp_path):
     first = python(S01, *args(tmp_path, "--epochs", 1))
     assert first.returncode == 0, first.stderr[-2000:]
