@@ -8,13 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from helpers import REPO, free_port, run
-from test_equivalence import ARGS, CPU, RUN, stage
+from test_equivalence import ARGS, RUN, stage, step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from common import amp, cli, models, optim
+from common import cli, models, optim
 
 sys.path.insert(0, str(REPO / "tools"))
 import plan  # noqa: E402
@@ -78,10 +77,8 @@ def test_the_plans_activations_are_what_a_training_step_saves(tiny_data):
     planned = plan.per_gpu(args, 1, plan.measure(args))["DDP"]["activations"]
     model = plan.build(args)
     batch = [(torch.randn(8, 1, 28, 28), torch.randint(10, (8,)))]
-    optimizer = torch.optim.Adadelta(model.parameters())
-    scaler, loss_fn = amp.scaler(CPU, ARGS), F.cross_entropy  # the built-in task's loss: the stage's default
-    train = stage("01_single_gpu").train
-    assert saved_bytes(model, lambda: train(model, CPU, batch, optimizer, scaler, loss_fn, 1, ARGS, RUN)) == planned > 0
+    train = stage("01_single_gpu").train  # step(): Adadelta and the built-in task's loss, the stage's defaults
+    assert saved_bytes(model, lambda: train(step(model), batch, 1, ARGS, RUN)) == planned > 0
 
 
 def saved_bytes(model, step):

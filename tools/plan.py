@@ -96,7 +96,7 @@ def activation_bytes(args, model, loss_fn, batch):
 def measure(args):
     """What does not depend on the number of GPUs: the model, its activations at per-rank batches 1 and 2 (from
     2 and 3: BatchNorm refuses to train on one sample), batched by the task's collate() as the stages do,
-    and the largest unit FSDP gathers (a block, or the root's own first and last layers). On fake tensors
+    and the largest unit FSDP gathers (a block worth a gather, or the root's: the rest). On fake tensors
     that pass for the CPU's, so that autocast casts them as in the stage (meta tensors it leaves in fp32);
     under --amp they keep BatchNorm's per-channel statistics in bf16 where the CPU keeps fp32: a few bytes.
     The task's parts as the stages take them: its loss, else cross-entropy; its blocks, else models.blocks()."""
@@ -109,7 +109,7 @@ def measure(args):
         if args.checkpoint_activations:
             for block in blocks(model):
                 recompute(block)
-        units = [sum(p.numel() for p in block.parameters()) for block in blocks(model)]
+        units = [sum(p.numel() for p in block.parameters()) for block in models.gathered(blocks(model))]
         units.append(sum(p.numel() for p in model.parameters()) - sum(units))
         fakes = [pytree.tree_map(lambda t: fake.from_tensor(t) if torch.is_tensor(t) else t, b) for b in batches]
         two, three = (activation_bytes(args, model, loss_fn, batch) for batch in fakes)
