@@ -45,6 +45,16 @@ def small(script, data_dir, out, *extra):
 
 
 @pytest.mark.slow
+def test_a_file_resume_names_outside_the_run_is_never_advised_for_deletion(tiny_data, tmp_path):
+    """--resume of a user's file that is no checkpoint (a typo: /etc/passwd): refused in one line that points to
+    another checkpoint; the run's own damaged file may be deleted, the user's is never named for it."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint")
+    line = one_error(small(S01, tiny_data, tmp_path / "out", "--resume", notes), str(notes), "another checkpoint")
+    assert "delete" not in line and notes.read_text() == "not a checkpoint"
+
+
+@pytest.mark.slow
 def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(tiny_data, tmp_path):
     assert small(S01, tiny_data, tmp_path, "--epochs", 2).returncode == 0
     previous = tmp_path / resume.PREVIOUS

@@ -117,7 +117,9 @@ def find(args, name, restarted, fingerprint):
         hint = fallback(args.output_dir, path.resolve()) if path == own else ""
         if isinstance(problem, Planted):  # nothing of it was run: say so, and what to resume from instead
             raise SystemExit(f"error: {problem}; delete it or resume from another checkpoint{hint}") from None
-        raise SystemExit(f"error: {problem}{hint or ': delete it or use another'}") from None
+        # the run's own file may go; a file --resume names elsewhere is the user's: never advise deleting it
+        advice = ": delete it or use another" if path == own else ": resume from another checkpoint"
+        raise SystemExit(f"error: {problem}{hint or advice}") from None
     if state["folder"] and name == WHOLE:
         raise SystemExit(f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
                          "weights with its --save-model")  # fmt: skip
