@@ -1,4 +1,4 @@
-"""Stage 03: one process per GPU, with DistributedDataParallel and torchrun.
+"""Stage 03: one process per GPU with DDP, started by torchrun.
 
 Teaches: the way PyTorch scales. torchrun starts one process per GPU; each holds a full copy of the
 model, trains on its own shard of every epoch (DistributedSampler) and, during backward(), averages

@@ -1,4 +1,4 @@
-"""Stage 05: the model sharded across the ranks with FSDP2, for models that do not fit one GPU.
+"""Stage 05: FSDP2: a model too big for one GPU, sharded across the ranks.
 
 Teaches: DDP keeps the whole weights, gradients and optimizer state on each GPU; FSDP (fully_shard)
 keeps 1/world size of each per rank and gathers a block's weights just before it runs, then frees
