@@ -1,7 +1,7 @@
-"""The launcher's variables, read in one place and without torch: which rank this process is, where the ranks
-meet, and how many CPUs it has. launcher() is the one reading of them: is_rank0(), the process group and the
-guard rails all take it from there, so no two modules can disagree on who rank 0 is. (The guard rails refuse
-a missing or malformed variable first: common/guards/check.py.)"""
+"""The launcher's variables, read in one place and without torch: which rank this process is, where
+the ranks meet, and how many CPUs it has. launcher() is the one reading of them: is_rank0(), the
+process group and the guard rails all take it from there, so no two modules can disagree on who rank
+0 is. (The guard rails refuse a missing or malformed variable first: common/guards/check.py.)"""
 
 import errno
 import os

@@ -24,7 +24,8 @@ except ImportError:  # an environment without it trains the same, untimed
 
 
 FIELDS = [
-    "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",  # or the task's metric
+    # or the task's metric
+    "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",
     "epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size", "nodes", "peak_memory_mib",
     "compile_seconds", "better",  # better: "higher" or "lower", the metric's direction, for tools/
 ]  # fmt: skip
