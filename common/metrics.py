@@ -56,8 +56,7 @@ class Metric(NamedTuple):
 
 @dataclass
 class Sums:
-    """What batches add up to on a rank: each batch's mean loss times its samples, the task's
-    score summed (evaluations), the samples; on the device while an epoch runs: no sync a step."""
+    """A rank's batch sums: mean loss x samples, score (evaluations), samples; no sync a step."""
 
     loss: torch.Tensor | float
     score: torch.Tensor | float
