@@ -12,8 +12,8 @@ Launch (one process, all visible GPUs; a single GPU or the CPU also work):
 Changes from stage 01: the model is wrapped in nn.DataParallel when more than one GPU is visible.
 --batch-size stays the global batch: with 4 GPUs, each computes 16 of the 64 images. Nothing else.
 
-Reading it: the model, data and loss come from the task (--task FILE; MNIST by default); each line that
-uses `guard` is a guard rail (common/guards/) that says what it guards: the training reads the same without.
+Reading it: the task (--task FILE; MNIST by default) gives the model, data and loss. A line using
+`guard` is a guard rail (common/guards/): skip it, the training reads the same without it.
 
 Expect: the accuracy of stage 01 (same global batch, same recipe); images/s grows little with GPUs
 on a model this small.
@@ -23,14 +23,15 @@ import importlib.util
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stage folders
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stages
 if importlib.util.find_spec("common"):
     from common.guards import versions
 
-    versions.require(__file__)  # guard: first, before torch: an older one fails in the imports below, or mid-run
+    versions.require(__file__)  # guard: before torch: an old one fails in the imports, or mid-run
 else:  # this folder was copied without common/
-    sys.exit(f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's common/ there, or "
-             "`make install` in the repository, or `pip install --no-deps -e <repository>` (conda, modules)")  # fmt: skip
+    sys.exit(f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's "
+             "common/ there, or `make install` in the repository, or `pip install --no-deps -e "
+             "<repository>` (conda, modules)")  # fmt: skip
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ from torch import nn
 from torch.utils.data import RandomSampler
 
 from common import amp, checkpoint, cli, data, distributed, metrics, optim
-from common.guards import rails  # the guard rails: each line that uses `guard` says what it guards; skip them
+from common.guards import rails  # guard rails: each `guard` line says what it guards; skip them
 
 
 @metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
@@ -65,11 +66,11 @@ def train(step, loader, epoch, args, guard):
 
 @torch.no_grad()
 def evaluate(step, loader, samples, guard):
-    """`samples`: this rank's own of the loader's samples; the padding after them counts nowhere."""
+    """`samples`: this rank's own of the loader's samples; the padding after them counts nowhere"""
     distributed.average_buffers(step.model)  # BatchNorm: the same running statistics on every rank
     step.model.eval()
     sums = metrics.Sums.zeros(step.device)
-    for x, y in guard.evaluating(loader):  # guard: a stop saves here too, and the resumed run evaluates anew
+    for x, y in guard.evaluating(loader):  # guard: a stop saves here too; a resume evaluates anew
         x, y = data.to_device((x, y), step.device)
         output, n = step.model(x), min(data.count(y), samples)  # each forward on every rank (FSDP)
         samples -= n
@@ -82,38 +83,43 @@ def evaluate(step, loader, samples, guard):
 
 
 def main(guard):
-    args, task = cli.parse_args()  # task: the model and data to train (--task FILE; MNIST by default)
-    store = guard.start(args)  # guard: one run per folder, a launch that can work, a rendezvous that cannot hang
+    args, task = cli.parse_args()  # task: the model and data (--task FILE; MNIST by default)
+    store = guard.start(args)  # guard: one run per folder, a sound launch, a bounded rendezvous
     rank, local_rank, world_size, device = distributed.setup(args, store)
     torch.manual_seed(args.seed)
 
     train_set, test_set = task.datasets(args)
-    collate = getattr(task, "collate", None)  # the task's batching of samples (padding, masks), else stacking
-    train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
-    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set, task)  # guard: same data; seeds per sample
-    train_sampler = guard.resumable(RandomSampler(train_set, generator=torch.Generator()))  # guard: resumes part-way
+    collate = getattr(task, "collate", None)  # the task's batching (padding, masks), else stacking
+    # val_set is empty without --val-fraction; guard: the same data on every rank, seeds per sample
+    train_set, val_set = data.split(train_set, args.val_fraction, args.seed)
+    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set, task)
+    # guard: an epoch that can resume part-way
+    train_sampler = guard.resumable(RandomSampler(train_set, generator=torch.Generator()))
     train_loader = data.loader(train_set, train_sampler, args.batch_size, args, device, collate)
-    val_loader = data.loader(val_set, range(len(val_set)), args.test_batch_size, args, device, collate)
-    test_loader = data.loader(test_set, range(len(test_set)), args.test_batch_size, args, device, collate)
+    test_batch = args.test_batch_size
+    val_loader = data.loader(val_set, range(len(val_set)), test_batch, args, device, collate)
+    test_loader = data.loader(test_set, range(len(test_set)), test_batch, args, device, collate)
     distributed.banner(args, rank, local_rank, world_size, device, train_loader)
 
     model = task.model(args).to(device)
     if device.type == "cuda" and torch.cuda.device_count() > 1:
-        # one process, every visible GPU: each batch is split across them, gradients summed on GPU 0
+        # one process, every visible GPU: each batch split across them, gradients summed on GPU 0
         model = nn.DataParallel(model)
-    if args.compile:  # fused kernels for this model; the first step of each shape waits for the compiler
+    if args.compile:  # fused kernels; the first step of each shape waits for the compiler
         model.compile()  # in place: the state dict keeps its names, so checkpoints do not change
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)
 
-    loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy: on logits or log-probabilities
+    loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits
     metric = metrics.Metric.of(task)  # how good: the task's metric and score(), else accuracy
     step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score)
     log = metrics.Log(args.output_dir, world_size, args.compile, metric)
-    # run=guard: the checkpoint records how the run was made, and a resume must match it
-    states = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log, run=guard)
-    start_epoch = checkpoint.restore(guard.resume(states), states)  # guard: the checkpoint this run continues
+    # guard: run= records how the run was made; resume() picks the checkpoint, which must match
+    states = dict(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log, run=guard
+    )
+    start_epoch = checkpoint.restore(guard.resume(states), states)
     for epoch in range(start_epoch, args.epochs + 1):
         if log.reached(args.target, args.patience):  # the same all-reduced rows on every rank
             break

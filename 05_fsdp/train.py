@@ -1,41 +1,38 @@
-"""Stage 05: the model sharded across the ranks with FSDP2, for models that do not fit one GPU.
+"""Stage 05: FSDP2: a model too big for one GPU, sharded across the ranks.
 
-Teaches: DDP keeps a whole copy of the weights, their gradients and the optimizer state on every GPU.
-FSDP (fully_shard) keeps 1/world size of each on each rank and gathers one block's weights just before
-that block runs, then frees them: memory per GPU falls with the number of GPUs, for about 1.5x DDP's
-traffic. Checkpoints are sharded too: each rank writes its own piece, and a run resumes on any number of
-GPUs (a requeued job that lands on fewer nodes continues). --save-model writes the whole weights.
+Teaches: DDP keeps the whole weights, gradients and optimizer state on each GPU; FSDP (fully_shard)
+keeps 1/world size of each per rank and gathers a block's weights just before it runs, then frees
+them: memory per GPU falls with the GPUs, for about 1.5x DDP's traffic. Checkpoints are sharded: a
+run resumes on any number of GPUs (a requeued job on fewer nodes continues).
 
-Launch (from 05_fsdp/):
-    sbatch job.slurm --epochs 3              # as stage 04: srun starts one task per GPU on every node
-    sbatch job.slurm --model wideresnet --dataset cifar100 --amp --checkpoint-activations --grad-accum 2
+Launch (from 05_fsdp/; srun starts one task per GPU on every node, as in stage 04):
+    sbatch job.slurm --epochs 3
+    sbatch job.slurm --model wideresnet --dataset cifar100 --amp --checkpoint-activations
 
-Changes from stage 04:
-  - construction: on the meta device, no rank holding the whole model; each fills only its own shards;
-  - sharding: fully_shard on each block worth a gather (BatchNorm layers too under --amp) and the root, not DDP;
-  - mixed precision: FSDP's policies (amp.policies) instead of autocast;
-  - sharded checkpoints: checkpoint.save_sharded(), each rank writing its own shards;
-  - --compile: per block, before fully_shard, instead of the whole DDP model;
-  - memory: the memory line; two savers the other stages lack: --grad-accum, --checkpoint-activations.
+Changes from stage 04: built on the meta device, each rank filling only its own shards; fully_shard
+on each block worth a gather (BatchNorm too under --amp) and the root, not DDP; FSDP's precision
+policies, not autocast; sharded checkpoints (--save-model: the whole weights); --compile per block;
+a memory line and two savers: --grad-accum, --checkpoint-activations.
 
-Reading it: the model, data and loss come from the task (--task FILE; MNIST by default); each line that
-uses `guard` is a guard rail (common/guards/) that says what it guards: the training reads the same without.
+Reading it: the task (--task FILE; MNIST by default) gives the model, data and loss. A line using
+`guard` is a guard rail (common/guards/): skip it, the training reads the same without it.
 
-Expect: stage 04's accuracy at the same global batch; a memory line that shrinks with the world size.
+Expect: stage 04's accuracy at the same global batch; a memory line that shrinks with world size.
 """
 
 import importlib.util
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stage folders
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stages
 if importlib.util.find_spec("common"):
     from common.guards import versions
 
-    versions.require(__file__)  # guard: first, before torch: an older one fails in the imports below, or mid-run
+    versions.require(__file__)  # guard: before torch: an old one fails in the imports, or mid-run
 else:  # this folder was copied without common/
-    sys.exit(f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's common/ there, or "
-             "`make install` in the repository, or `pip install --no-deps -e <repository>` (conda, modules)")  # fmt: skip
+    sys.exit(f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's "
+             "common/ there, or `make install` in the repository, or `pip install --no-deps -e "
+             "<repository>` (conda, modules)")  # fmt: skip
 
 import torch
 import torch.distributed as dist
@@ -46,7 +43,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data.distributed import DistributedSampler
 
 from common import amp, checkpoint, cli, data, distributed, metrics, optim
-from common.guards import rails  # the guard rails: each line that uses `guard` says what it guards; skip them
+from common.guards import rails  # guard rails: each `guard` line says what it guards; skip them
 from common.models import blocks, gathered, materialise, norms
 
 
@@ -73,11 +70,11 @@ def train(step, loader, epoch, args, guard):
 
 @torch.no_grad()
 def evaluate(step, loader, samples, guard):
-    """`samples`: this rank's own of the loader's samples; the padding after them counts nowhere."""
+    """`samples`: this rank's own of the loader's samples; the padding after them counts nowhere"""
     distributed.average_buffers(step.model)  # BatchNorm: the same running statistics on every rank
     step.model.eval()
     sums = metrics.Sums.zeros(step.device)
-    for x, y in guard.evaluating(loader):  # guard: a stop saves here too, and the resumed run evaluates anew
+    for x, y in guard.evaluating(loader):  # guard: a stop saves here too; a resume evaluates anew
         x, y = data.to_device((x, y), step.device)
         output, n = step.model(x), min(data.count(y), samples)  # each forward on every rank (FSDP)
         samples -= n
@@ -90,58 +87,62 @@ def evaluate(step, loader, samples, guard):
 
 
 def main(guard):
-    args, task = cli.parse_args(options=[cli.large_models])  # task: the model and data (--task FILE)
-    store = guard.start(args)  # guard: one run per folder, a launch that can work, a rendezvous that cannot hang
+    args, task = cli.parse_args(options=[cli.large_models])  # task: the model and data
+    store = guard.start(args)  # guard: one run per folder, a sound launch, a bounded rendezvous
     rank, local_rank, world_size, device = distributed.setup(args, store)
     torch.manual_seed(args.seed)
 
     train_set, test_set = task.datasets(args)
-    collate = getattr(task, "collate", None)  # the task's batching of samples (padding, masks), else stacking
-    train_set, val_set = data.split(train_set, args.val_fraction, args.seed)  # val_set is empty without --val-fraction
-    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set, task)  # guard: same data; seeds per sample
+    collate = getattr(task, "collate", None)  # the task's batching (padding, masks), else stacking
+    # val_set is empty without --val-fraction; guard: the same data on every rank, seeds per sample
+    train_set, val_set = data.split(train_set, args.val_fraction, args.seed)
+    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set, task)
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
-    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
+    train_sampler = DistributedSampler(
+        train_set, num_replicas=world_size, rank=rank, seed=args.seed
+    )
     train_sampler = guard.resumable(train_sampler)  # guard: an epoch that can resume part-way
     batch_size = args.batch_size // world_size  # --batch-size is the global batch
     train_loader = data.loader(train_set, train_sampler, batch_size, args, device, collate)
-    # evaluation: a shard per rank, padded to as many batches on every rank; the padding counts nowhere
-    val_shard, test_shard = data.shard(len(val_set), rank, world_size), data.shard(len(test_set), rank, world_size)
-    val_loader = data.loader(val_set, val_shard.indices, args.test_batch_size, args, device, collate)
-    test_loader = data.loader(test_set, test_shard.indices, args.test_batch_size, args, device, collate)
+    # evaluation: a shard per rank, padded to as many batches on every rank; padding counts nowhere
+    val_shard, test_shard = (data.shard(len(s), rank, world_size) for s in (val_set, test_set))
+    test_batch = args.test_batch_size
+    val_loader = data.loader(val_set, val_shard.indices, test_batch, args, device, collate)
+    test_loader = data.loader(test_set, test_shard.indices, test_batch, args, device, collate)
     distributed.banner(args, rank, local_rank, world_size, device, train_loader)
 
-    with torch.device("meta" if getattr(task, "META", True) else "cpu"):  # shapes only: no rank holds it whole
+    with torch.device("meta" if getattr(task, "META", True) else "cpu"):  # shapes: no whole model
         model = task.model(args)
-    units = getattr(task, "blocks", blocks)(model)  # the task's, else the layers its nn.Sequential or ModuleList lists
-    mesh = distributed.mesh(args, world_size, device)  # several nodes: shard within each, replicate across (HSDP)
+    units = getattr(task, "blocks", blocks)(model)  # the task's, else Sequential/ModuleList layers
+    mesh = distributed.mesh(args, world_size, device)  # HSDP: shard in a node, replicate across
     metrics.memory(model, args, world_size, mesh)
-    if args.checkpoint_activations:  # a memory saver: keep each block's input only, rerun its forward in backward()
-        for block in units:
-            recompute(block)
-    if args.compile:  # per block, the unit FSDP gathers and frees, as PyTorch documents for FSDP2
-        for block in units:
-            block.compile()
-    block_policy, norm_policy, root_policy = amp.policies(device, args)  # --amp: FSDP's bf16 compute over fp32 shards
+    for block in units if args.checkpoint_activations else []:  # keep its input; rerun in backward
+        recompute(block)
+    for block in units if args.compile else []:  # each unit FSDP gathers, as documented for FSDP2
+        block.compile()
+    block_policy, norm_policy, root_policy = amp.policies(device, args)  # --amp: bf16 over fp32
     if dist.is_initialized():  # a plain `python train.py` has no process group: nothing to wrap
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        for norm in norms(model) if args.amp else []:  # BatchNorm layers under --amp: units of their own, in fp32
+        for norm in norms(model) if args.amp else []:  # --amp: BatchNorm a unit of its own, fp32
             fully_shard(norm, mesh=mesh, mp_policy=norm_policy)
-        for block in gathered(units):  # each block's weights are gathered just before it runs, then freed
+        for block in gathered(units):  # its weights are gathered just before it runs, then freed
             fully_shard(block, mesh=mesh, mp_policy=block_policy)
-        fully_shard(model, mesh=mesh, mp_policy=root_policy)  # the rest at the root; gradients reduce-scattered
-    materialise(model, device, task, args)  # each rank fills its own shards: stage 01's weights, at any world size
+        fully_shard(model, mesh=mesh, mp_policy=root_policy)  # the rest; grads reduce-scattered
+    materialise(model, device, task, args)  # each rank fills its shards: 01's weights, at any size
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)
 
-    loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy: on logits or log-probabilities
+    loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits
     metric = metrics.Metric.of(task)  # how good: the task's metric and score(), else accuracy
     step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score)
     log = metrics.Log(args.output_dir, world_size, args.compile, metric)
-    # run=guard: the checkpoint records how the run was made, and a resume must match it
-    states = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log, run=guard)
-    start_epoch = checkpoint.restore_sharded(guard.resume(states, sharded=True), states)  # guard: the one it continues
+    # guard: run= records how the run was made; resume() picks the checkpoint, which must match
+    states = dict(
+        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log, run=guard
+    )
+    start_epoch = checkpoint.restore_sharded(guard.resume(states, sharded=True), states)
     for epoch in range(start_epoch, args.epochs + 1):
         if log.reached(args.target, args.patience):  # the same all-reduced rows on every rank
             break

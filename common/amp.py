@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 def dtype(device):
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return torch.float16  # e.g. V100: fp16 needs loss scaling, or small gradients underflow to zero
+        return torch.float16  # e.g. V100: fp16 needs loss scaling, or small gradients underflow
     return torch.bfloat16  # bf16 keeps fp32's range: no scaling needed
 
 
@@ -20,25 +20,27 @@ def scaler(device, args):
 
 
 def policies(device, args):
-    """Stage 05: FSDP's own mixed precision, for fully_shard: (the blocks' policy, the BatchNorm layers', the
-    root's). Under --amp each block's weights are gathered and computed in bf16 and its output passed on in
-    bf16 (to the next block, or to layers of the root after the last: a classifier's head), while the sharded
-    weights, the optimizer and the gradient reduction stay fp32, and the root hands the loss fp32; BatchNorm
-    layers compute in fp32 (their running statistics are fp32) and hand bf16 on. Without --amp, fp32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy  # here: the import costs every stage 0.7 s
+    """Stage 05: FSDP's mixed precision, for fully_shard: the blocks', BatchNorm layers' and root's
+    policies. Under --amp each block's weights are gathered and computed in bf16 and its output
+    passed on in bf16 (to the next block, or to the root's layers after the last: a classifier's
+    head); sharded weights, optimizer and gradient reduction stay fp32, the root hands the loss
+    fp32; BatchNorm computes in fp32 (its running statistics are fp32), hands bf16 on. Else fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # here: its import costs 0.7 s
 
     if not args.amp:
         return MixedPrecisionPolicy(), MixedPrecisionPolicy(), MixedPrecisionPolicy()
     if not dist.is_initialized():
         raise ValueError(
-            "--amp in stage 05 is FSDP's mixed precision, which a plain `python train.py` does not use: "
-            "launch with torchrun or srun (one GPU: torchrun --standalone --nproc_per_node=1 train.py --amp)"
+            "--amp in stage 05 is FSDP's mixed precision, which a plain `python train.py` does not "
+            "use: launch with torchrun or srun (one GPU: torchrun --standalone --nproc_per_node=1 "
+            "train.py --amp)"
         )
     if dtype(device) != torch.bfloat16:
         raise ValueError(
-            "--amp in stage 05 computes in bf16, which this GPU lacks (fp16 would need a sharded loss "
-            "scaler): drop --amp, or use stage 04 with --amp"
+            "--amp in stage 05 computes in bf16, which this GPU lacks (fp16 would need a sharded "
+            "loss scaler): drop --amp, or use stage 04 with --amp"
         )
     blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
-    return blocks, MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16), root
+    root = MixedPrecisionPolicy(blocks.param_dtype, blocks.reduce_dtype, output_dtype=torch.float32)
+    norms = MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)
+    return blocks, norms, root

@@ -1,21 +1,23 @@
 """Checkpoints: a run that is stopped continues where it stopped.
 
-What a checkpoint holds: the epoch (and, saved mid-epoch, the step), the random generators' states, and the
-state_dict() of every object in `states`, the dict a stage makes of what it trains with: the model, the
-optimizer, the learning-rate schedule, the gradient scaler and the metrics so far.
+What a checkpoint holds: the epoch (and, saved mid-epoch, the step), the random generators' states,
+and the state_dict() of every object in `states`, the dict a stage makes of what it trains with: the
+model, the optimizer, the learning-rate schedule, the gradient scaler and the metrics so far.
 
-Stages 01-04: global rank 0 writes <output-dir>/checkpoint.pt at the end of every epoch, atomically: a crash
-mid-write leaves the previous checkpoint whole. Files are loaded with `weights_only=True`: a checkpoint holds
-tensors and plain values, never code to run.
+Stages 01-04: global rank 0 writes <output-dir>/checkpoint.pt at the end of every epoch, atomically:
+a crash mid-write leaves the previous checkpoint whole. Files are loaded with `weights_only=True`: a
+checkpoint holds tensors and plain values, never code to run.
 
-Stage 05's model is sharded: every rank writes its own shards with torch.distributed.checkpoint into a new
-folder <output-dir>/epoch-N, and rank 0 then points the link <output-dir>/checkpoint at it, which is atomic
-too; the folder it named before stays, named by <output-dir>/checkpoint-previous, and the one before that
-goes: only a folder these links named is ever deleted, whatever other folders are called. Such a checkpoint loads at any world size: each rank reads the pieces its new
+Stage 05's model is sharded: every rank writes its own shards with torch.distributed.checkpoint into
+a new folder <output-dir>/epoch-N, and rank 0 then points the link <output-dir>/checkpoint at it,
+which is atomic too; the folder it named before stays, named by <output-dir>/checkpoint-previous,
+and the one before that goes: only a folder these links named is ever deleted, whatever other
+folders are called. Such a checkpoint loads at any world size: each rank reads the pieces its new
 shard needs, so every node must see the folder.
 
-Which checkpoint a run continues, and whether it may, is for the guard rails (common/guards/resume.py): they
-read it on rank 0 with read() and hand it to every rank, and restore() loads it.
+Which checkpoint a run continues, and whether it may, is for the guard rails
+(common/guards/resume.py): they read it on rank 0 with read() and hand it to every rank, and
+restore() loads it.
 """
 
 import contextlib
@@ -28,10 +30,13 @@ import torch.distributed as dist
 
 from common.environment import is_rank0
 
-WHOLE, SHARDED = "checkpoint.pt", "checkpoint"  # stages 01-04's file; stage 05's link to its newest epoch-N
-SPLIT = ("model", "optimizer")  # what stage 05 writes as shards; the rest of `states` goes into state.pt
+# stages 01-04's file; stage 05's link to its newest epoch-N
+WHOLE, SHARDED = "checkpoint.pt", "checkpoint"
+# what stage 05 writes as shards; the rest of `states` goes into state.pt
+SPLIT = ("model", "optimizer")
 
-# stage 05 run by plain `python train.py` saves and loads its sharded checkpoints in one process, as meant
+# stage 05 under a plain `python train.py` saves and loads its sharded checkpoints in one
+# process, as meant
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
 
 
@@ -133,8 +138,8 @@ def epochs(output_dir):
 
 
 def read(path):
-    """The checkpoint at `path`, a checkpoint.pt or a stage 05 folder (then its state.pt, with "folder" added
-    for restore() to read the shards from)."""
+    """The checkpoint at `path`, a checkpoint.pt or a stage 05 folder (then its state.pt, with
+    "folder" added for restore() to read the shards from)."""
     folder = path.resolve() if path.is_dir() else None
     state = torch.load(folder / "state.pt" if folder else path, map_location="cpu", weights_only=True)
     return state | {"folder": folder} if isinstance(state, dict) else state

@@ -1,6 +1,6 @@
-"""The command line, identical in every stage: pytorch/examples' mnist flags plus what Slurm runs and
-the workshops' experiments need; stage 05 adds its own (large_models()). A usage error is one line on
-stderr and exit status 2."""
+"""The command line, identical in every stage: pytorch/examples' mnist flags plus what Slurm runs
+and the workshops' experiments need; stage 05 adds its own (large_models()). A usage error is one
+line on stderr and exit status 2."""
 
 import argparse
 import importlib.util
@@ -16,8 +16,10 @@ from common.environment import is_rank0, regular_file
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_BATCH = 64  # the global batch --lr is given for (--lr-scaling)
-FLOAT32_MAX = 3.4e38  # about float32's largest: optimizers compute in it, and a larger --lr or --weight-decay overflows
-TASK = REPO / "common" / "tasks" / "images.py"  # the built-in task: pytorch/examples' MNIST CNN, and more
+# about float32's largest: optimizers compute in it, and a larger --lr or --weight-decay overflows
+FLOAT32_MAX = 3.4e38
+# the built-in task: pytorch/examples' MNIST CNN, and more
+TASK = REPO / "common" / "tasks" / "images.py"
 
 
 def default_output_dir(script, env=os.environ):
@@ -59,7 +61,8 @@ def number(kind, interval):
     return check
 
 
-LARGE = ("--grad-accum", "--checkpoint-activations", "--full-shard")  # stage 05's own options (large_models())
+# stage 05's own options (large_models())
+LARGE = ("--grad-accum", "--checkpoint-activations", "--full-shard")
 
 
 class Parser(argparse.ArgumentParser):
@@ -73,30 +76,41 @@ class Parser(argparse.ArgumentParser):
 
 
 POSITIVE = number(int, "[1, inf)")
-SEED = number(int, "[0, 4294967295]")  # 2**32 - 1, numpy.random.seed's limit; past 2**64 torch.manual_seed crashes
+# 2**32 - 1, numpy.random.seed's limit; past 2**64 torch.manual_seed crashes
+SEED = number(int, "[0, 4294967295]")
 
-# What a run computes: stored in its checkpoint, compared on resume and across the ranks. (--epochs too
-# under --scheduler cosine: see defining().)
+# What a run computes: stored in its checkpoint, compared on resume and across the ranks. (--epochs
+# too under --scheduler cosine: see defining().)
 DEFINING = (
     "task", "dataset", "model", "depth", "width", "sync_bn",  # the network and what it learns
-    "batch_size", "val_fraction", "limit", "seed",  # the global batch, the training set and its shuffles
-    "optimizer", "lr", "lr_scaling", "momentum", "weight_decay", "scheduler", "gamma", "step_size",  # the updates
+    # the global batch, the training set and its shuffles
+    "batch_size", "val_fraction", "limit", "seed",
+    # the updates
+    "optimizer", "lr", "lr_scaling", "momentum", "weight_decay", "scheduler", "gamma", "step_size",
     "amp",  # the precision, and the scaler state a checkpoint holds
-    "compile",  # compiled kernels round differently from eager ones: the same run only with the same choice
-    "dry_run",  # one batch per epoch: its checkpoints are no part of a real run; ranks that differ hang
+    # compiled kernels round differently from eager ones: the same run only with the same choice
+    "compile",
+    # one batch per epoch: its checkpoints are no part of a real run; ranks that differ hang
+    "dry_run",
 )  # fmt: skip
 FREE = (
-    "epochs",  # a resumed run may be given more or fewer epochs to go (not under cosine: defining())
-    "log_interval", "save_model", "output_dir", "resume", "check",  # what is printed and written, not computed
-    "data_dir", "num_workers", "loader",  # where batches come from: the three loaders give the same batches
+    # a resumed run may be given more or fewer epochs to go (not under cosine: defining())
+    "epochs",
+    # what is printed and written, not computed
+    "log_interval", "save_model", "output_dir", "resume", "check",
+    # where batches come from: the three loaders give the same batches
+    "data_dir", "num_workers", "loader",
     "test_batch_size",  # evaluation sums do not depend on how they are split into batches
-    "no_cuda", "dist_timeout",  # where it runs and how long a collective waits: checkpoints load on any device
-    # stage 05: how the same global batch fits in memory (not BatchNorm's statistics, which see the micro-batches);
-    # a job requeued onto fewer GPUs may need more accumulation than before
+    # where it runs and how long a collective waits: checkpoints load on any device
+    "no_cuda", "dist_timeout",
+    # stage 05: how the same global batch fits in memory (not BatchNorm's statistics, which see the
+    # micro-batches); a job requeued onto fewer GPUs may need more accumulation than before
     "grad_accum", "checkpoint_activations",
     "full_shard",  # the mesh: a sharded checkpoint loads into any
-    "target", "target_accuracy", "patience",  # when to stop early: a resumed run may change its mind
-    "checkpoint_minutes",  # how often a run saves mid-epoch: the saves change nothing that is computed
+    # when to stop early: a resumed run may change its mind
+    "target", "target_accuracy", "patience",
+    # how often a run saves mid-epoch: the saves change nothing that is computed
+    "checkpoint_minutes",
 )  # fmt: skip
 
 

@@ -1,5 +1,5 @@
-"""The data sets (--dataset) from --data-dir, decoded once into tensors, and the loaders every stage uses
-(--loader):
+"""The data sets (--dataset) from --data-dir, decoded once into tensors, and the loaders every stage
+uses (--loader):
 
   batched  (default) the data set is one uint8 tensor; each batch is one indexing operation, pinned
            and copied to the GPU asynchronously: no PIL image, no per-sample Python
@@ -7,9 +7,9 @@
            torchvision's data sets make them, collated per batch; the reference that `make profile` shows
   device   the whole (small) data set in GPU memory: batches are drawn there, nothing is copied
 
-All three follow the sampler they are given, so a DistributedSampler shards each of them the same way.
-The data sets are in torchvision's on-disk layout; `synthetic` is random images made in memory, for
-benchmarks. The training scripts never download: `make data DATASET=...` (tools/prepare_data.py)
+All three follow the sampler they are given, so a DistributedSampler shards each of them the same
+way. The data sets are in torchvision's on-disk layout; `synthetic` is random images made in memory,
+for benchmarks. The training scripts never download: `make data DATASET=...` (tools/prepare_data.py)
 prepares the folder once. Every file is checked as it is read (common/datafiles.py).
 """
 
@@ -46,7 +46,8 @@ class Spec(NamedTuple):
 
 CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 SETS = {
-    "mnist": Spec("MNIST/raw", list(FILES), (0.1307,), (0.3081,), 10, 28, "MNIST"),  # as in pytorch/examples
+    # as in pytorch/examples
+    "mnist": Spec("MNIST/raw", list(FILES), (0.1307,), (0.3081,), 10, 28, "MNIST"),
     "fashion-mnist": Spec("FashionMNIST/raw", list(FILES), (0.2860,), (0.3530,), 10, 28, "FashionMNIST"),
     "cifar10": Spec("cifar-10-batches-py", CIFAR10_FILES, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), 10, 32, "CIFAR10"),
     "cifar100": Spec("cifar-100-python", ["train", "test"], (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), 100, 32, "CIFAR100"),
@@ -56,9 +57,9 @@ SYNTHETIC = {True: 50_000, False: 10_000}  # images of 3 x 32 x 32, as many as i
 
 
 class Images(Dataset):
-    """A data set as one uint8 tensor N x C x H x W and its int64 labels. Indexed with a list of indices it
-    returns a whole normalized batch, so a batch costs one tensor operation instead of 64 PIL images and
-    a collate."""
+    """A data set as one uint8 tensor N x C x H x W and its int64 labels. Indexed with a list of
+    indices it returns a whole normalized batch, so a batch costs one tensor operation instead of 64
+    PIL images and a collate."""
 
     def __init__(self, name, images, labels, mean, std, classes):
         self.name, self.images, self.labels = name, images, labels
@@ -99,8 +100,8 @@ def normalize(images, mean, std):
 
 
 def dataset(data_dir, name, train, limit=None):
-    """The training (or test) set `name` of SETS, read from data_dir, its first `limit` images if given; a
-    FileNotFoundError saying what to do if it is not there."""
+    """The training (or test) set `name` of SETS, read from data_dir, its first `limit` images if
+    given; a FileNotFoundError saying what to do if it is not there."""
     spec = SETS[name]
     folder = Path(data_dir) / spec.folder
     missing = [file for file in spec.files if not (folder / file).is_file()]
@@ -117,7 +118,8 @@ def dataset(data_dir, name, train, limit=None):
         labels_path = folder / f"{prefix}-labels-idx1-ubyte"
         labels = datafiles.read_idx(labels_path, 1, name).long()
         datafiles.check_labels(labels_path, labels, len(images), spec.classes, name)
-    else:  # not torchvision's CIFAR classes: they check the MD5s of the official files, and refuse any other
+    else:
+        # not torchvision's CIFAR classes: they check the official files' MD5s and refuse any other
         paths = [folder / file for file in (spec.files[:-1] if train else spec.files[-1:])]
         images, labels = datafiles.read_cifar(
             paths, b"labels" if name == "cifar10" else b"fine_labels", spec.classes, name
@@ -126,9 +128,9 @@ def dataset(data_dir, name, train, limit=None):
 
 
 def synthetic(count, classes, seed):
-    """Random 3 x 32 x 32 images and labels, the same for a seed: for benchmarks, nothing to learn."""
+    """Random 3 x 32 x 32 images and labels, the same per seed: for benchmarks, nothing to learn"""
     generator = torch.Generator().manual_seed(seed)
-    # eight pixels per 64-bit draw over the full int64 range: four times faster than one draw per pixel
+    # eight pixels per 64-bit draw over the whole int64 range: 4x faster than one draw per pixel
     pixels = torch.empty(count * 3 * 32 * 32 // 8, dtype=torch.int64).random_(-(2**63), None, generator=generator)
     labels = torch.randint(classes, (count,), generator=generator)
     return pixels.view(torch.uint8).view(count, 3, 32, 32), labels

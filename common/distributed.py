@@ -26,8 +26,8 @@ from common.environment import is_rank0, launcher, ranks_per_node
 
 
 def setup(args, store=None):
-    """Pick the device, join the process group: returns rank, local_rank, world_size, device. The ranks meet in
-    `store` (the guard rails hand in one that bounds every wait), else at MASTER_ADDR:MASTER_PORT."""
+    """Pick the device, join the process group: returns rank, local_rank, world_size, device.
+    The ranks meet in `store` (the guard rails' bounds each wait), else MASTER_ADDR:MASTER_PORT."""
     launch = launcher()
     device = use_device(launch.local_rank, args)
     if launch.addr:  # a launcher started this process: meet the others
@@ -44,45 +44,46 @@ def setup(args, store=None):
 
 
 def mesh(args, world_size, device):
-    """Stage 05's DeviceMesh, or None without a process group. On several nodes, 2-D (nodes, ranks per node):
-    FSDP2 then replicates the weights across nodes and shards them within each (HSDP), so every block's
-    all-gather stays on the node's fast links and only the gradients' all-reduce crosses the network. On one
-    node, on nodes of unequal rank counts, or with --full-shard, 1-D: every rank holds 1/world size of everything
-    (FSDP)."""
+    """Stage 05's DeviceMesh, or None without a process group. On several nodes, 2-D (nodes, ranks
+    per node): FSDP2 replicates the weights across nodes and shards them within each (HSDP), so a
+    block's all-gather stays on the node's fast links; only the gradients' all-reduce crosses the
+    network. On one node, on nodes of unequal rank counts, or with --full-shard, 1-D: each rank
+    holds 1/world size of everything (FSDP)."""
     if not dist.is_initialized():
         return None
-    if device.type == "cpu" and sys.platform == "linux":  # FSDP frees gathered blocks each step, which glibc
-        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # kept; M_MMAP_THRESHOLD fixed at 1 MiB: each one unmapped when freed
-    from torch.distributed.device_mesh import init_device_mesh  # here: the stages that do not shard skip it
+    if device.type == "cpu" and sys.platform == "linux":  # glibc keeps what FSDP frees each step:
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD 1 MiB: each unmapped when freed
+    from torch.distributed.device_mesh import init_device_mesh  # here: only stage 05 imports it
 
-    everyone = [None] * world_size  # torchruns with unequal --nproc_per_node: every rank must build one mesh
+    everyone = [None] * world_size  # torchruns of unequal --nproc_per_node: one mesh for all ranks
     dist.all_gather_object(everyone, ranks_per_node(world_size))
     per_node = everyone[0]
     if args.full_shard or len(set(everyone)) > 1 or per_node >= world_size or world_size % per_node:
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-    return init_device_mesh(device.type, (world_size // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+    shape, names = (world_size // per_node, per_node), ("replicate", "shard")
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
 def use_device(local_rank, args):
-    """This rank's device, made the current one: GPU `local_rank` of the node, or the CPU."""
+    """This rank's device, made current: GPU `local_rank` (0 if the task sees one), or the CPU."""
     if not torch.cuda.is_available() or args.no_cuda:
         return torch.device("cpu")
-    device = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0)  # one GPU per task: it is 0
+    device = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0)
     torch.cuda.set_device(device)
     return device
 
 
 def cleanup():
-    """Leave the process group together: torch < 2.8 deadlocks destroying a gloo group still freeing tensors."""
+    """Leave the process group together (torch < 2.8 deadlocks destroying a gloo group in use)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
 
 def average_buffers(model):
-    """Average the model's floating-point buffers (BatchNorm's running statistics) over the ranks, in one
-    all-reduce: each rank updates its own from its own batches (FSDP shards no buffer; DDP broadcasts rank 0's
-    only before its next forward), so that every rank evaluates, and the checkpoint saves, the same ones."""
+    """Average the model's floating-point buffers (BatchNorm's running statistics) over the ranks
+    in one all-reduce: each rank updates its own from its batches (FSDP shards no buffer; DDP
+    broadcasts rank 0's before its next forward): all evaluate, and checkpoints save, the same."""
     buffers = [b for b in model.buffers() if b.is_floating_point()]
     if not dist.is_initialized() or not buffers:
         return
@@ -100,16 +101,17 @@ def print0(*args):
 
 
 def banner(args, rank, local_rank, world_size, device, loader):
-    """The start of every log: what ran, where and how (the workers `loader` really runs), so that two logs of
-    a sweep tell themselves apart; then the rank <-> host <-> device map, the first thing to read when a job hangs."""
-    gpu = device.type == "cuda"
-    cuda, nccl = (torch.version.cuda, ".".join(map(str, torch.cuda.nccl.version()))) if gpu else ("none", "none")
+    """Each log's head: what ran, where and how (a sweep's logs tell apart), then who runs where."""
+    cuda = torch.version.cuda if device.type == "cuda" else "none"
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else "none"
     job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
-    print0(f"torch {torch.__version__} | CUDA {cuda} | NCCL {nccl} | device {device.type} | world size {world_size}")
-    print0(f"started {time.strftime('%Y-%m-%d %H:%M:%S')} | job {job} | loader {args.loader}, {getattr(loader, 'num_workers', 0)} "
-           f"workers and {torch.get_num_threads()} OMP threads per rank | output {args.output_dir}")  # fmt: skip
+    print0(f"torch {torch.__version__} | CUDA {cuda} | NCCL {nccl} | device {device.type} | "
+           f"world size {world_size}")  # fmt: skip
+    print0(f"started {time.strftime('%Y-%m-%d %H:%M:%S')} | job {job} | loader {args.loader}, "
+           f"{getattr(loader, 'num_workers', 0)} workers and {torch.get_num_threads()} OMP threads "
+           f"per rank | output {args.output_dir}")  # fmt: skip
     print0(f"options: {' '.join(sys.argv[1:]) or '(the defaults)'}")
-    here = (rank, local_rank, os.environ.get("SLURMD_NODENAME", socket.gethostname()), str(device))  # Slurm's name
+    here = (rank, local_rank, os.environ.get("SLURMD_NODENAME", socket.gethostname()), str(device))
     everyone = [here] * world_size
     if dist.is_initialized():
         dist.all_gather_object(everyone, here)

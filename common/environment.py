@@ -1,7 +1,7 @@
-"""The launcher's variables, read in one place and without torch: which rank this process is, where the ranks
-meet, and how many CPUs it has. launcher() is the one reading of them: is_rank0(), the process group and the
-guard rails all take it from there, so no two modules can disagree on who rank 0 is. (The guard rails refuse
-a missing or malformed variable first: common/guards/check.py.)"""
+"""The launcher's variables, read in one place and without torch: which rank this process is, where
+the ranks meet, and how many CPUs it has. launcher() is the one reading of them: is_rank0(), the
+process group and the guard rails all take it from there, so no two modules can disagree on who rank
+0 is. (The guard rails refuse a missing or malformed variable first: common/guards/check.py.)"""
 
 import errno
 import os
@@ -18,60 +18,64 @@ class Launch(NamedTuple):
 
 
 def count(text):
-    """A launcher variable as a count: ASCII digits, blanks ignored ("00" is 0); None for anything else."""
+    """A launcher variable as a count: ASCII digits, blanks ignored ("00" is 0); else None."""
     return int(text) if re.fullmatch(r"\s*[0-9]+\s*", text or "") else None
 
 
 def expand_hostlist(hostlist):
-    """A Slurm hostlist ("node[01-03,07],r[1-2]n[1-2]") as `scontrol show hostnames` (not always there) lists it."""
+    """A Slurm hostlist ("node[01-03,07],r[1-2]n[1-2]") as `scontrol show hostnames` lists it."""
     hosts = []
-    for name in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):  # commas inside brackets do not split
+    for name in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):  # no split at a comma in brackets
         if not (group := re.search(r"\[([^\]]*)\]", name)):
             hosts.append(name)
             continue
+        head, tail = name[: group.start()], name[group.end() :]
         for part in group[1].split(","):
             lo, _, hi = part.partition("-")
             for i in range(int(lo), int(hi or lo) + 1):  # keep zero padding: node01, not node1
-                hosts += expand_hostlist(f"{name[: group.start()]}{i:0{len(lo)}d}{name[group.end() :]}")
+                hosts += expand_hostlist(f"{head}{i:0{len(lo)}d}{tail}")
     return hosts
 
 
 def master_port(job_id):
-    """A port from the job id: two jobs on a node do not collide. job_torchrun.slurm repeats it (a test checks)."""
+    """A port from the job id: two jobs on a node do not collide. job_torchrun.slurm repeats it."""
     return 20000 + job_id % 40000
 
 
 def launcher(env=os.environ):
-    """This process's Launch, from its launcher's variables; a count missing or malformed is None (the check's)."""
+    """This process's Launch from its launcher's variables; a missing or bad count is None."""
     if "RANK" in env:  # torchrun; wins over Slurm's variables under `srun torchrun`
         ranks = count(env["RANK"]), count(env.get("LOCAL_RANK")), count(env.get("WORLD_SIZE"))
         return Launch(*ranks, env.get("MASTER_ADDR") or None, count(env.get("MASTER_PORT")))
-    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:  # an srun task (the batch shell has no step)
-        addr = env.get("MASTER_ADDR") or (expand_hostlist(env.get("SLURM_JOB_NODELIST", "")) or [None])[0]
-        port = count(env.get("MASTER_PORT")) or master_port(count(env.get("SLURM_JOB_ID")) or 0)  # fmt: skip
-        ranks = count(env["SLURM_PROCID"]), count(env.get("SLURM_LOCALID")), count(env.get("SLURM_NTASKS"))
+    if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:  # an srun task (the batch shell: no step)
+        nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST", "")) or [None]
+        addr = env.get("MASTER_ADDR") or nodes[0]
+        port = count(env.get("MASTER_PORT")) or master_port(count(env.get("SLURM_JOB_ID")) or 0)
+        ranks = (count(env.get(k)) for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"))
         return Launch(*ranks, addr, port)
     return Launch(0, 0, 1)
 
 
 def regular_file(path):
-    """`path`, unless reading it could block or never end: a FIFO, a socket, a device (then an OSError)."""
+    """`path`, unless reading it could block or never end (a FIFO, a socket, a device): OSError."""
     if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
-        raise OSError(errno.EINVAL, "not a regular file (a FIFO or a device: reading it would block)", str(path))
+        why = "not a regular file (a FIFO or a device: reading it would block)"
+        raise OSError(errno.EINVAL, why, str(path))
     return path
 
 
 def is_rank0(env=os.environ):
-    """Is this global rank 0, the one that prints, writes and reads? launcher()'s, known before any process group."""
+    """Is this global rank 0, which prints, writes and reads? Known before any process group."""
     return launcher(env).rank == 0
 
 
 def cpus_per_rank(env=os.environ):
-    """The CPUs of this process: its Slurm task's (or those it may use), shared with torchrun's other ranks."""
+    """This process's CPUs: its Slurm task's (or what it may use), shared by torchrun's ranks."""
     cpus = count(env.get("SLURM_CPUS_PER_TASK")) or len(os.sched_getaffinity(0))
     return max(cpus // (count(env.get("LOCAL_WORLD_SIZE")) or 1), 1)
 
 
 def ranks_per_node(world_size, env=os.environ):
-    """The ranks on each node: torchrun's LOCAL_WORLD_SIZE, else this srun step's ranks over its nodes."""
-    return count(env.get("LOCAL_WORLD_SIZE")) or max(world_size // (count(env.get("SLURM_STEP_NUM_NODES")) or 1), 1)
+    """The ranks on each node: torchrun's LOCAL_WORLD_SIZE, else this srun step's over its nodes."""
+    nodes = count(env.get("SLURM_STEP_NUM_NODES")) or 1
+    return count(env.get("LOCAL_WORLD_SIZE")) or max(world_size // nodes, 1)

@@ -24,23 +24,23 @@ except ImportError:  # an environment without it trains the same, untimed
 
 
 FIELDS = [
-    "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",  # or the task's metric
+    # or the task's metric
+    "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",
     "epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size", "nodes", "peak_memory_mib",
     "compile_seconds", "better",  # better: "higher" or "lower", the metric's direction, for tools/
 ]  # fmt: skip
 
 
 def accuracy(output, target):
-    """The correct answers in a batch: the class of the largest output; of a single output (a logit, as
-    binary_cross_entropy_with_logits takes), class 1 where it is above 0."""
+    """Correct answers in a batch: the largest output's class, or for a single logit, 1 above 0."""
     if output.ndim == 1 or output.shape[1] == 1:
         return ((output.reshape(-1) > 0).long() == target.reshape(-1).long()).sum()
     return (output.argmax(dim=1) == target).sum()
 
 
 class Metric(NamedTuple):
-    """How good a model is: the task's `metric = ("mae", "lower")` and `score(output, target)`, summed over a
-    batch, else accuracy (in %). An evaluation logs score's mean over its samples."""
+    """How good a model is: the task's `metric = ("mae", "lower")` and `score(output, target)`
+    summed over a batch, else accuracy (in %). An evaluation logs score's mean over its samples."""
 
     name: str = "accuracy"
     better: str = "higher"  # or "lower": the direction --target is reached in
@@ -56,8 +56,7 @@ class Metric(NamedTuple):
 
 @dataclass
 class Sums:
-    """What batches add up to on a rank: each batch's mean loss times its samples, the task's
-    score summed (evaluations), the samples; on the device while an epoch runs: no sync a step."""
+    """A rank's batch sums: mean loss x samples, score (evaluations), samples; no sync a step."""
 
     loss: torch.Tensor | float
     score: torch.Tensor | float
@@ -72,8 +71,7 @@ class Sums:
 
 
 class Epoch(NamedTuple):
-    """An epoch's Sums (validation's zeros without --val-fraction), a row each in tensor(): one
-    all-reduce and one copy from the GPU an epoch."""
+    """An epoch's Sums, a row each (validation's zeros without --val-fraction): one all-reduce."""
 
     training: Sums
     validation: Sums
@@ -88,7 +86,7 @@ class Epoch(NamedTuple):
 
 
 def progress(epoch, batch, batches, loss):
-    """Print the progress line (every --log-interval batches: reading the loss waits for the GPU)."""
+    """Print a progress line (every --log-interval batches: reading the loss waits for the GPU)."""
     print0(f"  epoch {epoch} batch {batch}/{batches} loss {loss.item():.4f}")
 
 
@@ -123,8 +121,7 @@ def elapsed(start, device):
 
 
 class Log:
-    """The rows of metrics.csv (the same all-reduced numbers on every rank; rank 0 writes them) and the epoch
-    lines."""
+    """The rows of metrics.csv (all-reduced: alike on every rank; rank 0 writes) and epoch lines."""
 
     def __init__(self, output_dir, world_size, compiled=False, metric=None):
         self.path, self.world_size, self.metric = output_dir / "metrics.csv", world_size, metric or Metric()
@@ -204,8 +201,7 @@ class Log:
         return f"{value:.2f}%" if total is None else f"accuracy {int(total)}/{int(samples)} ({value:.2f}%)"
 
     def reached(self, target, patience):
-        """--target: did the last `patience` evaluations (validation, else test) reach it, in the metric's direction?
-        Alike on every rank."""
+        """--target: have the last `patience` evaluations (validation, else test) all reached it?"""
         name = self.metric.name
         last = [r[f"test_{name}"] if r[f"val_{name}"] == "" else r[f"val_{name}"] for r in self.rows[-patience:]]
         if (

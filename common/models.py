@@ -1,5 +1,5 @@
-"""The models (--model), built by `build` for a data set's channels, classes and image size. Each returns
-log-probabilities, as the stages train with F.nll_loss.
+"""The models (--model), built by `build` for a data set's channels, classes and image size. Each
+returns log-probabilities, as the stages train with F.nll_loss.
 
   net         the CNN of pytorch/examples mnist/main.py, unchanged but for the channels and classes: 28x28 only
   cnn         a small VGG-style CNN that ends in global average pooling, so any image size fits
@@ -20,7 +20,8 @@ class Net(nn.Module):
         self.conv2 = nn.Conv2d(32, 64, 3, 1)
         self.dropout1 = nn.Dropout(0.25)
         self.dropout2 = nn.Dropout(0.5)
-        self.fc1 = nn.Linear(9216, 128)  # 64 channels x 12 x 12: what two 3x3 convolutions and a pooling leave of 28x28
+        # 64 channels x 12 x 12: what two 3x3 convolutions and a pooling leave of 28x28
+        self.fc1 = nn.Linear(9216, 128)
         self.fc2 = nn.Linear(128, num_classes)
 
     def forward(self, x):
@@ -54,8 +55,8 @@ class CNN(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-activation basic block: (BN, ReLU, conv 3x3) twice, plus the input, through a 1x1 convolution
-    where the width or the resolution changes."""
+    """A pre-activation basic block: (BN, ReLU, conv 3x3) twice, plus the input, through a 1x1
+    convolution where the width or the resolution changes."""
 
     def __init__(self, cin, cout, stride, dropout):
         super().__init__()
@@ -66,7 +67,7 @@ class Block(nn.Module):
 
     def forward(self, x):
         out = F.relu(self.bn1(x))
-        # the projection takes the activated input, as in the authors' code: both paths see normalized values
+        # the projection takes the activated input, as in the authors' code: both paths normalized
         shortcut = x if self.shortcut is None else self.shortcut(out)
         out = self.conv1(out)
         out = self.conv2(self.dropout(F.relu(self.bn2(out))))
@@ -74,9 +75,9 @@ class Block(nn.Module):
 
 
 class WideResNet(nn.Module):
-    """WRN-depth-width: a 3x3 convolution, then three groups of (depth - 4) / 6 blocks, 16, 32 and 64 times
-    `width` channels wide, at 32x32, 16x16 and 8x8; BN, ReLU, global average pooling, one linear layer.
-    WRN-16-4 has 2.75 M parameters."""
+    """WRN-depth-width: a 3x3 convolution, then three groups of (depth - 4) / 6 blocks, 16, 32 and
+    64 times `width` channels wide, at 32x32, 16x16 and 8x8; BN, ReLU, global average pooling, one
+    linear layer. WRN-16-4 has 2.75 M parameters."""
 
     def __init__(self, in_channels=3, num_classes=10, depth=16, width=4, dropout=0.0):
         super().__init__()
@@ -95,8 +96,9 @@ class WideResNet(nn.Module):
 
     @staticmethod
     def init_weights(m):
-        """The authors' initialization, layer by layer after PyTorch's: He et al. for convolutions, zero
-        biases. Stage 05, which builds the model on the meta device, applies it the same way (materialise())."""
+        """The authors' initialization, layer by layer after PyTorch's: He et al. for convolutions,
+        zero biases. Stage 05 applies it the same way to a model built on the meta device
+        (materialise())."""
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
         elif isinstance(m, nn.Linear):
@@ -131,8 +133,8 @@ def norms(model):
 
 
 def build(name, in_channels, num_classes, image_size, depth=16, width=4):
-    """The model `name` for images of in_channels x image_size x image_size in num_classes classes; a
-    ValueError that says what to change for a size it does not fit."""
+    """The model `name` for images of in_channels x image_size x image_size in num_classes classes;
+    a ValueError that says what to change for a size it does not fit."""
     if name == "net":
         if image_size != 28:
             raise ValueError(

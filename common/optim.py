@@ -19,8 +19,9 @@ from common.cli import learning_rate
 
 
 def optimizer(args, parameters):
-    """Sharded weights (DTensors) step by foreach, as torch chooses on GPUs: a loop dispatches each through Python."""
-    parameters, dtensor = list(parameters), getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
+    """Sharded weights (DTensors) step by foreach, as on GPUs: a loop dispatches each in Python."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
+    parameters = list(parameters)
     foreach = any(isinstance(p, dtensor) for p in parameters) or None  # None: torch's default
     options = dict(lr=learning_rate(args), weight_decay=args.weight_decay, foreach=foreach)
     if args.optimizer == "adadelta":
@@ -33,8 +34,8 @@ def optimizer(args, parameters):
 
 
 def state_tensors(args):
-    """How many tensors the size of the weights the optimizer keeps: Adadelta and Adam two (running averages),
-    RMSprop one, SGD none; momentum one more (stage 05's memory line)."""
+    """How many tensors the size of the weights the optimizer keeps: Adadelta and Adam two (running
+    averages), RMSprop one, SGD none; momentum one more (stage 05's memory line)."""
     return {"adadelta": 2, "adam": 2, "rmsprop": 1, "sgd": 0}[args.optimizer] + int(
         args.optimizer in ("rmsprop", "sgd") and args.momentum > 0
     )
@@ -61,13 +62,13 @@ class Step(NamedTuple):
 
 
 def backward(model, x, y, loss_fn, scaler, micro_batches):
-    """Stage 05's --grad-accum, a memory saver: the rank's batch in `micro_batches` slices, one backward each,
-    their gradients summed and reduced across the ranks once, after the last. Returns the batch's mean loss."""
-    loss, micro = 0, list(zip(data.chunk(x, micro_batches), data.chunk(y, micro_batches), strict=True))
+    """Stage 05's --grad-accum, a memory saver: the rank's batch in `micro_batches` slices, one
+    backward each, gradients summed and reduced across ranks once, after the last: the mean loss."""
+    loss, micro = 0, [*zip(data.chunk(x, micro_batches), data.chunk(y, micro_batches), strict=True)]
     for i, (xm, ym) in enumerate(micro):
-        if dist.is_initialized() and len(micro) > 1:  # reduce the gradients once, after the last slice, not after each
+        if dist.is_initialized() and len(micro) > 1:  # reduce once, after the last slice
             model.set_requires_gradient_sync(i == len(micro) - 1)
-        part = loss_fn(model(xm), ym) * data.count(ym) / data.count(y)  # its share of the batch's mean loss
+        part = loss_fn(model(xm), ym) * data.count(ym) / data.count(y)  # its share of the mean
         scaler.scale(part).backward()
         loss += part.detach()
     return loss

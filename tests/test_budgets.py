@@ -61,6 +61,27 @@ def test_the_readme_reads_in_one_sitting():
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
 
 
+PROJECTED = (
+    [REPO / stage / "train.py" for stage in STAGES]
+    + sorted(REPO.glob("common/tasks/*.py"))
+    + [REPO / "common" / name for name in ("amp.py", "distributed.py", "environment.py", "optim.py")]
+)
+
+
+def test_the_stages_and_their_diffs_fit_a_projector():
+    """A stage's train.py, a task, the lesson modules listed and `make diff` (tools/stage_diff.py)
+    are read on a projector: no line wider than 100 columns. (A diff line carries one character more
+    than its file's line.)"""
+    wide = [f"{path.relative_to(REPO)}:{number}: {len(line)}" for path in PROJECTED
+            for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 100]  # fmt: skip
+    shown = subprocess.run(
+        [sys.executable, "tools/stage_diff.py"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0 and shown.stdout.count("\n==== ") == 5, shown.stderr
+    wide += [f"make diff: {line}" for line in shown.stdout.splitlines() if len(line) > 100]
+    assert len(PROJECTED) > 5 and wide == []
+
+
 LESSON_AND_TOOLS = sorted(REPO.glob("common/**/*.py")) + sorted(REPO.glob("tools/*.py"))
 
 

@@ -1,11 +1,14 @@
-"""The built-in task: classifying images. A task is what is learned; a stage is how it scales. Every stage
-takes one with --task FILE (this file by default), a Python file that defines:
+"""The built-in task: classifying images. A task is what is learned; a stage is how it scales. Every
+stage takes one with --task FILE (this file by default), a Python file that defines:
 
   model(args)           the nn.Module to train
   datasets(args)        (training set, test set) of (input, label) pairs, the label a class number
-  loss(output, target)  optional: the loss to train with (default: cross-entropy, on logits or log-probabilities)
-  blocks(model)         optional: what stage 05 shards one at a time and recomputes (default: common/models.py)
-  init_weights(layer)   optional: stage 05 initialises the model layer by layer (common/models.py materialise())
+  loss(output, target)  optional: the loss to train with (default: cross-entropy, on logits or
+                        log-probabilities)
+  blocks(model)         optional: what stage 05 shards one at a time and recomputes (default:
+                        common/models.py)
+  init_weights(layer)   optional: stage 05 initialises the model layer by layer (common/models.py
+                        materialise())
   weights(args)         optional: a file of whole weights for stage 05 to start from
   META = False          optional: stage 05 builds the model whole on the CPU, not on the meta device
   add_arguments(group)  optional: the task's own options
@@ -18,26 +21,42 @@ common/data.py and another model of common/models.py.
 from common import cli
 
 DATASETS = ["mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic"]  # common/data.py's SETS
-TESTED = {"net": DATASETS[:2], "cnn": DATASETS, "wideresnet": DATASETS[2:]}  # net fits 28x28 images, wideresnet 32x32
+# net fits 28x28 images, wideresnet 32x32
+TESTED = {"net": DATASETS[:2], "cnn": DATASETS, "wideresnet": DATASETS[2:]}
 
 
 def add_arguments(group):
-    # fmt: off
-    group.add_argument("--dataset", choices=DATASETS, default="mnist", help="in torchvision's layout under --data-dir; `make data DATASET=...` (default: mnist)")
-    group.add_argument("--model", choices=list(TESTED), default="net", help="net: pytorch/examples' CNN for 28x28; cnn: a small CNN for any size; wideresnet: for 32x32 (default: net)")
-    group.add_argument("--depth", type=cli.POSITIVE, default=16, help="WideResNet depth, 6n+4 (default: 16)")
-    group.add_argument("--width", type=cli.POSITIVE, default=4, help="WideResNet width factor (default: 4)")
-    # fmt: on
+    group.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="mnist",
+        help="in torchvision's layout under --data-dir; `make data DATASET=...` (default: mnist)",
+    )
+    group.add_argument(
+        "--model",
+        choices=list(TESTED),
+        default="net",
+        help="net: pytorch/examples' CNN for 28x28; cnn: a small CNN for any size; "
+        "wideresnet: for 32x32 (default: net)",
+    )
+    group.add_argument(
+        "--depth", type=cli.POSITIVE, default=16, help="WideResNet depth, 6n+4 (default: 16)"
+    )
+    group.add_argument(
+        "--width", type=cli.POSITIVE, default=4, help="WideResNet width factor (default: 4)"
+    )
 
 
 def check(args):
     if args.dataset not in TESTED[args.model]:
-        return f"--model {args.model} is tested with --dataset {', '.join(TESTED[args.model])}, not {args.dataset}"
+        tested = ", ".join(TESTED[args.model])
+        return f"--model {args.model} is tested with --dataset {tested}, not {args.dataset}"
     return None
 
 
 def model(args):
-    from common import data, models  # here: the options are read without torch (a job script's check)
+    # imported here: the options are read without torch (a job script's check)
+    from common import data, models
 
     spec = data.SETS[args.dataset]
     return models.build(args.model, len(spec.mean), spec.classes, spec.size, args.depth, args.width)
