@@ -83,6 +83,7 @@ def same_run(cut, whole):
     assert strip(metrics(cut)) == strip(metrics(whole))
 
 
+@pytest.mark.slow
 def test_stage01_stopped_during_evaluation_saves_at_once_and_resumes_bit_identical(tiny_data, tmp_path):
     """SIGTERM during a long evaluation was acted on after it, at the next epoch's first step: past KillWait."""
     task, whole, cut, mark = tmp_path / "task.py", tmp_path / "whole", tmp_path / "cut", tmp_path / "evaluating"
