@@ -130,10 +130,21 @@ def test_every_job_script_switches_on_the_flight_recorder_into_the_runs_folder(t
             folder = cli.default_output_dir(script.parent / "train.py", {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"})
         expected = flightrecorder.variables(f"{folder}/flight-recorder-rank-")
         assert {k: env.get(k) for k in expected} == expected, name
-        assert expected["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == expected["TORCH_FR_DUMP_TEMP_FILE"]
         srun_starts_ranks = "torchrun" not in args and script.parent.name in ("04_ddp_multi_node", "05_fsdp")
         assert ("--cpu-bind=cores" in args) == srun_starts_ranks, (name, args)
         assert not [a for a in args if a.startswith("--numa-binding")], (name, args)  # no numactl, no GPU here
+
+
+def test_the_flight_recorders_names_are_those_the_installed_torch_reads():
+    """torch 2.9 reads TORCH_FR_ (and warns of TORCH_NCCL_TRACE_BUFFER_SIZE in every rank's log); 2.7 reads only the
+    TORCH_NCCL_ names: each gets its own, into the same place, and no name it would warn of."""
+    from common.guards import flightrecorder
+
+    new, old = (flightrecorder.variables("/run/fr-", version) for version in ("2.9.0", "2.7.1+cu126"))
+    assert new["TORCH_FR_DUMP_TEMP_FILE"] == old["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/run/fr-"
+    assert new["TORCH_FR_BUFFER_SIZE"] == old["TORCH_NCCL_TRACE_BUFFER_SIZE"] != "0"
+    assert not any(name.startswith("TORCH_FR_") for name in old)
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in new and "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" not in new
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from common import cli
+from common.guards import versions
 
 FILES = "flight-recorder-rank-"  # the dumps' names less the rank: torchfrtrace's --prefix
 ENTRIES = "2000"  # collectives kept per rank: torch's suggestion, a few steps of the stages
@@ -29,11 +30,15 @@ def output_dir(argv, script=Path("train.py"), env=os.environ):
     return p.parse_known_args(argv)[0].output_dir
 
 
-def variables(prefix):
-    """What switches the recorder on, dumping to `prefix`<rank> on a timeout: a recent torch reads the TORCH_FR_
-    names, an older one (down to 2.3, that of stages 01-02) the TORCH_NCCL_ ones."""
-    return {"TORCH_FR_BUFFER_SIZE": ENTRIES, "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_NCCL_TRACE_BUFFER_SIZE": ENTRIES, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}  # fmt: skip
+def variables(prefix, torch_version=None):
+    """What switches the recorder on, dumping to `prefix`<rank> on a timeout, in the names the torch this Python
+    imports reads (versions.installed(), without importing it): TORCH_FR_ from 2.9, which warns of the older
+    TORCH_NCCL_ ones in every rank's log; those before (2.7, stages 03-04's oldest)."""
+    version = torch_version or versions.installed() or "0"
+    if versions.release(version) >= (2, 9):
+        return {"TORCH_FR_BUFFER_SIZE": ENTRIES, "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": ENTRIES, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # fmt: skip
 
 
 def exports(argv):
