@@ -3,10 +3,11 @@ between stages (their lengths: test_budgets.py)."""
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import REPO, clean_env
 
 SCRIPTS = sorted(REPO.glob("0*/*.slurm"))
 SWEEP = REPO / "sweeps/batch_size.slurm"
@@ -133,6 +134,16 @@ def test_every_job_script_switches_on_the_flight_recorder_into_the_runs_folder(t
         srun_starts_ranks = "torchrun" not in args and script.parent.name in ("04_ddp_multi_node", "05_fsdp")
         assert ("--cpu-bind=cores" in args) == srun_starts_ranks, (name, args)
         assert not [a for a in args if a.startswith("--numa-binding")], (name, args)  # no numactl, no GPU here
+
+
+def test_the_flight_recorder_leaves_a_usage_error_to_train_py(tmp_path):
+    """`--output-dir` without its value: the recorder's export goes to the default folder, silently, so that the
+    job's log holds the usage error once, from the ranks, not a second time from the job script."""
+    out = subprocess.run([sys.executable, "-m", "common.guards.flightrecorder", "--epochs", "1", "--output-dir"],
+                         cwd=REPO / "04_ddp_multi_node", env=clean_env(SLURM_JOB_ID="7"), capture_output=True,
+                         text=True, timeout=30)  # fmt: skip
+    assert out.returncode == 0 and out.stderr == "", out
+    assert "runs/04_ddp_multi_node/7.0/flight-recorder-rank-" in out.stdout, out.stdout
 
 
 def test_the_flight_recorders_names_are_those_the_installed_torch_reads():

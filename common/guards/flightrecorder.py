@@ -5,6 +5,7 @@ that switches the recorder on (variables()) with that prefix in the run's folder
 or its default for the job's first srun step, which starts the ranks): the job script evaluates it. torchfrtrace
 reads the dumps (README, Troubleshooting)."""
 
+import argparse
 import os
 import shlex
 import sys
@@ -23,11 +24,16 @@ def prefix(output_dir):
 
 
 def output_dir(argv, script=Path("train.py"), env=os.environ):
-    """The run's folder of a stage given `argv` (other options are the stage's to check), in the job's first step."""
+    """The run's folder of a stage given `argv`, in the job's first step. Options are train.py's to check: a
+    usage error here gives the default folder and no line, and the ranks say it once, as for any other option."""
     first_step = {**env, "SLURM_STEP_ID": "0"}  # the batch shell has no step; srun's first is 0, after a requeue too
-    p = cli.Parser(add_help=False)
-    p.add_argument("--output-dir", type=Path, default=cli.default_output_dir(script.resolve(), first_step))
-    return p.parse_known_args(argv)[0].output_dir
+    default = cli.default_output_dir(script.resolve(), first_step)
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    p.add_argument("--output-dir", type=Path, default=default)
+    try:
+        return p.parse_known_args(argv)[0].output_dir
+    except argparse.ArgumentError:
+        return default
 
 
 def variables(prefix, torch_version=None):
