@@ -1,5 +1,6 @@
-"""The models (--model), built by `build` for a data set's channels, classes and image size. Each
-returns log-probabilities, as the stages train with F.nll_loss.
+"""The models (--model), built by `build` for a data set's channels, classes and image size; it finds each
+by its name in MODELS, so a reader who follows it to one model reads that one alone. Each returns
+log-probabilities, as the stages train with F.nll_loss.
 
   net         the CNN of pytorch/examples mnist/main.py, unchanged but for the channels and classes: 28x28 only
   cnn         a small VGG-style CNN that ends in global average pooling, so any image size fits
@@ -81,6 +82,8 @@ class WideResNet(nn.Module):
 
     def __init__(self, in_channels=3, num_classes=10, depth=16, width=4, dropout=0.0):
         super().__init__()
+        if depth < 10 or (depth - 4) % 6:
+            raise ValueError(f"--depth {depth}: a WideResNet is 6n+4 layers deep, n >= 1 (10, 16, 22, 28, 40)")
         blocks = (depth - 4) // 6
         widths = [16, 16 * width, 32 * width, 64 * width]
         layers = [nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False)]
@@ -132,28 +135,23 @@ def norms(model):
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
+# --model: what build() makes of each name; a size a model does not fit is refused in words (FITS)
+MODELS = {"net": Net, "cnn": CNN, "wideresnet": WideResNet}
+FITS = {"net": (28, "mnist, fashion-mnist", "cnn or wideresnet for 32x32"),
+        "wideresnet": (32, "cifar10, cifar100, synthetic", "net or cnn for 28x28")}  # fmt: skip
+
+
 def build(name, in_channels, num_classes, image_size, depth=16, width=4):
-    """The model `name` for images of in_channels x image_size x image_size in num_classes classes;
+    """The model `name` of MODELS for images of in_channels x image_size x image_size in num_classes classes;
     a ValueError that says what to change for a size it does not fit."""
-    if name == "net":
-        if image_size != 28:
-            raise ValueError(
-                f"--model net fits 28x28 images (mnist, fashion-mnist), not {image_size}x{image_size}: "
-                "use --model cnn or wideresnet for 32x32"
-            )
-        return Net(in_channels, num_classes)
-    if name == "cnn":
-        return CNN(in_channels, num_classes)
-    if name == "wideresnet":
-        if image_size != 32:
-            raise ValueError(
-                f"--model wideresnet fits 32x32 images (cifar10, cifar100, synthetic), not "
-                f"{image_size}x{image_size}: use --model net or cnn for 28x28"
-            )
-        if depth < 10 or (depth - 4) % 6:
-            raise ValueError(f"--depth {depth}: a WideResNet is 6n+4 layers deep, n >= 1 (10, 16, 22, 28, 40)")
-        return WideResNet(in_channels, num_classes, depth, width)
-    raise ValueError(f"unknown model {name!r}: net, cnn or wideresnet")
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: net, cnn or wideresnet")
+    size, sets, instead = FITS.get(name, (image_size, "", ""))
+    if image_size != size:
+        raise ValueError(f"--model {name} fits {size}x{size} images ({sets}), not {image_size}x{image_size}: "
+                         f"use --model {instead}")  # fmt: skip
+    shape = dict(depth=depth, width=width) if name == "wideresnet" else {}
+    return MODELS[name](in_channels, num_classes, **shape)
 
 
 def materialise(model, device, task, args):

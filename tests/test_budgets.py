@@ -2,6 +2,7 @@
 
 import ast
 import difflib
+import importlib.util
 import re
 import subprocess
 import sys
@@ -179,3 +180,24 @@ def test_an_epochs_sums_are_read_by_name():
     found = [f"{path.relative_to(REPO)}:{node.lineno}" for path, node in indexed
              if held(node.value) in HOLDERS and by_position(node.slice)]  # fmt: skip
     assert found == []
+
+
+def reached(stage):
+    """The lesson definitions ("module:name") tools/reading_path.py counts for `stage`."""
+    spec = importlib.util.spec_from_file_location("reading_path", REPO / "tools" / "reading_path.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    project = tool.Project(REPO)
+    tree = ast.parse((REPO / stage / "train.py").read_text())
+    used = project.refs(tree, None, project.imported(tree, None))
+    used |= {k for k in project.defs if k.split(":")[0] == tool.DEFAULT_TASK}  # task.model(), task.datasets()
+    return project.reach(used, True)
+
+
+def test_following_the_default_task_reaches_the_model_it_trains_alone():
+    """task.model() leads to MNIST's model through models.build() and its table of models: a learner does not
+    read the other models on the way, nor the checks that distrust a data file."""
+    seen = reached("01_single_gpu")
+    assert "common.models:build" in seen and "common.datafiles:read_idx" in seen
+    others = {"common.models:WideResNet", "common.models:Block", "common.models:CNN"}
+    assert seen & others == set()

@@ -1,5 +1,5 @@
 """The data sets and input pipelines: the same batches whichever --loader and data set; the split; every
-file checked as it is read; and `make data` (tools/prepare_data.py)."""
+file checked before it is read (common/guards/datafiles.py); and `make data` (tools/prepare_data.py)."""
 
 import json
 import pickle
@@ -14,8 +14,8 @@ import torch
 from helpers import INJECT, REPO, S03, TRAIN_SIZE, clean_env, run, stage_args, torchrun_cmd, write_idx_subset
 from torch.utils.data.distributed import DistributedSampler
 
-from common import data
-from common.guards import preflight
+from common import cli, data
+from common.guards import check, datafiles, preflight
 
 sys.path.insert(0, str(REPO / "tools"))  # tools/prepare_data.py, as `make data` runs it
 import prepare_data  # noqa: E402
@@ -97,11 +97,16 @@ def test_the_idx_reader_returns_torchvisions_tensors(train, tiny_data):
 
 
 def refused(data_dir, name, path, train=True):
-    """Loading the set must stop with one line naming the broken file and `make data`."""
+    """The guard rails' check of the set, before the lesson reads it, must stop with one line naming the broken
+    file and `make data`; so must a stage's start, which runs it (check.check_args())."""
     fix = re.escape(f"run `make data DATASET={name}` again")
     with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: .*{fix}") as refusal:
-        data.dataset(data_dir, name, train=train)
+        datafiles.check_set(data_dir, name, train=train)
     assert "\n" not in str(refusal.value)
+    args = cli.parse_args(["--dataset", name, "--data-dir", str(data_dir), "--model", "cnn"])[0]
+    with pytest.raises(SystemExit) as stop:
+        check.check_args(args, warn=False, gpus=0)
+    assert stop.value.code == f"error: {refusal.value}"
     return str(refusal.value)
 
 

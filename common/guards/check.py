@@ -82,7 +82,8 @@ def check_args(args, warn=True, gpus=None):
     """What the parser cannot see alone, then --check's exit. Rank 0 alone reads a checkpoint, and on nodes that
     share no filesystem only its node has the file: a --resume PATH that is no checkpoint is one line before
     anything starts (a FIFO would hang torch.load, a directory make it fail with a traceback). `gpus`: those the
-    run would use, where torch is loaded to count them (a stage's --check), else None."""
+    run would use, where torch is loaded to count them (a stage, its --check too), else None; then the data
+    files are checked too."""
     if args.sync_bn and gpus == 0:
         usage("--sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only) and this run has none: drop it on CPUs")
     if cli.learning_rate(args) > cli.FLOAT32_MAX:
@@ -103,6 +104,10 @@ def check_args(args, warn=True, gpus=None):
                 f"warning: --num-workers {args.num_workers} is more than the {cpus} CPUs per rank here: using {cpus}"
             )
         args.num_workers = cpus
+    if gpus is not None:  # a stage, torch loaded: the data files it reads, before the lesson trusts them
+        from common.guards import datafiles  # here: the job scripts' check runs without torch
+
+        datafiles.check(args)
     if args.check:  # the options hold for this stage: nothing else to do
         raise SystemExit(0)
 
