@@ -16,8 +16,6 @@ from common.environment import is_rank0, regular_file
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_BATCH = 64  # the global batch --lr is given for (--lr-scaling)
-# about float32's largest: optimizers compute in it, and a larger --lr or --weight-decay overflows
-FLOAT32_MAX = 3.4e38
 # the built-in task: pytorch/examples' MNIST CNN, and more
 TASK = REPO / "common" / "tasks" / "images.py"
 
@@ -78,40 +76,6 @@ class Parser(argparse.ArgumentParser):
 POSITIVE = number(int, "[1, inf)")
 # 2**32 - 1, numpy.random.seed's limit; past 2**64 torch.manual_seed crashes
 SEED = number(int, "[0, 4294967295]")
-
-# What a run computes: stored in its checkpoint, compared on resume and across the ranks. (--epochs
-# too under --scheduler cosine: see defining().)
-DEFINING = (
-    "task", "dataset", "model", "depth", "width", "sync_bn",  # the network and what it learns
-    # the global batch, the training set and its shuffles
-    "batch_size", "val_fraction", "limit", "seed",
-    # the updates
-    "optimizer", "lr", "lr_scaling", "momentum", "weight_decay", "scheduler", "gamma", "step_size",
-    "amp",  # the precision, and the scaler state a checkpoint holds
-    # compiled kernels round differently from eager ones: the same run only with the same choice
-    "compile",
-    # one batch per epoch: its checkpoints are no part of a real run; ranks that differ hang
-    "dry_run",
-)  # fmt: skip
-FREE = (
-    # a resumed run may be given more or fewer epochs to go (not under cosine: defining())
-    "epochs",
-    # what is printed and written, not computed
-    "log_interval", "save_model", "output_dir", "resume", "check",
-    # where batches come from: the three loaders give the same batches
-    "data_dir", "num_workers", "loader",
-    "test_batch_size",  # evaluation sums do not depend on how they are split into batches
-    # where it runs and how long a collective waits: checkpoints load on any device
-    "no_cuda", "dist_timeout",
-    # stage 05: how the same global batch fits in memory (not BatchNorm's statistics, which see the
-    # micro-batches); a job requeued onto fewer GPUs may need more accumulation than before
-    "grad_accum", "checkpoint_activations",
-    "full_shard",  # the mesh: a sharded checkpoint loads into any
-    # when to stop early: a resumed run may change its mind
-    "target", "target_accuracy", "patience",
-    # how often a run saves mid-epoch: the saves change nothing that is computed
-    "checkpoint_minutes",
-)  # fmt: skip
 
 
 def learning_rate(args):

@@ -11,7 +11,7 @@ import pytest
 from helpers import S03, S05, clean_env, run
 
 from common import cli
-from common.guards import check, preflight
+from common.guards import check, options, preflight
 
 LAUNCHER = ("RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_JOB_ID")
 
@@ -122,15 +122,15 @@ def test_every_option_is_classified():
     p = cli.parser(S05, [cli.large_models])
     cli.load_task(cli.TASK).add_arguments(p)  # the built-in task's own options
     dests = [action.dest for action in p._actions if action.dest != "help"]
-    assert not set(cli.DEFINING) & set(cli.FREE)
-    assert len(cli.DEFINING + cli.FREE) == len(set(cli.DEFINING + cli.FREE))
-    assert set(dests) == set(cli.DEFINING) | set(cli.FREE)
+    assert not set(options.DEFINING) & set(options.FREE)
+    assert len(options.DEFINING + options.FREE) == len(set(options.DEFINING + options.FREE))
+    assert set(dests) == set(options.DEFINING) | set(options.FREE)
 
 
 def test_defining_values_and_the_cosine_rule():
     step = preflight.defining(parse(["--epochs", "3"]))
     assert step["lr"] == 1.0 and step["dataset"] == "mnist" and step["task"] == "images.py"
-    assert set(step) == set(cli.DEFINING)  # the built-in task's options among them
+    assert set(step) == set(options.DEFINING)  # the built-in task's options among them
     cosine = preflight.defining(parse(["--epochs", "3", "--scheduler", "cosine"]))
     assert cosine == step | {"scheduler": "cosine", "epochs": 3}
     assert all(type(value) in (str, int, float, bool, type(None)) for value in cosine.values())  # weights_only loads

@@ -13,6 +13,8 @@ from common.environment import count, cpus_per_rank, is_rank0
 from common.guards import versions
 
 REQUIRED = object()
+# about float32's largest: optimizers compute in it, and a larger --lr or --weight-decay overflows
+FLOAT32_MAX = 3.4e38
 
 
 def integer(name, default=REQUIRED, env=os.environ, low=0, high=None):
@@ -86,7 +88,7 @@ def check_args(args, warn=True, gpus=None):
     files are checked too."""
     if args.sync_bn and gpus == 0:
         usage("--sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only) and this run has none: drop it on CPUs")
-    if cli.learning_rate(args) > cli.FLOAT32_MAX:
+    if cli.learning_rate(args) > FLOAT32_MAX:
         usage(f"--lr {args.lr:g} scaled to --batch-size {args.batch_size} ({args.lr_scaling}) overflows float32")
     path = args.resume
     if isinstance(path, Path) and is_rank0() and not (path.is_file() or (path / "state.pt").is_file()):

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils.data import IterableDataset
 
-from common import cli, data
+from common import data
 from common.environment import is_rank0
-from common.guards import randomness, samples
+from common.guards import options, randomness, samples
 from common.guards.ending import stop
 
 
@@ -96,10 +96,10 @@ def check_interfaces(backend):
 
 
 def defining(args):
-    """{dest: value} of the options that define what a run computes: all but cli.FREE, the task's own too. Plain
+    """{dest: value} of the options that define what a run computes: all but options.FREE, the task's own too. Plain
     values, for a checkpoint loaded with weights_only=True. A cosine schedule is defined by --epochs too: it
     decays to 0 over them."""
-    values = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in cli.FREE}
+    values = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in options.FREE}
     values["task"] = args.task.name  # where the file lies may change; which task it is may not
     if args.scheduler == "cosine":
         values["epochs"] = args.epochs
