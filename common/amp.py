@@ -1,7 +1,6 @@
 """Mixed precision (--amp): bf16 where the device has it, else fp16 with a gradient scaler."""
 
 import torch
-import torch.distributed as dist
 
 
 def dtype(device):
@@ -24,22 +23,12 @@ def policies(device, args):
     policies. Under --amp each block's weights are gathered and computed in bf16 and its output
     passed on in bf16 (to the next block, or to the root's layers after the last: a classifier's
     head); sharded weights, optimizer and gradient reduction stay fp32, the root hands the loss
-    fp32; BatchNorm computes in fp32 (its running statistics are fp32), hands bf16 on. Else fp32."""
+    fp32; BatchNorm computes in fp32 (its running statistics are fp32), hands bf16 on. Else fp32. (The guard
+    rails refuse --amp where there is no FSDP to use it, or no bf16: common/guards/preflight.py check_amp().)"""
     from torch.distributed.fsdp import MixedPrecisionPolicy  # here: its import costs 0.7 s
 
     if not args.amp:
         return MixedPrecisionPolicy(), MixedPrecisionPolicy(), MixedPrecisionPolicy()
-    if not dist.is_initialized():
-        raise ValueError(
-            "--amp in stage 05 is FSDP's mixed precision, which a plain `python train.py` does not "
-            "use: launch with torchrun or srun (one GPU: torchrun --standalone --nproc_per_node=1 "
-            "train.py --amp)"
-        )
-    if dtype(device) != torch.bfloat16:
-        raise ValueError(
-            "--amp in stage 05 computes in bf16, which this GPU lacks (fp16 would need a sharded "
-            "loss scaler): drop --amp, or use stage 04 with --amp"
-        )
     blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     root = MixedPrecisionPolicy(blocks.param_dtype, blocks.reduce_dtype, output_dtype=torch.float32)
     norms = MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)

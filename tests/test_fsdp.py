@@ -40,6 +40,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 from common import amp, data, models, optim
+from common.environment import Launch
+from common.guards import preflight
 from common.tasks import sequences
 
 STEPS = 4
@@ -245,14 +247,18 @@ def test_output_folder_not_shared_is_named(tiny_data, tmp_path):
 
 def test_amp_refusals(monkeypatch):
     """--amp in stage 05 is FSDP's policy: without a process group there is no FSDP to use it, and fp16
-    without a sharded loss scaler would underflow; both are refused, never ignored."""
-    args = type(ARGS)(amp=True)
-    with pytest.raises(ValueError, match="launch with torchrun or srun"):
-        amp.policies(CPU, args)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    without a sharded loss scaler would underflow; the guard rails refuse both before the ranks meet, never
+    ignored."""
+    args = SimpleNamespace(amp=True, full_shard=False, no_cuda=False, batch_size=64)  # stage 05's options
+    with pytest.raises(SystemExit, match="^error: --amp in stage 05 .* launch with torchrun or srun"):
+        preflight.check_launch(Launch(0, 0, 1), args)
+    torchrun = Launch(0, 0, 1, "localhost", 29500)
+    preflight.check_launch(torchrun, args)  # on CPUs, or a GPU with bf16: FSDP's policy
+    preflight.check_launch(Launch(0, 0, 1), SimpleNamespace(amp=True, batch_size=64))  # autocast before 05
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(amp, "dtype", lambda device: torch.float16)  # a GPU without bf16 (V100)
-    with pytest.raises(ValueError, match="computes in bf16, which this GPU lacks"):
-        amp.policies(CPU, args)
+    with pytest.raises(SystemExit, match="^error: --amp in stage 05 computes in bf16, which this GPU lacks"):
+        preflight.check_launch(torchrun, args)
 
 
 @pytest.mark.slow

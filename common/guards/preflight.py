@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils.data import IterableDataset
 
-from common import data
+from common import amp, data
 from common.environment import is_rank0
 from common.guards import options, randomness, samples
 from common.guards.ending import stop
@@ -40,6 +40,21 @@ def check_launch(launch, args):
         sizes = ", ".join(str(n) for n in range(1, min(args.batch_size, 1024) + 1) if args.batch_size % n == 0)
         raise SystemExit(f"error: --batch-size {args.batch_size} is the global batch: it must divide by the world size "
                          f"{world_size}: run on {sizes} ranks" if rank == 0 else 1)  # fmt: skip
+    check_amp(args, launch)
+
+
+def check_amp(args, launch):
+    """Stage 05's --amp is FSDP's mixed precision (amp.policies()), in bf16: refused, never ignored, where there
+    is no FSDP to use it or no bf16 (fp16 would need a sharded loss scaler). Stage 05 alone has --full-shard."""
+    if not (getattr(args, "amp", False) and hasattr(args, "full_shard")):
+        return
+    if not launch.addr:  # no launcher: no process group, nothing is sharded
+        raise SystemExit("error: --amp in stage 05 is FSDP's mixed precision, which a plain `python train.py` does "
+                         "not use: launch with torchrun or srun (one GPU: torchrun --standalone --nproc_per_node=1 "
+                         "train.py --amp)")  # fmt: skip
+    if torch.cuda.is_available() and not args.no_cuda and amp.dtype(torch.device("cuda")) != torch.bfloat16:
+        raise SystemExit("error: --amp in stage 05 computes in bf16, which this GPU lacks (fp16 would need a "
+                         "sharded loss scaler): drop --amp, or use stage 04 with --amp")  # fmt: skip
 
 
 def check_cpu_options(args):
