@@ -23,8 +23,9 @@ def policies(device, args):
     policies. Under --amp each block's weights are gathered and computed in bf16 and its output
     passed on in bf16 (to the next block, or to the root's layers after the last: a classifier's
     head); sharded weights, optimizer and gradient reduction stay fp32, the root hands the loss
-    fp32; BatchNorm computes in fp32 (its running statistics are fp32), hands bf16 on. Else fp32. (The guard
-    rails refuse --amp where there is no FSDP to use it, or no bf16: common/guards/preflight.py check_amp().)"""
+    fp32; BatchNorm computes in fp32 (its running statistics are fp32), hands bf16 on. Else fp32.
+    (The guard rails refuse --amp where there is no FSDP to use it, or no bf16: check_amp() in
+    common/guards/preflight.py.)"""
     from torch.distributed.fsdp import MixedPrecisionPolicy  # here: its import costs 0.7 s
 
     if not args.amp:
