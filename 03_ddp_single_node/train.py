@@ -43,14 +43,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, checkpoint, cli, data, distributed, metrics, optim
+from common import amp, checkpoint, cli, data, distributed, metrics, optim, sampling
 from common.guards import rails  # guard rails: each `guard` line says what it guards; skip them
 
 
 @metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
-def train(step, loader, epoch, args, guard):
+def train(step, loader, epoch, sums, args, guard):
     step.model.train()
-    sums = metrics.Sums.zeros(step.device)  # summed on the device: no GPU -> CPU sync per step
+    # sums: on the device, no GPU -> CPU sync per step; a resumed epoch's start from its part before
     for batch_idx, (x, y) in enumerate(loader):
         x, y = data.to_device((x, y), step.device)  # tensors, or dicts and lists of them
         step.optimizer.zero_grad(set_to_none=True)
@@ -75,7 +75,7 @@ def evaluate(step, loader, samples, guard):
     distributed.average_buffers(step.model)  # BatchNorm: the same running statistics on every rank
     step.model.eval()
     sums = metrics.Sums.zeros(step.device)
-    for x, y in guard.evaluating(loader):  # guard: a stop saves here too; a resume evaluates anew
+    for x, y in loader:
         x, y = data.to_device((x, y), step.device)
         output, n = step.model(x), min(data.count(y), samples)  # each forward on every rank (FSDP)
         samples -= n
@@ -84,6 +84,7 @@ def evaluate(step, loader, samples, guard):
             sums.loss += step.loss_fn(output, y) * n
             sums.score += step.score(output, y)
             sums.samples += n
+        guard.end_of_batch()  # guard: a stop saves here too
     return sums
 
 
@@ -95,14 +96,14 @@ def main(guard):
 
     train_set, test_set = task.datasets(args)
     collate = getattr(task, "collate", None)  # the task's batching (padding, masks), else stacking
-    # val_set is empty without --val-fraction; guard: the same data on every rank, seeds per sample
+    # val_set is empty without --val-fraction
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)
-    train_set, val_set, test_set = guard.agree(train_set, val_set, test_set, task)
+    guard.agree(train_set, val_set, test_set, task)  # guard: the same data on every rank
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
     train_sampler = DistributedSampler(
         train_set, num_replicas=world_size, rank=rank, seed=args.seed
     )
-    train_sampler = guard.resumable(train_sampler)  # guard: an epoch that can resume part-way
+    train_sampler = sampling.Resumable(train_sampler, args.seed)  # a resume skips what it trained
     batch_size = args.batch_size // world_size  # --batch-size is the global batch
     train_loader = data.loader(train_set, train_sampler, batch_size, args, device, collate)
     # evaluation: a shard per rank, padded to as many batches on every rank; padding counts nowhere
@@ -128,17 +129,16 @@ def main(guard):
     metric = metrics.Metric.of(task)  # how good: the task's metric and score(), else accuracy
     step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score)
     log = metrics.Log(args.output_dir, world_size, args.compile, metric)
-    # guard: run= records how the run was made; resume() picks the checkpoint, which must match
-    states = dict(
-        model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log, run=guard
-    )
-    start_epoch = checkpoint.restore(guard.resume(states), states)
+    states = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log)
+    # guard: resume() picks the checkpoint this run continues (None: afresh), which must be its own
+    start_epoch, start_step = checkpoint.restore(guard.resume(states), states)
+    train_sampler.resume_at(start_epoch, start_step * args.batch_size)  # skip what it trained on
     for epoch in range(start_epoch, args.epochs + 1):
         if log.reached(args.target, args.patience):  # the same all-reduced rows on every rank
             break
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one after a resume
         log.start(epoch)
-        trained = train(step, train_loader, epoch, args, guard)
+        trained = train(step, train_loader, epoch, log.so_far(epoch, device), args, guard)
         seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
         validated = evaluate(step, val_loader, val_shard.samples, guard)
         tested = evaluate(step, test_loader, test_shard.samples, guard)

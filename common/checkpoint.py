@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from common.environment import is_rank0
+from common.sampling import generators, set_generators
 
 # stages 01-04's file; stage 05's link to its newest epoch-N
 WHOLE, SHARDED = "checkpoint.pt", "checkpoint"
@@ -68,7 +69,8 @@ def atomic(path, mode="wb"):
 
 def run_state(epoch, step, states):
     """What a checkpoint holds besides stage 05's shards: plain values and small tensors."""
-    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    rng = generators() | {"cuda": cuda}  # every generator a step may draw from: torch's, numpy's, random's
     return {"epoch": epoch, "step": step, "rng": rng} | {
         name: unwrap(thing).state_dict() for name, thing in states.items()
     }
@@ -146,10 +148,10 @@ def read(path):
 
 
 def restore(state, states):
-    """Load `state` (read() on rank 0, handed to every rank) into `states`: returns the first epoch to run,
-    the one it was saved in if that was mid-epoch. None: nothing to restore, epoch 1."""
+    """Load `state` (read() on rank 0, handed to every rank) into `states`: returns where to start, (epoch,
+    steps done in it): (1, 0) without one, the next epoch after a whole one, the same after part of one."""
     if state is None:
-        return 1
+        return 1, 0
     unwrap(states["model"]).load_state_dict(state["model"])
     states["optimizer"].load_state_dict(state["optimizer"])
     return restore_rest(state, states)
@@ -160,17 +162,19 @@ def restore_rest(state, states):
     for name, thing in states.items():
         if name not in SPLIT:
             thing.load_state_dict(state[name])
+    if "python" in state["rng"]:  # a checkpoint of an older version holds torch's alone
+        set_generators(state["rng"])
     torch.set_rng_state(state["rng"]["cpu"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["rng"]["cuda"])
-    return state["epoch"] + (0 if state["step"] else 1)
+    return (state["epoch"], state["step"]) if state["step"] else (state["epoch"] + 1, 0)
 
 
 def restore_sharded(state, states):
     """Stage 05's restore(): each rank reads from the folder the pieces of its own shards (at any world size:
     the checkpoint records where each piece lies), or takes its shards of a whole checkpoint.pt."""
     if state is None:
-        return 1
+        return 1, 0
     load_sharded(state, states["model"], states["optimizer"])
     return restore_rest(state, states)
 

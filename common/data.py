@@ -23,7 +23,7 @@ from PIL import Image
 from torch.utils import _pytree as pytree  # nested dicts, lists and tuples: the same walk as torch.compile's
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Subset
 
-from common import datafiles
+from common import datafiles, sampling
 from common.environment import cpus_per_rank
 
 FILES = {  # MNIST's sha256 of the uncompressed IDX files
@@ -200,14 +200,16 @@ def loader(dataset, sampler, batch_size, args, device, collate=None):
     sample is batched by `collate(samples)` (the task's: padding, masks), else by stacking."""
     if args.loader == "device":
         return OnDevice(dataset, sampler, batch_size, device)
-    per_sample = args.loader == "classic" or not hasattr(dataset, "images")  # not in tensors (Images): one at a time
+    if not isinstance(dataset, Images):  # a task's own: each sample draws random numbers of its own
+        dataset, sampler = sampling.Seeded(dataset, args.seed), sampling.Tagged(sampler)
+    per_sample = args.loader == "classic" or not isinstance(dataset, Images)  # one at a time
     workers = num_workers(args, per_sample)
     # pinned (page-locked) batches: the copy to the GPU can be asynchronous. Worker seeds from a generator of their
     # own, seeded by --seed: the global RNG, which checkpoints save, then advances the same in a resumed run
     options = dict(num_workers=workers, pin_memory=device.type == "cuda", persistent_workers=workers > 0,
                    generator=torch.Generator().manual_seed(args.seed))  # fmt: skip
     if per_sample:
-        dataset = PerSample(dataset) if hasattr(dataset, "images") else dataset
+        dataset = PerSample(dataset) if isinstance(dataset, Images) else dataset
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate, **options)
     # batched: the sampler's indices come in lists of batch_size, and the dataset builds each batch
     return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None, **options)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from common import optim
 from common.checkpoint import atomic
@@ -140,9 +141,20 @@ class Log:
         return {"rows": self.rows}
 
     def load_state_dict(self, state):
-        """A resumed run rewrites the CSV from the checkpoint's rows: an epoch logged but not saved counts once."""
-        self.rows = list(state["rows"])
+        """A resumed run rewrites the CSV from the checkpoint's rows: an epoch logged but not saved counts once.
+        One saved part-way through an epoch holds that part's time and each rank's training sums (its cut)."""
+        self.rows, self.cut = list(state["rows"]), state.get("cut") or {"epoch": 0}
         self.write()
+
+    def so_far(self, epoch, device):
+        """This rank's training Sums of `epoch` before a stop part-way: zeros, but in an epoch resumed
+        part-way; resumed at another world size (stage 05), rank 0 carries them all."""
+        if self.cut["epoch"] != epoch:
+            return Sums.zeros(device)
+        ranks, rank = self.cut["ranks"], dist.get_rank() if dist.is_initialized() else 0
+        if len(ranks) != self.world_size:
+            ranks = [self.cut["training"]] + [dict.fromkeys(self.cut["training"], 0.0)] * rank
+        return Sums(**{name: torch.tensor(value, device=device) for name, value in ranks[rank].items()})
 
     def start(self, epoch):
         self.clock = (epoch, time.perf_counter())
@@ -161,10 +173,7 @@ class Log:
 
     def epoch(self, epoch, lr, seconds, sums):
         """`sums`: the epoch's Epoch, summed over all ranks."""
-        training, val, test = sums.training, sums.validation, sums.test
-        if self.cut["epoch"] == epoch:  # the steps before an interruption count too
-            cut = self.cut["training"]
-            training = Sums(training.loss + cut["loss"], 0.0, training.samples + cut["samples"])
+        training, val, test = sums.training, sums.validation, sums.test  # training: from so_far()
         name, value, seen, shown = self.metric.name, self.metric.value, training.samples, self.shown
         row = {
             "epoch": epoch, "lr": lr, "train_loss": training.loss / seen,

@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
 from common import data, models
+from common.metrics import Sums
 from common.models import Net
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # after 6 Adadelta steps of the Net; bitwise equality is not expected
@@ -39,7 +40,7 @@ def both(rank, world_size, port, data_dir, name, result):
             if compiled:
                 model.compile()
         args = type(ARGS)(**vars(ARGS), grad_accum=1)  # stage 05's train() reads it
-        sums = stage(name).train(step(model, args), loader, 1, args, RUN)
+        sums = stage(name).train(step(model, args), loader, 1, Sums.zeros(CPU), args, RUN)
         for total in (sums.loss, sums.samples) if world_size > 1 else ():
             dist.all_reduce(total)
         weights = {k.removeprefix("module."): v for k, v in model.state_dict().items()}

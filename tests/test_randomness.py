@@ -1,4 +1,4 @@
-"""The run owns every random generator (common/guards/randomness.py): a random augmentation drawn from torch,
+"""The run owns every random generator (common/sampling.py, common/guards/randomness.py): a random augmentation drawn from torch,
 numpy or `random` in DataLoader workers resumes bit-identical, draws its own numbers per sample and per
 --seed, the same with any number of workers; the fingerprint sees the data, not one draw; the repository's
 own data set is chosen by its type, and the banner names the workers that run."""
@@ -14,8 +14,8 @@ from helpers import REPO, S01, S03, assert_same_state, checkpoint, clean_env, py
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
 from torch.utils.data import Dataset
 
-from common import data, distributed
-from common.guards import preflight, rails, randomness, resume
+from common import data, distributed, sampling
+from common.guards import preflight, randomness
 
 EXAMPLE = REPO / "common" / "tasks" / "augmented.py"
 EVERY_GENERATOR = """from common.tasks.augmented import *
@@ -69,9 +69,9 @@ class Draws(Dataset):
 
 def draws(seed, workers, epoch=1):
     options = SimpleNamespace(loader="batched", num_workers=workers, seed=seed)
-    sampler = resume.Sampler(torch.utils.data.RandomSampler(range(12), generator=torch.Generator()), seed, True)
+    sampler = sampling.Resumable(torch.utils.data.RandomSampler(range(12), generator=torch.Generator()), seed)
     sampler.set_epoch(epoch)
-    loader = data.loader(randomness.Seeded(Draws(), seed), sampler, 4, options, torch.device("cpu"))
+    loader = data.loader(Draws(), sampler, 4, options, torch.device("cpu"))  # a task's own: seeded per sample
     return torch.cat([x for x, _ in loader])
 
 
@@ -86,14 +86,10 @@ def test_each_sample_draws_its_own_numbers_from_the_seed_with_any_workers():
 
 
 def test_a_data_set_with_an_images_attribute_is_read_sample_by_sample():
-    """The guard rails hand the loader a task's own data set wrapped (Seeded): only Images, by type, are not."""
+    """The loader draws a task's own data set sample by sample, each seeded (sampling.Seeded): only Images, by
+    type, are read in whole batches."""
     options = SimpleNamespace(loader="batched", num_workers=0, seed=1)
-    guard = SimpleNamespace(args=options, data=None)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(preflight, "agree", lambda *given: None)
-        patch.setattr(preflight, "fingerprint", lambda dataset: "")
-        train_set, _, _ = rails.Guard.agree(guard, Draws(), Draws(), Draws(), task=None)
-    batches = list(data.loader(train_set, range(12), 4, options, torch.device("cpu")))
+    batches = list(data.loader(Draws(), range(12), 4, options, torch.device("cpu")))
     assert [tuple(x.shape) for x, _ in batches] == [(4, 3)] * 3
 
 
@@ -105,17 +101,17 @@ def test_the_fingerprint_sees_the_data_not_a_draw_of_the_augmentation():
 
 def test_numpy_and_random_are_saved_and_restored():
     randomness.seed(7)
-    saved = randomness.states()
-    expected = numpy.random.rand(), random.random()
+    saved = sampling.generators()
+    expected = numpy.random.rand(), random.random(), torch.rand(1)
     torch.save(saved, buffer := __import__("io").BytesIO())
     buffer.seek(0)
-    randomness.restore(torch.load(buffer, weights_only=True))  # as a checkpoint is read
-    assert (numpy.random.rand(), random.random()) == expected
+    sampling.set_generators(torch.load(buffer, weights_only=True))  # as a checkpoint is read
+    assert (numpy.random.rand(), random.random(), torch.rand(1)) == expected
 
 
 def test_the_banner_names_the_workers_that_run(capsys):
     options = SimpleNamespace(loader="batched", num_workers=None, seed=1, output_dir="out")
-    loader = data.loader(randomness.Seeded(Draws(), 1), range(12), 4, options, torch.device("cpu"))
+    loader = data.loader(Draws(), range(12), 4, options, torch.device("cpu"))
     distributed.banner(options, 0, 0, 1, torch.device("cpu"), loader)
     assert f"loader batched, {loader.num_workers} workers" in capsys.readouterr().out
     assert loader.num_workers == data.num_workers(options, True)  # a data set of its own: the CPUs but one

@@ -3,6 +3,7 @@ runs of stage 03 on tiny data."""
 
 import csv
 import importlib
+import json
 import os
 import pickle
 import re
@@ -127,8 +128,8 @@ def test_a_sharded_run_records_the_whole_models_size(tiny_data, tmp_path, capsys
     args = stage_args(tiny_data, tmp_path / "run", "--epochs", 1, "--batch-size", 28, "--dist-timeout", 30)
     result = torchrun(2, S05, *args)
     assert result.returncode == 0, result.stderr[-2000:]
-    state = torch.load(tmp_path / "run/checkpoint/state.pt", weights_only=True)
-    assert state["run"]["parameters"] == 1_199_882  # models.Net
+    manifest = json.loads((tmp_path / "run" / "run-manifest.json").read_text())
+    assert manifest["record"]["parameters"] == 1_199_882  # models.Net
     assert "1,199,882 fp32 gradients" in report(capsys, tmp_path / "run", "--bandwidth", 1)
 
 

@@ -21,6 +21,7 @@ import torch
 from plot import FORMATS, Figure, labels, load, output  # tools/plot.py, beside this file
 
 from common import cli, data, models
+from common.guards import ownership
 from common.guards.bounded import Refused, torch_file
 
 NOTE = (
@@ -36,9 +37,13 @@ HEADER = (
 
 
 def recorded(folder):
-    """What the run's checkpoint (whole, or stage 05's sharded one) records of the run, else {}: the options
-    that define it ("flags") and, since it was recorded, the model's parameter count ("parameters").
-    A file that is no checkpoint of these stages (damaged, or a pickle that would run code) is one line."""
+    """What the run's manifest records of the run (run-manifest.json's "record"), else what an older version's
+    checkpoint (whole, or stage 05's sharded one) does, else {}: the options that define it ("flags") and,
+    since it was recorded, the model's parameter count ("parameters"). A manifest this code did not write, or
+    a file that is no checkpoint of these stages (damaged, or a pickle that would run code) is one line."""
+    record = (ownership.read(folder) or {}).get("record")
+    if isinstance(record, dict) and isinstance(record.get("flags"), dict):
+        return record
     for saved in (folder / "checkpoint.pt", folder / "checkpoint" / "state.pt"):
         if saved.is_file():
             try:

@@ -121,9 +121,10 @@ def check_resume(folder, manifest, path):
     return run
 
 
-def claim(folder, run, sharded, env=os.environ):
-    """Rank 0, once the folder is this run's: (re)write its manifest for run `run` (a new id if None) and this
-    launch, then delete the temporary files this run's writers left."""
+def claim(folder, run, sharded, record, env=os.environ):
+    """Rank 0, once the folder is this run's: (re)write its manifest for run `run` (a new id if None), this
+    launch and `record` (what defines the run: resume.mismatch()), then delete the temporary files this run's
+    writers left."""
     if inside := next((p for p in folder.resolve().parents if os.path.lexists(p / MANIFEST)), None):
         raise SystemExit(f"error: --output-dir {folder} lies inside {inside}, the folder of another run, which may "
                          "delete its folders: choose a folder outside it")  # fmt: skip
@@ -132,7 +133,7 @@ def claim(folder, run, sharded, env=os.environ):
         kept = [n for n in entries(folder) if named(n) and not TEMPORARY.fullmatch(n)] if run is None else []
         manifest = {"run": run or uuid.uuid4().hex, "since": time.ctime(), "writes": kept}
     writes = manifest["writes"] + [n for n in WRITES[sharded] if n not in manifest["writes"]]
-    write(folder, manifest | {"launch": launch(env), "writes": writes})
+    write(folder, manifest | {"launch": launch(env), "writes": writes, "record": record})
     sweep(folder)
 
 

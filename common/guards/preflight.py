@@ -18,8 +18,9 @@ from torch.utils.data import IterableDataset
 
 from common import amp, data
 from common.environment import is_rank0
-from common.guards import options, randomness, samples
+from common.guards import options, samples
 from common.guards.ending import stop
+from common.sampling import Seeded
 
 
 def check_device(args, local_rank):
@@ -126,7 +127,7 @@ def fingerprint(dataset, samples=1000):
     samples evenly strided through the set (of a data set in tensors, common/data.py Images, of all labels and
     the strided images, which is faster). Sampled to be cheap: hashing all of CIFAR-100's 150 MB takes each
     rank a quarter of a second at every start; a truncated, reordered or different file changes it. Each sample
-    is drawn with torch's, numpy's and random's generators fixed (randomness.drawn()): a random augmentation
+    is drawn with torch's, numpy's and random's generators fixed (common/sampling.py Seeded): a random augmentation
     draws the same on every rank and in every run, so the hash is the data's, not one draw of the augmentation."""
     stride = max(math.ceil(len(dataset) / samples), 1)
     if isinstance(dataset, data.Images):
@@ -153,7 +154,7 @@ def as_bytes(leaf):
 def item(dataset, i):
     """dataset[i], or one line before the first step: a __len__ that counts more items than __getitem__ has."""
     try:
-        return randomness.drawn(dataset, i, 0)  # every generator fixed: the data, not one draw of an augmentation
+        return Seeded(dataset, 0)[i]  # every generator fixed: the data, not one draw of an augmentation
     except Exception as err:  # the user's data set: anything can fail here
         stop(f"error: item {i} of a data set whose __len__ is {len(dataset)} fails ({type(err).__name__}: "
              f"{str(err)[:100]}): its __len__ must count the items __getitem__ returns, and each must load")  # fmt: skip
@@ -172,7 +173,7 @@ def check_datasets(args, task, *datasets):
         if isinstance(found, data.Images):  # read whole batches, never probed an item at a time
             continue
         try:
-            x, y = randomness.drawn(found, 0, 0)  # the run's own generators untouched
+            x, y = Seeded(found, 0)[0]  # the run's own generators untouched
             floats = [t.dtype for t in pytree.tree_leaves(y) if torch.is_tensor(t) and t.is_floating_point()]
             if (floats or isinstance(y, float)) and not hasattr(task, "loss") and not hasattr(task, "metric"):
                 raise TypeError(f"a label of {floats[0] if floats else float}: cross-entropy and accuracy count "
@@ -181,7 +182,7 @@ def check_datasets(args, task, *datasets):
             stop(f"error: --task {args.task}: datasets() must return (training set, test set) of torch.utils.data "
                  f"Datasets whose items are (input, label), the label a class number by default; its {name} set's "
                  f"first item fails that ({type(err).__name__}: {str(err)[:200]})")  # fmt: skip
-        samples.check_collate(args, task, name, [randomness.drawn(found, i, 0) for i in range(min(len(found), 2))])
+        samples.check_collate(args, task, name, [Seeded(found, 0)[i] for i in range(min(len(found), 2))])
     if args.loader == "device" and not all(isinstance(d, data.Images) for d in datasets):
         stop(
             f"error: --loader device holds a data set of tensors (common/data.py Images) on the GPU; --task "

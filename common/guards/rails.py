@@ -5,9 +5,10 @@ may skip each of them: the training reads the same without. What each one holds 
   start()         before the process group: one run per output folder, a launch that can work, and a bounded
                   rendezvous that names who did not come (the store setup() meets in)
   agree()         before the first step: every rank trains the same run on the same data
-  resumable()     an epoch that can be resumed part-way, at the sample where it stopped
-  resume()        which checkpoint this run continues, if any, and whether it may; signals are caught from here
-  end_of_step()   a diverged loss stops the run; a stop or --checkpoint-minutes saves here and in evaluating()
+  resume()        whether this run may continue the checkpoint the lesson chose (or start afresh in its
+                  folder); signals are caught from here
+  end_of_step()   a diverged loss stops the run; a stop or --checkpoint-minutes saves here and, during an
+                  evaluation, at end_of_batch()
   check_epoch()   nothing non-finite is ever saved
   run(main)       any failure ends the run with one line instead of a traceback
 """
@@ -19,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from common import checkpoint, data, distributed
+from common import checkpoint, distributed
 from common.environment import is_rank0
 from common.guards import check, divergence, failure, lock, ownership, preflight, randomness, resume, safeload, signals
 from common.guards.ending import end
@@ -38,13 +39,24 @@ class Position(NamedTuple):
     count: int
 
 
+class Cut(NamedTuple):
+    """The lesson's metrics.Log as a checkpoint saved part-way through an epoch keeps it: its rows, and the
+    epoch's time and each rank's training sums so far (Log.so_far() hands them back on resume)."""
+
+    log: object
+    cut: dict
+
+    def state_dict(self):
+        return self.log.state_dict() | {"cut": self.cut}
+
+
 class Guard:
     def __init__(self):
         self.args, self.lock, self.watchdog, self.preemption = None, None, None, None
-        self.sampler, self.states, self.sharded, self.epoch_done, self.so_far = None, None, False, None, None
+        self.states, self.sharded, self.epoch_done = None, False, None
         self.doing, self.position = None, None  # a stage 05 checkpoint read or written: for a failure's one line
-        self.carry = None  # resumed mid-epoch: the Position it stopped at, this rank's sums then
-        self.data, self.seeded = None, False  # the training set's fingerprint; is it randomness.Seeded?
+        self.start_at = (0, 0)  # (epoch, steps) where this run started: resumed part-way, steps > 0
+        self.data = None  # the training set's fingerprint
 
     def start(self, args):
         """Claim --output-dir, check the launch, and meet the other ranks: returns the rendezvous store for
@@ -71,18 +83,9 @@ class Guard:
         return store
 
     def agree(self, train_set, val_set, test_set, task):
-        """Every rank trains the same run on the same data; the checkpoints record what it is trained on. Returns the
-        sets, a task's own drawn with generators seeded per sample (randomness.Seeded); data.Images, by type, as is."""
+        """Every rank trains the same run on the same data; the run's manifest records what it is trained on."""
         preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.data = preflight.fingerprint(train_set)
-        own = [s if isinstance(s, data.Images) else randomness.Seeded(s, self.args.seed) for s in (train_set, val_set)]
-        self.seeded = isinstance(own[0], randomness.Seeded)
-        return *own, test_set if isinstance(test_set, data.Images) else randomness.Seeded(test_set, self.args.seed)
-
-    def resumable(self, sampler):
-        """`sampler`, made able to start an epoch part-way (resume.Sampler)."""
-        self.sampler = resume.Sampler(sampler, self.args.seed, tagged=self.seeded)
-        return self.sampler
 
     def resume(self, states, sharded=False):
         """The checkpoint this run continues (or None), for checkpoint.restore(): the one of this folder after a
@@ -95,44 +98,39 @@ class Guard:
         self.preemption.catch()
         if self.watchdog:  # a rank may hear of the stop from the store before its own signal arrives
             self.watchdog.listen(self.preemption.poll)
-        state = resume.state_to_resume(self.args, sharded, self.data)
+        parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
+        record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters}
+        state = resume.state_to_resume(self.args, sharded, record)
         if state is not None and state["folder"]:  # every rank reads its shards: .metadata too, building nothing else
             state["reader"] = safeload.reader(state["folder"])
             self.doing = f"read {state['folder']}"
-        if state is not None and state["step"]:  # saved mid-epoch: the rest of it, and its sums and time so far
-            epoch, step, cut = state["epoch"], state["step"], state["run"]["cut"]
-            self.sampler.resume_at(epoch, step * self.args.batch_size)
-            states["log"].cut = cut
-            sums = resume.carried(cut, next(states["model"].parameters()).device)
-            self.carry = self.position = Position(epoch, step, sums, epoch * 2**32 + step)
+        if state is not None and state["step"]:  # saved mid-epoch: the lesson trains the rest of it
+            self.start_at = (state["epoch"], state["step"])
         return state
 
     def end_of_step(self, epoch, batch, sums):
         """After training step `batch` (counted from 0 in this run's part of the epoch): every --log-interval
         steps, stop if the loss went non-finite on any rank; then stop_or_save()."""
-        args, step = self.args, self.sampler.skipped() // self.args.batch_size + batch + 1
+        args, (start_epoch, start_step) = self.args, self.start_at
+        step = (start_step if epoch == start_epoch else 0) + batch + 1
         if self.epoch_done is not None:  # the time since check_epoch(): the epoch's checkpoint, an upper bound
             self.preemption.saved(time.monotonic() - self.epoch_done)
             self.epoch_done = None
         self.doing, count = None, epoch * 2**32 + step  # a step count that grows across epochs
-        if self.carry is not None and epoch == self.carry.epoch:  # resumed mid-epoch: this rank's
-            sums.loss += self.carry.sums.loss  # sums before the stop join its own at its first
-            sums.samples += self.carry.sums.samples  # step: 0 + a + S is S + a exactly
-            log = self.states["log"]  # counted now: the epoch's row adds only its time
-            log.cut = log.cut | {"training": dict.fromkeys(log.cut["training"], 0.0)}
-        self.carry = None  # an epoch resumed with no step left (stopped in its evaluation): its row adds them
         if batch % args.log_interval == 0:
             divergence.check_loss(epoch, step - 1, sums, args.output_dir)
         self.stop_or_save(epoch, step, sums, count)
 
-    def evaluating(self, loader):
-        """`loader`'s batches, for evaluate(): after each, as after a step, a stop or --checkpoint-minutes saves the
-        epoch's training, all of it (the resumed run evaluates the epoch again); they count on from its last step."""
-        for batch in loader:
-            yield batch
-            if self.position:  # None before this run's first step (a test's evaluation): nothing to save
-                at = self.position
-                self.stop_or_save(at.epoch, at.step, at.sums, at.count + 1)
+    def end_of_batch(self):
+        """After each batch of evaluate(), as after a step: a stop or --checkpoint-minutes saves the epoch's
+        training, all of it (the resumed run evaluates the epoch again); they count on from its last step."""
+        epoch, step = self.start_at
+        if self.position is None and step:  # resumed with no step left: the training the checkpoint holds
+            sums = self.states["log"].so_far(epoch, next(self.states["model"].parameters()).device)
+            self.position = Position(epoch, step, sums, epoch * 2**32 + step)
+        if self.position:  # None before this run's first step (a test's evaluation): nothing to save
+            at = self.position
+            self.stop_or_save(at.epoch, at.step, at.sums, at.count + 1)
 
     def stop_or_save(self, epoch, step, sums, count):
         """`count` steps done (evaluation batches counting on): on a stop, save at the step all ranks agreed on and
@@ -155,15 +153,14 @@ class Guard:
             dist.all_gather(parts, mine)
         total = asdict(Sums(*torch.stack(parts).sum(0).tolist()))
         ranks = [asdict(Sums(*part.tolist())) for part in parts]
-        seconds = log.seconds(mine.device)
-        self.so_far = {"epoch": epoch, "seconds": seconds, "training": total, "ranks": ranks}
+        cut = {"epoch": epoch, "seconds": log.seconds(mine.device), "training": total, "ranks": ranks}
         self.check_weights(f"epoch {epoch} left weights that are")
         if not self.sharded:
             resume.keep_previous(self.args.output_dir)
         self.writing(f"epoch-{epoch}-step-{step}")
-        (checkpoint.save_sharded if self.sharded else checkpoint.save)(self.args.output_dir, epoch, self.states, step)
+        states = self.states | {"log": Cut(log, cut)}  # the lesson's states as they are, the log with its cut
+        (checkpoint.save_sharded if self.sharded else checkpoint.save)(self.args.output_dir, epoch, states, step)
         self.preemption.saved(time.monotonic() - started)
-        self.so_far = None
 
     def check_epoch(self, epoch, sums):
         """Before the epoch's row and checkpoint: its all-reduced losses (metrics.Epoch) and the
@@ -188,19 +185,6 @@ class Guard:
             divergence.check_weights([model.state_dict(), optimizer.state_dict()], what, self.args.output_dir, device)
         else:
             divergence.check_weights(checkpoint.unwrap(model).state_dict(), what, self.args.output_dir)
-
-    def state_dict(self):
-        """What a checkpoint keeps of how the run was made (the stage puts the guard among its states), to
-        refuse a resume that would change it (resume.find()); and the size of the model, for tools/scaling.py:
-        the whole model's, where each rank holds a shard too (a sharded parameter has its global shape)."""
-        parameters = sum(p.numel() for p in self.states["model"].parameters())
-        return {"flags": preflight.defining(self.args), "data": self.data, "cut": self.so_far, "parameters": parameters,
-                "generators": randomness.states()}  # fmt: skip
-
-    def load_state_dict(self, state):
-        """numpy's and random's generators (resume() compared the rest with this run before anything was loaded)."""
-        if "generators" in state:  # a checkpoint written before they were saved has torch's alone
-            randomness.restore(state["generators"])
 
     def close(self, together):
         """Stop the heartbeat; with `together`, rank 0 (which serves the store) waits until every rank has left."""

@@ -4,19 +4,15 @@ fresh run into a folder that holds another run's output; a changed option that d
 of the other kind (whole, sharded); a damaged one, with the complete one before it to resume from instead.
 A run resumes by itself when Slurm requeued or restarted its job (SLURM_RESTART_COUNT > 0) or torchrun
 restarted its workers, and its folder's manifest names that launch (common/guards/ownership.py); otherwise
-only with --resume [PATH]. Sampler lets the
-stages resume an epoch part-way, at the sample where it stopped."""
+only with --resume [PATH]."""
 
 import io
-import math
 import os
 import pickle
 import pickletools
 import shutil
 
-import torch
 import torch.distributed as dist
-from torch.utils.data.distributed import DistributedSampler
 
 from common.checkpoint import SHARDED, WHOLE, epochs, read
 from common.distributed import print0
@@ -27,7 +23,6 @@ from common.guards.check import integer
 from common.guards.ending import stop
 from common.guards.preflight import defining
 from common.guards.safeload import Planted, damage
-from common.metrics import Sums
 
 PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
 
@@ -65,10 +60,11 @@ def restarts(env=os.environ):
     return integer("SLURM_RESTART_COUNT", 0, env=env), integer("TORCHELASTIC_RESTART_COUNT", 0, env=env)
 
 
-def state_to_resume(args, sharded, fingerprint):
+def state_to_resume(args, sharded, record):
     """Every rank: the checkpoint this run continues, read by rank 0 and handed to all (only its node needs the
     folder, except in stage 05), or None to start afresh; where it cannot continue, every rank ends with rank
-    0's reason. Rank 0 has made the folder this run's (ownership.claim()) before anyone writes there."""
+    0's reason. Rank 0 has made the folder this run's (ownership.claim()), its manifest recording `record` (the
+    options that define the run, its data's fingerprint, the model's size), before anyone writes there."""
     restarted = any(restarts())
     if dist.is_initialized():  # torch does not count a restart on a node whose own workers had not failed:
         everyone = [None] * dist.get_world_size()  # one for any rank is one for all, so that every rank resumes
@@ -77,8 +73,8 @@ def state_to_resume(args, sharded, fingerprint):
     box = [None, None]
     if is_rank0():
         try:
-            box[0], run = find(args, SHARDED if sharded else WHOLE, restarted, fingerprint)
-            ownership.claim(args.output_dir, run, sharded)
+            box[0], run = find(args, SHARDED if sharded else WHOLE, restarted, record["data"])
+            ownership.claim(args.output_dir, run, sharded, record)
         except SystemExit as verdict:  # for every rank: they end together, rank 0 says why
             box[1] = verdict.code
     if dist.is_initialized():
@@ -123,16 +119,19 @@ def find(args, name, restarted, fingerprint):
     if state["folder"] and name == WHOLE:
         raise SystemExit(f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
                          "weights with its --save-model")  # fmt: skip
-    if problem := mismatch(state, args, fingerprint):
+    source = path.resolve().parent  # the run folder of a checkpoint.pt, or of a sharded epoch-N folder
+    theirs = manifest if source == args.output_dir.resolve() else ownership.read(source)
+    if problem := mismatch((theirs or {}).get("record") or state.get("run", {}), state, args, fingerprint):
         raise SystemExit(f"error: {path} {problem}")
     return state, ownership.check_resume(args.output_dir, manifest, path)
 
 
-def mismatch(state, args, fingerprint):
-    """Why this run cannot continue the one a checkpoint's `state` holds, or None. A checkpoint from before an
+def mismatch(run, state, args, fingerprint):
+    """Why this run cannot continue the one a checkpoint's `state` holds, or None. `run`: what the manifest of
+    its folder records of it (a checkpoint of an older version: what it holds itself). A run from before an
     option (or the data's fingerprint) was recorded does not record it: what it records must match."""
-    now, run = defining(args), state["run"]
-    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in run["flags"].items() if now.get(k) != v]
+    now, flags = defining(args), run.get("flags", {})
+    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in flags.items() if now.get(k) != v]
     if differ:
         return f"was written with {', '.join(differ)}: resume with the same options, or use another --output-dir"
     if run.get("data", fingerprint) != fingerprint:  # <samples>-<hash> (preflight.fingerprint)
@@ -187,64 +186,3 @@ def fallback(output_dir, damaged):
             continue
         return f": the checkpoint of epoch {state['epoch']} is complete: resume from it with --resume {path}"
     return ""
-
-
-def carried(cut, device):
-    """This rank's training Sums of an epoch cut short (a checkpoint's "cut": Guard.save()), as its
-    own sums held them (float32, summed in its own order); at another world size (stage 05), rank 0
-    carries them all."""
-    ranks, rank = cut["ranks"], dist.get_rank() if dist.is_initialized() else 0
-    if len(ranks) != (dist.get_world_size() if dist.is_initialized() else 1):
-        ranks = [cut["training"]] + [dict.fromkeys(cut["training"], 0.0)] * rank
-    return Sums(**{name: torch.tensor(value, device=device) for name, value in ranks[rank].items()})
-
-
-class Sampler(torch.utils.data.Sampler):
-    """A training sampler whose epochs can be resumed part-way. set_epoch(epoch) makes the epoch's order, the
-    same in a resumed run; resume_at(epoch, samples) skips, in that epoch, the first `samples` of the order
-    counted over all ranks (steps x global batch). A DistributedSampler deals the ranks every world_size-th
-    sample of one order, so the first samples of that order are those seen, whatever the world size: a run
-    resumed at another deals out the rest anew, and no sample is skipped or seen twice."""
-
-    def __init__(self, sampler, seed, tagged=False):
-        self.sampler, self.seed, self.epoch, self.skip = sampler, seed, 0, (0, 0)
-        self.tagged = tagged  # yield (index, epoch): a randomness.Seeded data set seeds each sample from both
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-        if isinstance(self.sampler, DistributedSampler):
-            self.sampler.set_epoch(epoch)
-        else:  # a RandomSampler draws its order from its generator
-            self.sampler.generator.manual_seed(self.seed + epoch)
-
-    def resume_at(self, epoch, samples):
-        self.skip = (epoch, samples)
-
-    def skipped(self):
-        """The samples of this epoch that an earlier run already trained on, over all ranks."""
-        return self.skip[1] if self.skip[0] == self.epoch else 0
-
-    def __len__(self):
-        """The samples this rank draws in this epoch: after a resume part-way, the rest (none where the epoch's
-        training was saved whole, its last batch short: a stop during its evaluation)."""
-        if isinstance(self.sampler, DistributedSampler):
-            return max(0, math.ceil((len(self.sampler.dataset) - self.skipped()) / self.sampler.num_replicas))
-        return max(0, len(self.sampler) - self.skipped())
-
-    def __iter__(self):
-        return ((index, self.epoch) for index in self.order()) if self.tagged else self.order()
-
-    def order(self):
-        skip, sampler = self.skipped(), self.sampler
-        if not skip:
-            yield from sampler
-        elif isinstance(sampler, DistributedSampler):  # the whole epoch's order, as one rank would draw it
-            whole = DistributedSampler(
-                sampler.dataset, num_replicas=1, rank=0, shuffle=sampler.shuffle, seed=sampler.seed
-            )
-            whole.set_epoch(self.epoch)
-            rest = list(whole)[skip:]
-            rest += rest[: -len(rest) % sampler.num_replicas]  # padded as DistributedSampler pads
-            yield from rest[sampler.rank :: sampler.num_replicas]
-        else:
-            yield from list(sampler)[skip:]
