@@ -13,7 +13,7 @@ NO_GUARD = REPO / "tests" / "no_guard.py"
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_every_stage_trains_the_same_without_its_guard_rails(tiny_data, tmp_path, stage):
-    script, args = REPO / stage / "train.py", ["--epochs", 2, "--save-model", "--batch-size", 32]
+    script, args = REPO / stage / "train.py", ["--epochs", 1, "--save-model", "--batch-size", 32]
     ranks = 2 if stage >= "03" else None  # the stages that launch several ranks, at two of them
     for name, how in (("guarded", [script]), ("bare", [NO_GUARD, script])):
         every = stage_args(tiny_data, tmp_path / name, *args)
