@@ -168,7 +168,7 @@ def load(path):
                       "refuses it): it may be planted") from None  # fmt: skip
     except Exception as err:  # a truncated file
         raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged ({type(err).__name__})") from None
-    if not (isinstance(state, dict) and {"epoch", "run"} <= state.keys() and ("model" in state or folder)):
+    if not (isinstance(state, dict) and {"epoch", "rng"} <= state.keys() and ("model" in state or folder)):
         raise Unusable(f"{path} is not a training checkpoint (a --save-model file holds weights only): give "
                        "<output-dir>/checkpoint.pt")  # fmt: skip
     if folder and (problem := damage(folder)):
