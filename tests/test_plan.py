@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from common import cli, models, optim
+from common.metrics import Sums
 
 sys.path.insert(0, str(REPO / "tools"))
 import plan  # noqa: E402
@@ -78,7 +79,8 @@ def test_the_plans_activations_are_what_a_training_step_saves(tiny_data):
     model = plan.build(args)
     batch = [(torch.randn(8, 1, 28, 28), torch.randint(10, (8,)))]
     train = stage("01_single_gpu").train  # step(): Adadelta and the built-in task's loss, the stage's defaults
-    assert saved_bytes(model, lambda: train(step(model), batch, 1, ARGS, RUN)) == planned > 0
+    sums = Sums.zeros(torch.device("cpu"))
+    assert saved_bytes(model, lambda: train(step(model), batch, 1, sums, ARGS, RUN)) == planned > 0
 
 
 def saved_bytes(model, step):
