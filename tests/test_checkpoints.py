@@ -367,19 +367,17 @@ def test_every_torch_load_is_weights_only():
 
 # 12: a DDP checkpoint does not load into the single-GPU model
 @pytest.mark.slow
-def test_checkpoints_move_between_stages(tiny_data, tmp_path):
-    assert torchrun(2, S03, *stage_args(tiny_data, tmp_path / "ddp", "--epochs", 1)).returncode == 0
+def test_checkpoints_move_between_stages(uninterrupted, tiny_data, tmp_path):
+    ddp_run = uninterrupted(2, S03, "--epochs", 1, "--save-model")  # conftest.py: test_fsdp.py's stage 03 run too
     net = Net()
-    net.load_state_dict(checkpoint(tmp_path / "ddp")["model"], strict=True)
+    net.load_state_dict(checkpoint(ddp_run)["model"], strict=True)
     ddp = torch.nn.parallel.DistributedDataParallel  # the saved keys are the wrapped module's, unprefixed
-    assert not any(k.startswith("module.") for k in checkpoint(tmp_path / "ddp")["model"]) and ddp
+    assert not any(k.startswith("module.") for k in checkpoint(ddp_run)["model"]) and ddp
     x = torch.randn(4, 1, 28, 28)
     again = Net()
-    again.load_state_dict(checkpoint(tmp_path / "ddp")["model"])
+    again.load_state_dict(checkpoint(ddp_run)["model"])
     torch.testing.assert_close(net.eval()(x), again.eval()(x), rtol=0, atol=0)
-    single = python(
-        S01, *stage_args(tiny_data, tmp_path / "one", "--epochs", 2, "--resume", tmp_path / "ddp/checkpoint.pt")
-    )
+    single = python(S01, *stage_args(tiny_data, tmp_path / "one", "--epochs", 2, "--resume", ddp_run / "checkpoint.pt"))
     assert single.returncode == 0 and "resumed after epoch 1" in single.stdout, single.stderr
     back = torchrun(
         2, S03, *stage_args(tiny_data, tmp_path / "two", "--epochs", 3, "--resume", tmp_path / "one/checkpoint.pt")
