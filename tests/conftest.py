@@ -1,11 +1,15 @@
 """Fixtures for every test: tiny data sets in their real on-disk formats."""
 
+import fcntl
+import hashlib
 import pickle
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, TEST_SIZE, TRAIN_SIZE, write_idx_subset
+from helpers import REPO, TEST_SIZE, TRAIN_SIZE, python, shared, stage_args, torchrun, write_idx_subset
 
 CIFAR_BATCH = 8  # images per CIFAR file: 40 training images in CIFAR-10's five batches, 8 test images
 
@@ -59,3 +63,27 @@ def tiny_sets(tiny_data, tmp_path_factory):
             # the official files are Python 2 pickles; protocol 4 holds the same dictionary of bytes keys
             (root / folder / file).write_bytes(pickle.dumps(batch, protocol=4))
     return root
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tiny_data, tmp_path_factory):
+    """uninterrupted(launch, script, *options): the folder of that run on tiny_data, trained to its end with no
+    stop, kill or fault, by `python` or by torchrun with `launch` ranks. Each is trained once in a pytest run,
+    whichever worker asks first (the others wait for it), and shared: the tests that stop, kill or cut short the
+    same run compare their resumed one against it, and only read it. The data's folder is a free option (not in
+    the checkpoint): each worker's tiny_data holds the same images."""
+
+    def folder(launch, script, *options):
+        key = "\0".join(map(str, (launch, script, *options)))
+        out = shared(tmp_path_factory) / f"uninterrupted-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        with open(f"{out}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not Path(f"{out}.done").exists():  # none yet, or a worker's failed run left it unfinished
+                shutil.rmtree(out, ignore_errors=True)
+                args = stage_args(tiny_data, out, *options)
+                run = python(script, *args) if launch == "python" else torchrun(launch, script, *args)
+                assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+                Path(f"{out}.done").touch()
+        return out
+
+    return folder

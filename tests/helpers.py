@@ -35,6 +35,13 @@ def write_idx_subset(src, dst, count):
     dst.write_bytes(header + raw[4 + 4 * dims : 4 + 4 * dims + count * record])
 
 
+def shared(tmp_path_factory):
+    """A folder that every test process of this pytest run shares: under pytest-xdist, its workers' common parent;
+    otherwise this run's own temporary folder (the parent holds earlier runs' too)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

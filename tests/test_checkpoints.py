@@ -155,17 +155,16 @@ def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_killed_rank_restarts_and_resumes_under_torchrun(tiny_data, tmp_path):
-    args = stage_args(tiny_data, tmp_path / "whole", "--epochs", 3)
-    assert torchrun(2, S03, *args).returncode == 0
+def test_killed_rank_restarts_and_resumes_under_torchrun(uninterrupted, tiny_data, tmp_path):
+    whole = uninterrupted(2, S03, "--epochs", 3)  # conftest.py: shared with test_resume_restores_everything
     killed = tmp_path / "killed"
     kill_rank_1_after_a_checkpoint(S03, stage_args(tiny_data, killed, "--epochs", 3), killed / "checkpoint.pt")
-    assert_same_state(checkpoint(killed)["model"], checkpoint(tmp_path / "whole")["model"])
+    assert_same_state(checkpoint(killed)["model"], checkpoint(whole)["model"])
 
 
 @pytest.mark.slow
-def test_interrupted_run_resumes_with_flag(tiny_data, tmp_path):
-    assert python(S01, *stage_args(tiny_data, tmp_path / "whole", "--epochs", 3)).returncode == 0
+def test_interrupted_run_resumes_with_flag(uninterrupted, tiny_data, tmp_path):
+    whole = uninterrupted("python", S01, "--epochs", 3)  # shared with test_resume_restores_everything
     cut = tmp_path / "cut"
     proc = start(S01, *stage_args(tiny_data, cut, "--epochs", 3))
     wait_for((cut / "checkpoint.pt").exists, proc=proc)
@@ -174,23 +173,24 @@ def test_interrupted_run_resumes_with_flag(tiny_data, tmp_path):
     assert python(S01, *stage_args(tiny_data, cut, "--epochs", 3)).returncode != 0  # no silent restart...
     resumed = python(S01, *stage_args(tiny_data, cut, "--epochs", 3, "--resume"))  # ...only on request
     assert resumed.returncode == 0 and "resumed after epoch" in resumed.stdout
-    assert_same_state(checkpoint(cut)["model"], checkpoint(tmp_path / "whole")["model"])
+    assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])
 
 
 # 3: resume restores only part of the state
 @pytest.mark.slow
 @pytest.mark.parametrize("launch", ["python", "torchrun"])
-def test_resume_restores_everything(launch, tiny_data, tmp_path):
+def test_resume_restores_everything(launch, uninterrupted, tiny_data, tmp_path):
     def train(folder, epochs, *extra):
         args = stage_args(tiny_data, folder, "--epochs", epochs, *extra)
         out = python(S01, *args) if launch == "python" else torchrun(2, S03, *args)
         assert out.returncode == 0, out.stderr
         return out.stdout
 
-    train(tmp_path / "whole", 3)
+    # conftest.py: the uninterrupted run, shared with the tests that kill it
+    whole = uninterrupted(*(("python", S01) if launch == "python" else (2, S03)), "--epochs", 3)
     train(tmp_path / "parts", 1)
     assert "resumed after epoch 1" in train(tmp_path / "parts", 3, "--resume")
-    assert_same_state(checkpoint(tmp_path / "parts"), checkpoint(tmp_path / "whole"))
+    assert_same_state(checkpoint(tmp_path / "parts"), checkpoint(whole))
     finished = train(tmp_path / "parts", 3, "--resume")  # all epochs done: report and exit 0
     assert "epoch " not in finished.replace("resumed after epoch", "") and "done: 3 epochs" in finished
 
@@ -367,19 +367,17 @@ def test_every_torch_load_is_weights_only():
 
 # 12: a DDP checkpoint does not load into the single-GPU model
 @pytest.mark.slow
-def test_checkpoints_move_between_stages(tiny_data, tmp_path):
-    assert torchrun(2, S03, *stage_args(tiny_data, tmp_path / "ddp", "--epochs", 1)).returncode == 0
+def test_checkpoints_move_between_stages(uninterrupted, tiny_data, tmp_path):
+    ddp_run = uninterrupted(2, S03, "--epochs", 1, "--save-model")  # conftest.py: test_fsdp.py's stage 03 run too
     net = Net()
-    net.load_state_dict(checkpoint(tmp_path / "ddp")["model"], strict=True)
+    net.load_state_dict(checkpoint(ddp_run)["model"], strict=True)
     ddp = torch.nn.parallel.DistributedDataParallel  # the saved keys are the wrapped module's, unprefixed
-    assert not any(k.startswith("module.") for k in checkpoint(tmp_path / "ddp")["model"]) and ddp
+    assert not any(k.startswith("module.") for k in checkpoint(ddp_run)["model"]) and ddp
     x = torch.randn(4, 1, 28, 28)
     again = Net()
-    again.load_state_dict(checkpoint(tmp_path / "ddp")["model"])
+    again.load_state_dict(checkpoint(ddp_run)["model"])
     torch.testing.assert_close(net.eval()(x), again.eval()(x), rtol=0, atol=0)
-    single = python(
-        S01, *stage_args(tiny_data, tmp_path / "one", "--epochs", 2, "--resume", tmp_path / "ddp/checkpoint.pt")
-    )
+    single = python(S01, *stage_args(tiny_data, tmp_path / "one", "--epochs", 2, "--resume", ddp_run / "checkpoint.pt"))
     assert single.returncode == 0 and "resumed after epoch 1" in single.stdout, single.stderr
     back = torchrun(
         2, S03, *stage_args(tiny_data, tmp_path / "two", "--epochs", 3, "--resume", tmp_path / "one/checkpoint.pt")

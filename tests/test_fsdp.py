@@ -2,6 +2,7 @@
 size, and its exported model is stage 01's."""
 
 import os
+import shutil
 import socket
 import sys
 from types import SimpleNamespace
@@ -75,18 +76,17 @@ def test_stage05_exports_stage01s_model(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_stage05_trains_as_stage03(tiny_data, tmp_path):
+def test_stage05_trains_as_stage03(uninterrupted, tiny_data, tmp_path):
     """One epoch at world size 2, the same flags: stage 03's losses, accuracy and weights (the same sums,
     reduce-scattered instead of all-reduced). Then a second epoch from either checkpoint: the same."""
-    for name, script in (("05", S05), ("03", S03)):
-        out = torchrun(2, script, *stage_args(tiny_data, tmp_path / name, "--epochs", 1, "--save-model"))
-        assert out.returncode == 0, out.stderr
-    ours, theirs = (metrics(tmp_path / name)[0] for name in ("05", "03"))
+    # conftest.py: stage 05's run is test_sharded_checkpoint_refusals' too, stage 03's test_checkpoints.py's
+    fsdp, ddp = (uninterrupted(2, script, "--epochs", 1, "--save-model") for script in (S05, S03))
+    ours, theirs = metrics(fsdp)[0], metrics(ddp)[0]
     for key in ("train_loss", "test_loss", "test_accuracy"):
         assert float(ours[key]) == pytest.approx(float(theirs[key]), rel=1e-4), key
-    assert_close_weights(checkpoint(tmp_path / "05", "model.pt"), checkpoint(tmp_path / "03", "model.pt"))
+    assert_close_weights(checkpoint(fsdp, "model.pt"), checkpoint(ddp, "model.pt"))
     # stage 03's checkpoint.pt starts a stage 05 run, which continues as stage 05's own checkpoint does
-    for name, resume in (("05", tmp_path / "05" / "checkpoint"), ("from03", tmp_path / "03" / "checkpoint.pt")):
+    for name, resume in (("05", fsdp / "checkpoint"), ("from03", ddp / "checkpoint.pt")):
         args = stage_args(tiny_data, tmp_path / name, "--epochs", 2, "--save-model", "--resume", resume)
         out = torchrun(2, S05, *args)
         assert out.returncode == 0 and "resumed after epoch 1" in out.stdout, out.stderr
@@ -203,9 +203,10 @@ def test_kill_during_sharded_save_keeps_the_previous_checkpoint(tiny_data, tmp_p
 
 
 @pytest.mark.slow
-def test_sharded_checkpoint_refusals(tiny_data, tmp_path):
+def test_sharded_checkpoint_refusals(uninterrupted, tiny_data, tmp_path):
     """A changed defining option is refused as in every stage; another stage names stage 05."""
-    assert torchrun(2, S05, *stage_args(tiny_data, tmp_path / "o", "--epochs", 1)).returncode == 0
+    # a copy of stage 05's run for test_stage05_trains_as_stage03 (conftest.py), its link a link
+    shutil.copytree(uninterrupted(2, S05, "--epochs", 1, "--save-model"), tmp_path / "o", symlinks=True)
     out = torchrun(2, S05, *stage_args(tiny_data, tmp_path / "o", "--epochs", 2, "--resume", "--seed", 2))
     assert out.returncode != 0 and "was written with --seed 1 (now 2)" in out.stderr, out.stderr
     out = run(

@@ -48,6 +48,11 @@ def args(data, out, *extra):
     return stage_args(data, out, "--epochs", 2, "--batch-size", BATCH, *extra)
 
 
+def whole_run(uninterrupted):
+    """Stage 01's run of args() never stopped, shared by the tests (conftest.py): what each stopped one resumes to."""
+    return uninterrupted("python", S01, "--epochs", 2, "--batch-size", BATCH)
+
+
 def signal_mid_epoch_2(proc, out, signum, *others, everyone=None):
     """Once epoch 1 is saved, wait two steps, then send `signum` to `proc` (and to `others`), or to every
     process whose environment holds `everyone` (NAME=value), as Slurm signals every process of a step: the
@@ -87,10 +92,9 @@ def saved_mid_epoch(out, output, code, proc):
         *(pytest.param(s, marks=pytest.mark.slow) for s in (signal.SIGHUP, signal.SIGUSR1, signal.SIGINT)),
     ],
 )
-def test_stage01_stopped_mid_epoch_resumes_bit_identical(signum, tiny_data, tmp_path):
+def test_stage01_stopped_mid_epoch_resumes_bit_identical(signum, uninterrupted, tiny_data, tmp_path):
     """SIGHUP (a closed ssh session) and SIGINT (Ctrl-C) stop a run as SIGTERM does: SIGHUP ended it unsaved."""
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert python(S01, *args(tiny_data, whole)).returncode == 0
+    whole, cut = whole_run(uninterrupted), tmp_path / "cut"
     proc = start(S01, *args(tiny_data, cut), env=clean_env(**SLOW))
     output, seconds = signal_mid_epoch_2(proc, cut, signum)
     step = saved_mid_epoch(cut, output, 128 + signum, proc)
@@ -190,9 +194,8 @@ def test_stage05_saved_mid_epoch_at_two_ranks_resumes_at_one_seeing_every_sample
 
 
 @pytest.mark.slow
-def test_a_second_signal_during_the_save_changes_nothing(tiny_data, tmp_path):
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert python(S01, *args(tiny_data, whole)).returncode == 0
+def test_a_second_signal_during_the_save_changes_nothing(uninterrupted, tiny_data, tmp_path):
+    whole, cut = whole_run(uninterrupted), tmp_path / "cut"
     env = clean_env(**SLOW, FAULT_SLOW_SAVE=1.0)  # each save takes a second: time for a second signal
     proc = start(S01, *args(tiny_data, cut), env=env)
     wait_for_epoch(cut, 1, proc)
@@ -246,10 +249,9 @@ def test_a_signal_after_rank_0_was_killed_is_one_line_per_rank_left(tiny_data, t
 
 
 @pytest.mark.slow
-def test_checkpoint_minutes_saves_mid_epoch_for_a_sigkill(tiny_data, tmp_path):
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
+def test_checkpoint_minutes_saves_mid_epoch_for_a_sigkill(uninterrupted, tiny_data, tmp_path):
+    whole, cut = whole_run(uninterrupted), tmp_path / "cut"
     often = ("--checkpoint-minutes", 0.001, "--log-interval", 1)  # at every progress line: every step here
-    assert python(S01, *args(tiny_data, whole)).returncode == 0
     proc = start(S01, *args(tiny_data, cut, *often), env=clean_env(**SLOW))
     wait_for(lambda: (cut / "checkpoint.pt").exists() and checkpoint(cut)["epoch"] == 2, 90, proc)
     proc.kill()  # no signal to catch: what the interval saved is what there is
@@ -261,11 +263,12 @@ def test_checkpoint_minutes_saves_mid_epoch_for_a_sigkill(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_checkpoint_minutes_saves_mid_epoch_in_an_epoch_shorter_than_the_log_interval(tiny_data, tmp_path):
+def test_checkpoint_minutes_saves_mid_epoch_in_an_epoch_shorter_than_the_log_interval(
+    uninterrupted, tiny_data, tmp_path
+):
     """8 steps an epoch and a progress line every 100 (the default): the clock was looked at on progress lines
     only, so no save ever came mid-epoch. It is looked at every step now."""
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert python(S01, *args(tiny_data, whole)).returncode == 0
+    whole, cut = whole_run(uninterrupted), tmp_path / "cut"
     slow = clean_env(**SLOW | {"FAULT_SLEEP": 0.1})  # steps longer than the 0.06 s of --checkpoint-minutes 0.001
     proc = start(S01, *args(tiny_data, cut, "--checkpoint-minutes", 0.001), env=slow)
     wait_for(lambda: (cut / "checkpoint.pt").exists() and checkpoint(cut)["epoch"] == 2 and checkpoint(cut)["step"],

@@ -20,6 +20,7 @@ from helpers import (
     clean_env,
     metrics,
     python,
+    shared,
     srun_start,
     stage_args,
     start,
@@ -59,6 +60,23 @@ def eval_args(data, out, task, *extra):
     return args(data, out, "--task", task, "--test-batch-size", 2, *extra)
 
 
+@pytest.fixture(scope="session")
+def task_file(tmp_path_factory):
+    """TASK in one file that the tests only read, the same for every pytest-xdist worker: the uninterrupted runs
+    they compare against are then one (conftest.py)."""
+    task = shared(tmp_path_factory) / "stops" / "task.py"
+    task.parent.mkdir(exist_ok=True)
+    part = task.with_name(f"task.py.{os.getpid()}")
+    part.write_text(TASK)
+    part.replace(task)  # whole, whichever worker writes it last
+    return task
+
+
+def whole_run(uninterrupted, task):
+    """Stage 01's run of eval_args() never stopped (conftest.py), shared: what each stopped one resumes to."""
+    return uninterrupted("python", S01, "--epochs", 2, "--batch-size", 32, "--task", task, "--test-batch-size", 2)
+
+
 def stop_during_evaluation(proc, mark, signum=signal.SIGTERM, to=None):
     """Once the first evaluation batch runs, send `signum` to the process `to` (a PID; else `proc`); the output and
     the seconds from the signal to the exit."""
@@ -84,11 +102,12 @@ def same_run(cut, whole):
 
 
 @pytest.mark.slow
-def test_stage01_stopped_during_evaluation_saves_at_once_and_resumes_bit_identical(tiny_data, tmp_path):
+def test_stage01_stopped_during_evaluation_saves_at_once_and_resumes_bit_identical(
+    uninterrupted, task_file, tiny_data, tmp_path
+):
     """SIGTERM during a long evaluation was acted on after it, at the next epoch's first step: past KillWait."""
-    task, whole, cut, mark = tmp_path / "task.py", tmp_path / "whole", tmp_path / "cut", tmp_path / "evaluating"
-    task.write_text(TASK)
-    assert python(S01, *eval_args(tiny_data, whole, task)).returncode == 0
+    task, cut, mark = task_file, tmp_path / "cut", tmp_path / "evaluating"
+    whole = whole_run(uninterrupted, task)
     proc = start(S01, *eval_args(tiny_data, cut, task), env=clean_env(EVAL_MARK=mark, EVAL_SLEEP=EVAL_SLEEP))
     output, seconds = stop_during_evaluation(proc, mark)
     saved_whole(output, 128 + signal.SIGTERM, proc, seconds)
@@ -138,10 +157,9 @@ def test_a_signal_to_one_rank_during_evaluation_stops_both_at_one_batch(tiny_dat
 
 
 @pytest.mark.slow
-def test_a_second_signal_during_evaluation_and_its_save_changes_nothing(tiny_data, tmp_path):
-    task, whole, cut, mark = tmp_path / "task.py", tmp_path / "whole", tmp_path / "cut", tmp_path / "evaluating"
-    task.write_text(TASK)
-    assert python(S01, *eval_args(tiny_data, whole, task)).returncode == 0
+def test_a_second_signal_during_evaluation_and_its_save_changes_nothing(uninterrupted, task_file, tiny_data, tmp_path):
+    task, cut, mark = task_file, tmp_path / "cut", tmp_path / "evaluating"
+    whole = whole_run(uninterrupted, task)
     env = clean_env(EVAL_MARK=mark, EVAL_SLEEP=EVAL_SLEEP, PYTHONPATH=INJECT, FAULT_RANK=0, FAULT_SLOW_SAVE=2)
     proc = start(S01, *eval_args(tiny_data, cut, task), env=env)
     wait_for(mark.exists, 120, proc)
