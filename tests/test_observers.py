@@ -21,4 +21,3 @@ def test_every_stage_trains_the_same_without_its_guard_rails(tiny_data, tmp_path
     assert guarded.keys() == bare.keys()
     for name in guarded:
         torch.testing.assert_close(guarded[name], bare[name], rtol=0, atol=0, msg=name)
-
