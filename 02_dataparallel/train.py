@@ -94,8 +94,8 @@ def main(guard):
     # val_set is empty without --val-fraction
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)
     guard.agree(train_set, val_set, test_set, task)  # guard: the same data on every rank
-    shuffle = RandomSampler(train_set, generator=torch.Generator())  # seeded each epoch
-    train_sampler = sampling.Resumable(shuffle, args.seed)  # a resume skips what it trained
+    order = RandomSampler(train_set, generator=torch.Generator())  # seeded each epoch
+    train_sampler = sampling.Resumable(order, args.seed)  # a resume skips what it trained
     train_loader = data.loader(train_set, train_sampler, args.batch_size, args, device, collate)
     test_batch = args.test_batch_size
     val_loader = data.loader(val_set, range(len(val_set)), test_batch, args, device, collate)
@@ -117,8 +117,9 @@ def main(guard):
     step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score)
     log = metrics.Log(args.output_dir, world_size, args.compile, metric)
     states = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log)
-    # guard: resume() picks the checkpoint this run continues (None: afresh), which must be its own
-    start_epoch, start_step = checkpoint.restore(guard.resume(states), states)
+    resume = checkpoint.latest(args)  # --resume's, or after a requeue (None: start afresh)
+    guard.resume(resume, states)  # guard: this run's checkpoint, whole; saves on a stop from here
+    start_epoch, start_step = checkpoint.restore(resume, states)
     train_sampler.resume_at(start_epoch, start_step * args.batch_size)  # skip what it trained on
     for epoch in range(start_epoch, args.epochs + 1):
         if log.reached(args.target, args.patience):  # the same all-reduced rows on every rank

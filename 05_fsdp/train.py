@@ -99,10 +99,8 @@ def main(guard):
     train_set, val_set = data.split(train_set, args.val_fraction, args.seed)
     guard.agree(train_set, val_set, test_set, task)  # guard: the same data on every rank
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
-    train_sampler = DistributedSampler(
-        train_set, num_replicas=world_size, rank=rank, seed=args.seed
-    )
-    train_sampler = sampling.Resumable(train_sampler, args.seed)  # a resume skips what it trained
+    order = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
+    train_sampler = sampling.Resumable(order, args.seed)  # a resume skips what it trained
     batch_size = args.batch_size // world_size  # --batch-size is the global batch
     train_loader = data.loader(train_set, train_sampler, batch_size, args, device, collate)
     # evaluation: a shard per rank, padded to as many batches on every rank; padding counts nowhere
@@ -140,8 +138,9 @@ def main(guard):
     step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score)
     log = metrics.Log(args.output_dir, world_size, args.compile, metric)
     states = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log)
-    # guard: resume() picks the checkpoint this run continues (None: afresh), which must be its own
-    start_epoch, start_step = checkpoint.restore_sharded(guard.resume(states, True), states)
+    resume = checkpoint.latest(args, checkpoint.SHARDED)  # --resume's, or after a requeue
+    guard.resume(resume, states, sharded=True)  # guard: this run's, whole; saves on a stop
+    start_epoch, start_step = checkpoint.restore_sharded(resume, states)
     train_sampler.resume_at(start_epoch, start_step * args.batch_size)  # skip what it trained on
     for epoch in range(start_epoch, args.epochs + 1):
         if log.reached(args.target, args.patience):  # the same all-reduced rows on every rank

@@ -15,9 +15,11 @@ and the one before that goes: only a folder these links named is ever deleted, w
 folders are called. Such a checkpoint loads at any world size: each rank reads the pieces its new
 shard needs, so every node must see the folder.
 
-Which checkpoint a run continues, and whether it may, is for the guard rails
-(common/guards/resume.py): they read it on rank 0 with read() and hand it to every rank, and
-restore() loads it.
+A run continues a checkpoint (latest()) when asked to with --resume, and by itself when Slurm
+requeued its job or torchrun restarted its workers: the requeued job runs the same command again,
+and picks up where the last checkpoint left it, part-way through an epoch if it was stopped there.
+restore() loads it: rank 0 reads it and hands it to every rank, so that only rank 0's node needs a
+whole checkpoint; each rank reads its own pieces of a sharded one.
 """
 
 import contextlib
@@ -28,7 +30,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from common.environment import is_rank0
+from common import shards
+from common.environment import is_rank0, restarts
 from common.sampling import generators, set_generators
 
 # stages 01-04's file; stage 05's link to its newest epoch-N
@@ -139,6 +142,26 @@ def epochs(output_dir):
     return sorted(output_dir.glob("epoch-*"), key=position, reverse=True)
 
 
+def latest(args, name=WHOLE):
+    """The checkpoint this run continues, or None to start afresh: --resume PATH; else --output-dir's own
+    (`name`) with --resume alone, or after a requeue or a restart once the run has saved one."""
+    restarted = any(restarts())
+    if dist.is_initialized():  # torchrun restarts only the workers of the node that failed: one is all
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, restarted)
+        restarted = any(everyone)
+    own = args.output_dir / name
+    return own if args.resume is True or (restarted and own.exists()) else args.resume
+
+
+def read_on_rank0(path):
+    """read(path) on rank 0, handed to every rank."""
+    box = [read(path) if is_rank0() else None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box)
+    return box[0]
+
+
 def read(path):
     """The checkpoint at `path`, a checkpoint.pt or a stage 05 folder (then its state.pt, with
     "folder" added for restore() to read the shards from)."""
@@ -147,11 +170,12 @@ def read(path):
     return state | {"folder": folder} if isinstance(state, dict) else state
 
 
-def restore(state, states):
-    """Load `state` (read() on rank 0, handed to every rank) into `states`: returns where to start, (epoch,
-    steps done in it): (1, 0) without one, the next epoch after a whole one, the same after part of one."""
-    if state is None:
+def restore(path, states):
+    """Load the checkpoint at `path` (None: none) into `states`: returns where to start, (epoch, steps done
+    in it): (1, 0) without one, the next epoch after a whole one, the same after part of one."""
+    if path is None:
         return 1, 0
+    state = read_on_rank0(path)
     unwrap(states["model"]).load_state_dict(state["model"])
     states["optimizer"].load_state_dict(state["optimizer"])
     return restore_rest(state, states)
@@ -170,11 +194,12 @@ def restore_rest(state, states):
     return (state["epoch"], state["step"]) if state["step"] else (state["epoch"] + 1, 0)
 
 
-def restore_sharded(state, states):
+def restore_sharded(path, states):
     """Stage 05's restore(): each rank reads from the folder the pieces of its own shards (at any world size:
     the checkpoint records where each piece lies), or takes its shards of a whole checkpoint.pt."""
-    if state is None:
+    if path is None:
         return 1, 0
+    state = read_on_rank0(path)
     load_sharded(state, states["model"], states["optimizer"])
     return restore_rest(state, states)
 
@@ -186,8 +211,8 @@ def load_sharded(state, model, optimizer):
     if state["folder"]:  # the shapes to fill are this rank's shards
         weights, optimizer_state = get_state_dict(model, optimizer)
         pieces = {"model": weights, "optimizer": optimizer_state["state"]}
-        # DCP's own reader unpickles .metadata unchecked: the guard rails hand in one that builds nothing else
-        dcp.load(pieces, checkpoint_id=state["folder"], storage_reader=state.get("reader"))
+        # DCP's own reader unpickles .metadata as it is: shards.reader() builds DCP's classes alone
+        dcp.load(pieces, checkpoint_id=state["folder"], storage_reader=shards.reader(state["folder"]))
         optimizer_state = {"state": pieces["optimizer"], "param_groups": state["param_groups"]}
         set_state_dict(model, optimizer, model_state_dict=pieces["model"], optim_state_dict=optimizer_state)
         return

@@ -56,6 +56,12 @@ def launcher(env=os.environ):
     return Launch(0, 0, 1)
 
 
+def restarts(env=os.environ):
+    """(Slurm's requeues of this job, torchrun's restarts of its workers): 0 and 0 on a first start."""
+    slurm, torchrun = env.get("SLURM_RESTART_COUNT"), env.get("TORCHELASTIC_RESTART_COUNT")
+    return count(slurm) or 0, count(torchrun) or 0
+
+
 def regular_file(path):
     """`path`, unless reading it could block or never end (a FIFO, a socket, a device): OSError."""
     if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):

@@ -2,6 +2,7 @@
 before it to resume from, and no fresh run over a folder that holds any stage's checkpoint."""
 
 import io
+import json
 import operator
 import os
 import pickle
@@ -35,7 +36,7 @@ from helpers import (
 )  # fmt: skip
 
 from common import checkpoint as lesson
-from common import cli
+from common import cli, shards
 from common.guards import ownership, resume, safeload
 from common.models import Net
 
@@ -137,9 +138,14 @@ def test_a_resume_past_its_epochs_is_refused(tiny_data, tmp_path):
     torch.save(state, tmp_path / "checkpoint.pt")  # the end of epoch 2: rank 0's verdict, in this process
     args, _ = cli.parse_args(stage_args(tiny_data, tmp_path, "--limit", 64, "--epochs", 1, "--resume"))
     with pytest.raises(SystemExit, match="holds epoch 2, past --epochs 1: nothing to do; give --epochs 3 or more"):
-        resume.find(args, resume.WHOLE, False, state["run"]["data"])
+        resume.find(args, tmp_path / resume.WHOLE, resume.WHOLE, False, data_of(tmp_path))
     args.epochs = 2  # the run is done: it says so, and --save-model exports it
-    assert resume.find(args, resume.WHOLE, False, state["run"]["data"])[0]["epoch"] == 2
+    assert resume.find(args, tmp_path / resume.WHOLE, resume.WHOLE, False, data_of(tmp_path))[0]["epoch"] == 2
+
+
+def data_of(folder):
+    """The fingerprint of the training set the run in `folder` trained on, as its manifest records it."""
+    return json.loads((folder / "run-manifest.json").read_text())["record"]["data"]
 
 
 def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeypatch):
@@ -279,7 +285,7 @@ def plant(folder, kind, marker):
 
 
 def test_a_sharded_checkpoints_metadata_is_read_running_nothing(tmp_path):
-    """safeload.metadata, which damage() and the load's reader use, builds DCP's metadata and refuses anything
+    """shards.index (the lesson's reader) and safeload.metadata (damage(), rank 0's check) read .metadata: builds DCP's metadata and refuses anything
     else, naming the file: a planted .metadata runs nothing, whether it would fail or wrap the real one, and
     neither does one listing an item that DCP unpickles. A shard's tensor is read by torch.load(weights_only=
     True): a pickle there is refused, in words that do not advise weights_only=False."""
@@ -289,7 +295,7 @@ def test_a_sharded_checkpoints_metadata_is_read_running_nothing(tmp_path):
     dcp.save({"model": weights}, checkpoint_id=tmp_path / "ours")  # no process group: this process's shards
     assert safeload.damage(tmp_path / "ours") is None
     loaded = {"model": {name: torch.zeros_like(w) for name, w in weights.items()}}
-    dcp.load(loaded, storage_reader=safeload.reader(tmp_path / "ours"))
+    dcp.load(loaded, storage_reader=shards.reader(tmp_path / "ours"))
     assert_same_state(loaded["model"], weights)
     call = ", which loading would call"
     for kind, names in (("metadata", "posix.system" + call), ("wrapping", "operator.itemgetter" + call),
@@ -297,7 +303,7 @@ def test_a_sharded_checkpoints_metadata_is_read_running_nothing(tmp_path):
         shutil.copytree(tmp_path / "ours", tmp_path / kind)
         planted = plant(tmp_path / kind, kind, marker)
         with pytest.raises(dcp.CheckpointException) as refused:
-            dcp.load(loaded, storage_reader=safeload.reader(tmp_path / kind))
+            dcp.load(loaded, storage_reader=shards.reader(tmp_path / kind))
         if names is None:  # the metadata is DCP's own
             assert safeload.damage(tmp_path / kind) is None
             assert safeload.describe(refused.value) == (
@@ -307,7 +313,7 @@ def test_a_sharded_checkpoints_metadata_is_read_running_nothing(tmp_path):
         message = f"{planted} is not a checkpoint this repository wrote (it names {names}): it may be planted"
         assert message in str(refused.value)
         for read in (safeload.damage, safeload.metadata):
-            with pytest.raises(safeload.Planted, match=re.escape(message)):
+            with pytest.raises(shards.Planted, match=re.escape(message)):
                 read(tmp_path / kind)
     assert not marker.exists()
 

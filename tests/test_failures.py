@@ -304,11 +304,11 @@ def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(tiny_data, t
     args, _ = cli.parse_args(stage_args(shifted, out, "--epochs", 2, "--resume"))
     now = preflight.fingerprint(data.dataset(shifted, "mnist", train=True))
     with pytest.raises(SystemExit, match=f"training set was {recorded}, here {now} in --data-dir {shifted}"):
-        resume.find(args, resume.WHOLE, False, now)
+        resume.find(args, out / resume.WHOLE, resume.WHOLE, False, now)
     manifest = json.loads((out / "run-manifest.json").read_text())
     del manifest["record"]["data"]  # as written before the data was recorded: nothing to compare
     (out / "run-manifest.json").write_text(json.dumps(manifest))
-    assert resume.find(args, resume.WHOLE, False, now)[0]["epoch"] == 1
+    assert resume.find(args, out / resume.WHOLE, resume.WHOLE, False, now)[0]["epoch"] == 1
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from common import checkpoint, distributed
 from common.environment import is_rank0
-from common.guards import check, divergence, failure, lock, ownership, preflight, randomness, resume, safeload, signals
+from common.guards import check, divergence, failure, lock, ownership, preflight, randomness, resume, signals
 from common.guards.ending import end
 from common.guards.preemption import Preemption
 from common.guards.watchdog import Watchdog
@@ -87,10 +87,11 @@ class Guard:
         preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.data = preflight.fingerprint(train_set)
 
-    def resume(self, states, sharded=False):
-        """The checkpoint this run continues (or None), for checkpoint.restore(): the one of this folder after a
-        requeue or a torchrun restart, or --resume's, refused in one line where it is not this run's. From here
-        on SIGTERM and SIGUSR1 stop the run at a step all ranks agree on, and end_of_step() saves it."""
+    def resume(self, path, states, sharded=False):
+        """Before the lesson loads the checkpoint at `path` it chose (checkpoint.latest(); None: afresh): rank 0
+        checks that it is this run's and whole, or that the folder is free for a fresh run, and every rank ends
+        with its reason in one line where not. From here on SIGTERM and SIGUSR1 stop the run at a step all ranks
+        agree on, and end_of_step() saves it. `states`: the lesson's, watched, for the saves on a stop."""
         self.states, self.sharded = states, sharded
         if sharded and dist.is_initialized():
             preflight.check_shared(self.args.output_dir)
@@ -100,13 +101,11 @@ class Guard:
             self.watchdog.listen(self.preemption.poll)
         parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
         record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters}
-        state = resume.state_to_resume(self.args, sharded, record)
-        if state is not None and state["folder"]:  # every rank reads its shards: .metadata too, building nothing else
-            state["reader"] = safeload.reader(state["folder"])
+        state = resume.state_to_resume(self.args, path, sharded, record)
+        if state is not None and state["folder"]:  # a failure while every rank reads its shards names the folder
             self.doing = f"read {state['folder']}"
         if state is not None and state["step"]:  # saved mid-epoch: the lesson trains the rest of it
             self.start_at = (state["epoch"], state["step"])
-        return state
 
     def end_of_step(self, epoch, batch, sums):
         """After training step `batch` (counted from 0 in this run's part of the epoch): every --log-interval

@@ -16,10 +16,9 @@ import torch.distributed as dist
 
 from common.checkpoint import SHARDED, WHOLE, epochs, read
 from common.distributed import print0
-from common.environment import is_rank0
+from common.environment import is_rank0, restarts
 from common.guards import ownership
 from common.guards.bounded import PICKLE, Refused, torch_file
-from common.guards.check import integer
 from common.guards.ending import stop
 from common.guards.preflight import defining
 from common.guards.safeload import Planted, damage
@@ -55,15 +54,10 @@ class Unusable(Exception):
     """A checkpoint that cannot be resumed from, and why."""
 
 
-def restarts(env=os.environ):
-    """(Slurm's restart count of this job, torchrun's of its workers)."""
-    return integer("SLURM_RESTART_COUNT", 0, env=env), integer("TORCHELASTIC_RESTART_COUNT", 0, env=env)
-
-
-def state_to_resume(args, sharded, record):
-    """Every rank: the checkpoint this run continues, read by rank 0 and handed to all (only its node needs the
-    folder, except in stage 05), or None to start afresh; where it cannot continue, every rank ends with rank
-    0's reason. Rank 0 has made the folder this run's (ownership.claim()), its manifest recording `record` (the
+def state_to_resume(args, path, sharded, record):
+    """Every rank: whether this run may continue the checkpoint at `path` the lesson chose (checkpoint.latest();
+    None: start afresh in its folder); where it may not, every rank ends with rank 0's reason. Returns the state
+    rank 0 checked (None afresh), handed to all. Rank 0 has made the folder this run's (ownership.claim()), its manifest recording `record` (the
     options that define the run, its data's fingerprint, the model's size), before anyone writes there."""
     restarted = any(restarts())
     if dist.is_initialized():  # torch does not count a restart on a node whose own workers had not failed:
@@ -73,7 +67,7 @@ def state_to_resume(args, sharded, record):
     box = [None, None]
     if is_rank0():
         try:
-            box[0], run = find(args, SHARDED if sharded else WHOLE, restarted, record["data"])
+            box[0], run = find(args, path, SHARDED if sharded else WHOLE, restarted, record["data"])
             ownership.claim(args.output_dir, run, sharded, record)
         except SystemExit as verdict:  # for every rank: they end together, rank 0 says why
             box[1] = verdict.code
@@ -89,21 +83,21 @@ def state_to_resume(args, sharded, record):
     return state
 
 
-def find(args, name, restarted, fingerprint):
-    """Rank 0: the state of the checkpoint to resume from (a stage 05 folder: its state.pt, with "folder"
-    added), or None to start afresh, and the id of the run it continues (None: a new one); a SystemExit saying
-    why where it cannot. `fingerprint`: that of the training set this run reads (preflight.fingerprint()). A
-    restart is this run's only where the folder's manifest names this launch (ownership.continues())."""
+def find(args, path, name, restarted, fingerprint):
+    """Rank 0: the state of the checkpoint at `path` (a stage 05 folder: its state.pt, with "folder" added), or
+    None to start afresh, and the id of the run it continues (None: a new one); a SystemExit saying why where
+    this run may not. `name`: the stage's own checkpoint in --output-dir; `fingerprint`: that of the training
+    set this run reads (preflight.fingerprint()). A restart is this run's only where the folder's manifest
+    names this launch (ownership.continues()): else the run starts afresh, in a folder that must be free."""
     manifest = ownership.read(args.output_dir)
     restarted = restarted and ownership.continues(manifest)
-    if args.resume is None and not restarted:
+    if args.resume is None and restarted and path is None:  # restarted before its first checkpoint
+        return None, manifest["run"]
+    if args.resume is None and not restarted:  # afresh, whatever the folder holds
         ownership.check_fresh(args.output_dir, manifest)
         return None, None
     own = args.output_dir / name
-    path = own if args.resume in (None, True) or (restarted and own.exists()) else args.resume
     if not path.exists():
-        if args.resume is None:  # restarted before its first checkpoint
-            return None, manifest["run"]
         other = args.output_dir / (WHOLE if name == SHARDED else SHARDED)
         held = f" (it holds {other.name}, of {'stages 01-04' if other == args.output_dir / WHOLE else 'stage 05'})"
         raise SystemExit(f"error: no {path.name} in {path.parent} to resume from{held if other.exists() else ''}")
