@@ -8,10 +8,10 @@ The launchers say who is who in environment variables: torchrun sets RANK, LOCAL
 MASTER_ADDR and MASTER_PORT; srun sets SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS, and the address
 and port follow from the job (its first node, and a port from its id); common/environment.py's
 launcher() reads them, once for every module. setup() meets the other ranks there: rank 0 serves a
-key-value store at that address and port (torchrun's agent, where it shares its own), the others connect,
-and each process writes how to reach it. The guard rails attach from outside (common/guards/): they
-check the launch before the rendezvous, and watch it as a second client of the same store, to bound
-every wait and name the rank that did not come or went silent.
+key-value store at that address and port (torchrun's agent, where it shares its own), the others
+connect, and each process writes how to reach it. The guard rails attach from outside
+(common/guards/): they check the launch before the rendezvous and watch it as a second client of
+the same store, to bound every wait and name the rank that did not come or went silent.
 """
 
 import ctypes
@@ -35,7 +35,7 @@ def setup(args):
     if launch.addr:  # a launcher started this process: meet the others
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",  # NCCL between GPUs, gloo between CPUs
-            init_method=f"tcp://{launch.addr}:{launch.port}",  # rank 0 serves the store, the others connect
+            init_method=f"tcp://{launch.addr}:{launch.port}",  # rank 0 serves a store there
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=datetime.timedelta(seconds=args.dist_timeout),  # how long a collective may wait

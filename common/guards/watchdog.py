@@ -1,11 +1,10 @@
 """Guard rail: no wait for other ranks outlasts --dist-timeout by more than a few seconds, and each one
-says what it waited for. The lesson's setup() meets the other ranks in the process group's store at
-MASTER_ADDR:MASTER_PORT (rank 0 serves it, or torchrun's agent); check.check_rendezvous() looks at
-the address and port before, and the watchdog is a second client of that store, in a thread of its own
-from before setup() until the run ends. It names the ranks that did not arrive there, or, every rank
-arrived, says that the process group did not form; while the run lasts, every rank keeps a heartbeat
-in it, so that a failed collective names the ranks that went silent (killed, stopped, hung) instead of
-a timeout deep in the backend; a worker whose torchrun is gone ends too."""
+says what it waited for. setup() meets the other ranks in the process group's store at MASTER_ADDR:
+MASTER_PORT (rank 0 serves it, or torchrun's agent); check.check_rendezvous() looks at both before, and
+the watchdog is a second client of that store, in a thread from before setup() to the run's end: it
+names the ranks that did not arrive there, or says that the process group did not form though all did;
+then every rank keeps a heartbeat in it, so that a failed collective names the ranks that went silent
+(killed, stopped, hung) instead of a timeout deep in the backend; a worker whose torchrun is gone ends."""
 
 import datetime
 import os
@@ -43,8 +42,7 @@ def fail(message):
 
 
 def within(seconds, call):
-    """call()'s result, or None where it raised DistError or has not returned within `seconds`: the store may
-    be gone with rank 0, or stopped with it."""
+    """call()'s result; None where it raised DistError or outlasted `seconds` (a store gone, or stopped)."""
     result = []
 
     def ask():
@@ -82,9 +80,7 @@ class Watchdog:
         that ends the process: verdict()), then beat until leave()."""
         addr, port, rank = self.launch.addr, self.launch.port, self.rank
         while not check.reachable(addr, port):  # rank 0's store starts in setup() (check_rendezvous() waited on it)
-            if time.monotonic() > end:
-                self.verdict()
-            time.sleep(0.1)
+            self.waited(end)
         self.phase = "connect"
         try:
             with deadline(end + 5 - time.monotonic(), self.verdict):
@@ -99,9 +95,7 @@ class Watchdog:
             self.store.set(f"host/{rank}", socket.gethostname())
             self.store.add("arrived", 1)
             while self.store.add("arrived", 0) < self.world_size:
-                if time.monotonic() > end:
-                    self.verdict()
-                time.sleep(0.1)
+                self.waited(end)
         except dist.DistError:  # rank 0, which serves the store, ended: why() says so
             self.verdict()
         self.phase = "form"
@@ -134,9 +128,15 @@ class Watchdog:
                     return
             self.stopping.wait(HEARTBEAT if self.phase == "run" else 0.05)
 
+    def waited(self, end):
+        """Between two looks at the rendezvous: the verdict past `end`; the thread ends with leave()."""
+        if time.monotonic() > end or self.stopping.wait(0.1):
+            self.verdict()
+
     def verdict(self):
-        """From the watchdog's thread: end the process with why(), unless the main thread says it (unmet())."""
-        if self.saying.acquire(blocking=False):
+        """From the watchdog's thread: end the process with why(), unless the main thread says it (unmet()) or the
+        run ends (leave()): then this thread alone ends."""
+        if not self.stopping.is_set() and self.saying.acquire(blocking=False):
             fail(self.why())
         raise SystemExit  # ends this thread, silently
 
@@ -161,9 +161,9 @@ class Watchdog:
 
     def unmet(self, error):
         """setup()'s error, the process group not formed: the line the thread would say at its deadline."""
+        self.saying.acquire()  # the thread says nothing more: one line
         if "EADDRINUSE" in str(error):  # rank 0's port, taken after check_rendezvous()
             return check.port_in_use(self.launch.port)
-        self.saying.acquire()  # the thread says nothing more: one line
         return self.why()
 
     def listen(self, fn):
@@ -238,8 +238,7 @@ class Watchdog:
             return
         self.stopping.set()
         self.beat.join(2 * HEARTBEAT)  # a thread still waiting in the rendezvous (a failure): left behind
-        self.beat = None
-        store, end = self.store, time.monotonic() + self.timeout
+        self.beat, store, end = None, self.store, time.monotonic() + self.timeout
         if store is None:  # it never connected: a failed rendezvous
             return
         try:
@@ -248,3 +247,4 @@ class Watchdog:
                 time.sleep(0.05)
         except dist.DistError:
             pass
+        self.served = None  # rank 0: the store closes now
