@@ -31,7 +31,7 @@ while hasattr(store, "underlying_store"):
     store = store.underlying_store
 watchdog = guard.watchdog.peers()[0]
 print("store", type(store).__name__, store.port, store is not watchdog)
-print("watchdog's key", store.get("watchdog/attempt0/host/0").decode() == socket.gethostname())
+print("watchdog's key", store.get("watchdog/host/0").decode() == socket.gethostname())
 del store  # the test's own reference would keep the store open
 until = time.monotonic() + 10
 while guard.watchdog.phase != "run" and time.monotonic() < until:

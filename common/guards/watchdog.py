@@ -65,8 +65,8 @@ class Watchdog:
     def __init__(self, launch, timeout):
         self.launch, self.rank, self.world_size, self.timeout = launch, launch.rank, launch.world_size, timeout
         self.where, self.phase = f"{launch.addr}:{launch.port}", "reach"
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves the store
-        self.serves = launch.rank == 0 and not agent
+        self.agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves the store
+        self.serves = launch.rank == 0 and not self.agent
         self.store, self.served, self.beat, self.listeners = None, None, None, []
         self.stopping, self.ready, self.saying = threading.Event(), threading.Event(), threading.Lock()
 
@@ -88,9 +88,9 @@ class Watchdog:
                                        timeout=datetime.timedelta(seconds=self.timeout))  # fmt: skip
         except dist.DistError:
             self.verdict()
-        # keys apart from the process group's, and fresh for each torchrun restart (its agent's store outlives one)
-        self.store = dist.PrefixStore(f"watchdog/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", client)
-        self.phase = "arrive"
+        # keys apart from the process group's; fresh for each restart in torchrun's agent's store, which outlives one
+        attempt = f"/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}" if self.agent else ""
+        self.store, self.phase = dist.PrefixStore(f"watchdog{attempt}", client), "arrive"
         try:
             self.store.set(f"host/{rank}", socket.gethostname())
             self.store.add("arrived", 1)
