@@ -85,8 +85,8 @@ def evaluate(step, loader, samples, guard):
 
 def main(guard):
     args, task = cli.parse_args()  # task: the model and data (--task FILE; MNIST by default)
-    store = guard.start(args)  # guard: one run per folder, a sound launch, a bounded rendezvous
-    rank, local_rank, world_size, device = distributed.setup(args, store)
+    guard.start(args)  # guard: one run per folder, a sound launch, a bounded rendezvous
+    rank, local_rank, world_size, device = distributed.setup(args)
     torch.manual_seed(args.seed)
 
     train_set, test_set = task.datasets(args)

@@ -7,9 +7,11 @@ branches on how it was launched. A process group exists whenever a launcher star
 The launchers say who is who in environment variables: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT; srun sets SLURM_PROCID, SLURM_LOCALID and SLURM_NTASKS, and the address
 and port follow from the job (its first node, and a port from its id); common/environment.py's
-launcher() reads them, once for every module. The guard rails attach from
-outside (common/guards/): they check the launch before any wait and hand setup() a rendezvous store
-that bounds every wait and names the rank that went silent.
+launcher() reads them, once for every module. setup() meets the other ranks there: rank 0 serves a
+key-value store at that address and port (torchrun's agent, where it shares its own), the others
+connect, and each process writes how to reach it. The guard rails attach from outside
+(common/guards/): they check the launch before the rendezvous and watch it as a second client of
+the same store, to bound every wait and name the rank that did not come or went silent.
 """
 
 import ctypes
@@ -25,16 +27,15 @@ import torch.distributed as dist
 from common.environment import is_rank0, launcher, ranks_per_node
 
 
-def setup(args, store=None):
+def setup(args):
     """Pick the device, join the process group: returns rank, local_rank, world_size, device.
-    The ranks meet in `store` (the guard rails' bounds each wait), else MASTER_ADDR:MASTER_PORT."""
+    The ranks meet at rank 0's address and port, MASTER_ADDR:MASTER_PORT under torchrun."""
     launch = launcher()
     device = use_device(launch.local_rank, args)
     if launch.addr:  # a launcher started this process: meet the others
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",  # NCCL between GPUs, gloo between CPUs
-            init_method=None if store else f"tcp://{launch.addr}:{launch.port}",
-            store=store,
+            init_method=f"tcp://{launch.addr}:{launch.port}",  # rank 0 serves a store there
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=datetime.timedelta(seconds=args.dist_timeout),  # how long a collective may wait

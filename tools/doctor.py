@@ -506,7 +506,8 @@ def main(guard):
         nccl_log = args.output_dir / f"nccl-{socket.gethostname().split('.')[0]}-{os.getpid()}.log"
         os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_FILE=str(args.output_dir / "nccl-%h-%p.log"))
         args.output_dir.mkdir(parents=True, exist_ok=True)
-    rank, local_rank, world_size, device = distributed.setup(args, guard.meet(args))  # bounded, and named
+    guard.meet(args)  # bounded, and named: the rendezvous of setup(), watched from outside
+    rank, local_rank, world_size, device = distributed.setup(args)
     mine = {"rank": rank, **facts(args, local_rank, device), **file_facts(args, task, training, rank, world_size)}
     hosts = gather(mine["host"])
     mine.update(all_reduce=[], bandwidth={}, compute_s=compute_time(device), requeue=None)

@@ -1,11 +1,16 @@
 """Guard rail: the checks that need no torch, of the options and of the launcher's variables, before anything
-starts. Run as `python -m common.guards.check ARGS...` it is a job script's check before torchrun starts its
-workers: ARGS as the stage in this folder takes them, and a torch too old for that stage, in a tenth of a
-second; a usage error ends the job once, not once per worker and restart. Silent on success."""
+starts, and of the address and port where setup() meets the other ranks, before it does. Run as
+`python -m common.guards.check ARGS...` it is a job script's check before torchrun starts its workers: ARGS
+as the stage in this folder takes them, and a torch too old for that stage, in a tenth of a second; a usage
+error ends the job once, not once per worker and restart. Silent on success."""
 
+import errno
+import ipaddress
 import os
 import re
+import socket
 import sys
+import time
 from pathlib import Path
 
 from common import cli
@@ -72,6 +77,53 @@ def check_hostlist(hostlist):
         raise SystemExit(
             f"error: cannot read the Slurm hostlist {hostlist!r}: set SLURM_JOB_NODELIST as Slurm writes it"
         )
+
+
+def check_rendezvous(launch, timeout):
+    """Before setup() meets the others at MASTER_ADDR:MASTER_PORT: the address resolves and, off the first node,
+    is not a loopback one; the port is free where rank 0 will serve the store, and answers, within `timeout`,
+    where another rank waits for it (torch's client would retry silently past its timeout)."""
+    host, where = socket.gethostname(), f"{launch.addr}:{launch.port}"
+    try:
+        ip = socket.getaddrinfo(launch.addr, launch.port, type=socket.SOCK_STREAM)[0][4][0]
+    except socket.gaierror as err:
+        raise SystemExit(f"error: MASTER_ADDR {launch.addr} does not resolve on {host} ({err.strerror}): set it to "
+                         "rank 0's host name or address") from None  # fmt: skip
+    # an srun task off the first node, rank 0's, that finds a loopback address would wait for itself (under
+    # torchrun, torchrun sets MASTER_ADDR)
+    off_first = os.environ.get("SLURM_NODEID", "0") != "0" and "TORCHELASTIC_RUN_ID" not in os.environ
+    if off_first and ipaddress.ip_address(ip).is_loopback:
+        raise SystemExit(f"error: rank {launch.rank} on {host}: MASTER_ADDR {launch.addr} is {ip}, a loopback address, "
+                         "but rank 0 runs on another node: unset MASTER_ADDR (srun tasks find the first node) or set "
+                         "it to rank 0's host name")  # fmt: skip
+    if launch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 serves the store
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's: a port in TIME_WAIT is free
+            try:
+                probe.bind(("", launch.port))
+            except OSError as err:
+                raise SystemExit(port_in_use(launch.port) if err.errno == errno.EADDRINUSE else
+                                 f"error: MASTER_PORT {launch.port}: {err.strerror}: choose another port") from None  # fmt: skip
+        return
+    end = time.monotonic() + timeout
+    while not reachable(launch.addr, launch.port):
+        if time.monotonic() > end:
+            raise SystemExit(f"error: rank {launch.rank} on {host}: nothing answers at {where} after --dist-timeout "
+                             f"{timeout} s: rank 0 did not start or failed first (did you launch with srun or "
+                             "torchrun?), or the address is not rank 0's host")  # fmt: skip
+        time.sleep(0.2)
+
+
+def reachable(addr, port):
+    try:
+        socket.create_connection((addr, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def port_in_use(port):
+    return f"error: MASTER_PORT {port} is in use on {socket.gethostname()} by another program: choose another port"
 
 
 def usage(message):

@@ -2,8 +2,8 @@
 makes one Guard and passes it in; every line of the stage that uses it names what it guards, and a learner
 may skip each of them: the training reads the same without. What each one holds off is in tests/FAILURES.md.
 
-  start()         before the process group: one run per output folder, a launch that can work, and a bounded
-                  rendezvous that names who did not come (the store setup() meets in)
+  start()         before setup(): one run per output folder, a launch that can work, and a watch on the
+                  rendezvous setup() makes, bounded and naming who did not come
   agree()         before the first step: every rank trains the same run on the same data
   resume()        whether this run may continue the checkpoint the lesson chose (or start afresh in its
                   folder); signals are caught from here
@@ -59,28 +59,27 @@ class Guard:
         self.data = None  # the training set's fingerprint
 
     def start(self, args):
-        """Claim --output-dir, check the launch, and meet the other ranks: returns the rendezvous store for
-        distributed.setup(), or None without a launcher."""
+        """Claim --output-dir, check the launch, and watch the rendezvous distributed.setup() makes next."""
         self.args = args
         check.check_environment()  # every launcher variable, before anything reads it
         check.check_args(args, gpus=0 if args.no_cuda else torch.cuda.device_count())
         self.lock = lock.claim(args.output_dir)  # first: one run per folder, and a folder it can write
         randomness.seed(args.seed)  # numpy's and random's, as the stage seeds torch's
-        return self.meet(args)
+        self.meet(args)
 
     def meet(self, args):
-        """start() but the output folder: check the launch and meet the other ranks (the doctor's start too)."""
+        """start() but the output folder: check the launch, and watch the rendezvous setup() makes next, from
+        outside it (the doctor's start too)."""
         check.check_environment()
         launch = distributed.launcher()
         preflight.check_launch(launch, args)  # numbers that fit together, before anyone waits for anyone
         preflight.check_device(args, launch.local_rank)
         if not launch.addr:
-            return None
+            return
         preflight.check_interfaces("nccl" if torch.cuda.is_available() and not args.no_cuda else "gloo")
-        self.watchdog = Watchdog()
-        store = self.watchdog.rendezvous(launch, args.dist_timeout)  # bounded, and naming who did not come
-        self.watchdog.watch()  # heartbeats: a failed collective names the rank that went silent
-        return store
+        check.check_rendezvous(launch, args.dist_timeout)  # an address that resolves, a port free or answering
+        self.watchdog = Watchdog(launch, args.dist_timeout)
+        self.watchdog.watch()  # a second client of setup()'s store: who did not come; then who went silent
 
     def agree(self, train_set, val_set, test_set, task):
         """Every rank trains the same run on the same data; the run's manifest records what it is trained on."""
@@ -186,7 +185,8 @@ class Guard:
             divergence.check_weights(checkpoint.unwrap(model).state_dict(), what, self.args.output_dir)
 
     def close(self, together):
-        """Stop the heartbeat; with `together`, rank 0 (which serves the store) waits until every rank has left."""
+        """Stop the heartbeat; with `together`, rank 0 (which serves the store, past the process group's end)
+        waits until every rank has left."""
         if self.watchdog:
             self.watchdog.leave(together)
 

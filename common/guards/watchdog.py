@@ -1,11 +1,12 @@
 """Guard rail: no wait for other ranks outlasts --dist-timeout by more than a few seconds, and each one
-says what it waited for. The rendezvous names the address, the port and the ranks that did not arrive;
-while the run lasts, every rank keeps a heartbeat in the rendezvous store, so that a failed collective
-names the ranks that went silent (killed, stopped, hung) instead of a timeout deep in the backend; a
-worker whose torchrun is gone ends too."""
+says what it waited for. setup() meets the other ranks in the process group's store at MASTER_ADDR:
+MASTER_PORT (rank 0 serves it, or torchrun's agent); check.check_rendezvous() looks at both before, and
+the watchdog is a second client of that store, in a thread from before setup() to the run's end: it
+names the ranks that did not arrive there, or says that the process group did not form though all did;
+then every rank keeps a heartbeat in it, so that a failed collective names the ranks that went silent
+(killed, stopped, hung) instead of a timeout deep in the backend; a worker whose torchrun is gone ends."""
 
 import datetime
-import ipaddress
 import os
 import socket
 import sys
@@ -14,16 +15,17 @@ import time
 
 import torch.distributed as dist
 
+from common.guards import check
+
 HEARTBEAT = 1.0  # seconds between a rank's signs of life in the store
 
 
 class deadline:
-    """`with deadline(seconds, rank, why):` ends the process with `why` if the block is still running by
-    then: for waits that take no timeout of their own, or ignore it (a TCP connection to a program that
-    accepts it but never answers)."""
+    """`with deadline(seconds, then):` calls then() if the block is still running by then: for waits that take
+    no timeout of their own, or ignore it (a TCP connection to a program that accepts it but never answers)."""
 
-    def __init__(self, seconds, rank, why):
-        self.timer = threading.Timer(seconds, lambda: fail(f"error: rank {rank}: {why}"))
+    def __init__(self, seconds, then):
+        self.timer = threading.Timer(seconds, then)
         self.timer.daemon = True
 
     def __enter__(self):
@@ -39,127 +41,130 @@ def fail(message):
     os._exit(1)
 
 
-def reachable(addr, port):
-    try:
-        socket.create_connection((addr, port), timeout=1).close()
-        return True
-    except OSError:
-        return False
+def within(seconds, call):
+    """call()'s result; None where it raised DistError or outlasted `seconds` (a store gone, or stopped)."""
+    result = []
 
+    def ask():
+        try:
+            result.append(call())
+        except dist.DistError:
+            pass
 
-def arrive(store, launch, where, end, timeout):
-    """Wait until every rank has written its host into the store, naming the ones that have not by `end`."""
-    rank, world_size = launch.rank, launch.world_size
-    try:
-        store.set(f"host/{rank}", socket.gethostname())
-        store.add("arrived", 1)
-        while store.add("arrived", 0) < world_size:
-            if time.monotonic() > end:
-                missing = [r for r in range(world_size) if not store.check([f"host/{r}"])]
-                raise SystemExit(
-                    f"error: rank {rank}: ranks {', '.join(map(str, missing))} of {world_size} did not arrive at "
-                    f"{where} within --dist-timeout {timeout} s: were they started (srun with --ntasks = world size, "
-                    "torchrun on every node)? A rank that failed first printed its own error"
-                )
-            time.sleep(0.1)
-    except dist.DistError:
-        raise SystemExit(
-            f"error: rank {rank}: lost the rendezvous store at {where}: rank 0 ended (its message says why)"
-        ) from None
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return result[0] if result else None
 
 
 class Watchdog:
-    """This process's rendezvous store, rank and heartbeat: made before the process group, kept until the run
-    ends."""
+    """This process's second client of the rendezvous store, its rank and heartbeat, from before setup() until the
+    run ends. `phase`, how far the rendezvous got: "reach" (rank 0's store is not up yet), "connect", "arrive"
+    (the ranks write their host), "form" (every rank came; the process group forms), "run"."""
 
-    def __init__(self):
-        self.store, self.beat, self.listeners, self.stopping = None, None, [], threading.Event()
-
-    def rendezvous(self, launch, timeout):
-        """Meet the other ranks in a key-value store at rank 0's address and port (torchrun's own store under
-        torchrun), each step bounded by `timeout` and, if it fails, named: returns the store for the process
-        group."""
-        rank, world_size, where, host = (
-            launch.rank,
-            launch.world_size,
-            f"{launch.addr}:{launch.port}",
-            socket.gethostname(),
-        )
-        try:
-            ip = socket.getaddrinfo(launch.addr, launch.port, type=socket.SOCK_STREAM)[0][4][0]
-        except socket.gaierror as err:
-            raise SystemExit(f"error: MASTER_ADDR {launch.addr} does not resolve on {host} ({err.strerror}): set it to "
-                             "rank 0's host name or address") from None  # fmt: skip
-        # an srun task off the first node, rank 0's, that finds a loopback address would wait for itself
-        # (under torchrun, torchrun sets MASTER_ADDR)
-        off_first = os.environ.get("SLURM_NODEID", "0") != "0" and "TORCHELASTIC_RUN_ID" not in os.environ
-        if off_first and ipaddress.ip_address(ip).is_loopback:
-            raise SystemExit(
-                f"error: rank {rank} on {host}: MASTER_ADDR {launch.addr} is {ip}, a loopback address, but rank 0 runs "
-                "on another node: unset MASTER_ADDR (srun tasks find the first node) or set it to rank 0's host name"
-            )
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves the store
-        serve = self.serves = rank == 0 and not agent
-        end = time.monotonic() + timeout
-        if not serve:  # wait for the server in Python: torch's client retries silently past its timeout
-            while not reachable(launch.addr, launch.port):
-                if time.monotonic() > end:
-                    raise SystemExit(
-                        f"error: rank {rank} on {host}: nothing answers at {where} after --dist-timeout {timeout} s: "
-                        "rank 0 did not start or failed first (did you launch with srun or torchrun?), or the address "
-                        "is not rank 0's host"
-                    )
-                time.sleep(0.2)
-        try:
-            with deadline(timeout + 5, rank, f"{where} accepts connections but is no rendezvous store: MASTER_PORT is "
-                          "taken by another program; choose another port"):  # fmt: skip
-                store = dist.TCPStore(launch.addr, launch.port, world_size, is_master=serve, wait_for_workers=False,
-                                      timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
-        except dist.DistNetworkError as err:
-            if "EADDRINUSE" in str(err):
-                raise SystemExit(
-                    f"error: MASTER_PORT {launch.port} is in use on {host} by another program: choose another port"
-                ) from None
-            raise SystemExit(
-                f"error: rank {rank} could not reach the rendezvous store at {where}: {str(err).splitlines()[0]}"
-            ) from None
-        if (
-            agent
-        ):  # torchrun's own store outlives a restart: fresh keys for each (torch's own keys are kept apart alike)
-            store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}", store)
-        arrive(store, launch, where, end, timeout)
-        self.store, self.where, self.rank, self.world_size, self.timeout = store, where, rank, world_size, timeout
-        return dist.PrefixStore("pg", store)  # the process group's keys apart from the heartbeats
+    def __init__(self, launch, timeout):
+        self.launch, self.rank, self.world_size, self.timeout = launch, launch.rank, launch.world_size, timeout
+        self.where, self.phase = f"{launch.addr}:{launch.port}", "reach"
+        self.agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's agent serves the store
+        self.serves = launch.rank == 0 and not self.agent
+        self.store, self.served, self.beat, self.listeners = None, None, None, []
+        self.stopping, self.ready, self.saying = threading.Event(), threading.Event(), threading.Lock()
 
     def watch(self):
-        """After rendezvous(): a thread that keeps this rank's heartbeat in the store, ends the rank if the process
-        group has not formed within the timeout although every rank arrived (the ranks cannot reach each other's
-        addresses), and when the torchrun that started it is gone (a killed launcher must not leave its workers
-        running)."""
-        store, rank, form_by = self.store, self.rank, time.monotonic() + self.timeout + 5
-        parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
-        formed = False
+        """Start the thread that follows the rendezvous setup() makes next, then beats."""
+        self.beat = threading.Thread(target=self.follow, args=(time.monotonic() + self.timeout,), daemon=True)
+        self.beat.start()
 
-        def beat():
-            nonlocal formed
-            while not self.stopping.is_set():
-                if parent and os.getppid() != parent:
-                    fail(f"error: rank {rank}: torchrun (pid {parent}) has ended: this worker ends too")
-                formed = formed or dist.is_initialized()
-                if not formed and time.monotonic() > form_by:
-                    fail(f"error: rank {rank}: the process group did not form although every rank arrived: the ranks "
-                         "cannot reach each other's addresses; set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the "
-                         "network the nodes share")  # fmt: skip
+    def follow(self, end):
+        """The thread: connect to the store setup() meets in, wait there for every rank until `end` (else one line
+        that ends the process: verdict()), then beat until leave()."""
+        addr, port, rank = self.launch.addr, self.launch.port, self.rank
+        while not check.reachable(addr, port):  # rank 0's store starts in setup() (check_rendezvous() waited on it)
+            self.waited(end)
+        self.phase = "connect"
+        try:
+            with deadline(end + 5 - time.monotonic(), self.verdict):
+                client = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=self.timeout))  # fmt: skip
+        except dist.DistError:
+            self.verdict()
+        # keys apart from the process group's; fresh for each restart in torchrun's agent's store, which outlives one
+        attempt = f"/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}" if self.agent else ""
+        self.store, self.phase = dist.PrefixStore(f"watchdog{attempt}", client), "arrive"
+        try:
+            self.store.set(f"host/{rank}", socket.gethostname())
+            self.store.add("arrived", 1)
+            while self.store.add("arrived", 0) < self.world_size:
+                self.waited(end)
+        except dist.DistError:  # rank 0, which serves the store, ended: why() says so
+            self.verdict()
+        self.phase = "form"
+        self.ready.set()
+        self.heartbeat(time.monotonic() + self.timeout + 5)
+
+    def heartbeat(self, form_by):
+        """Keep this rank's heartbeat in the store; end the rank if the process group has not formed by `form_by`
+        although every rank arrived (the ranks cannot reach each other's addresses), or when the torchrun that
+        started it is gone (a killed launcher must not leave its workers running)."""
+        parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        beaten = 0
+        while not self.stopping.is_set():
+            if parent and os.getppid() != parent:
+                fail(f"error: rank {self.rank}: torchrun (pid {parent}) has ended: this worker ends too")
+            if self.phase == "form" and dist.is_initialized():
+                # rank 0's store is the process group's, closed with it (distributed.cleanup()): held here until
+                # every rank has left (leave()), as a heartbeat sent to a closed store prints a C++ stack trace
+                self.served = dist.distributed_c10d._get_default_store() if self.serves else None
+                self.phase = "run"
+            elif self.phase == "form" and time.monotonic() > form_by:
+                self.verdict()
+            if time.monotonic() - beaten >= HEARTBEAT:
+                beaten = time.monotonic()
                 try:
-                    store.set(f"alive/{rank}", str(time.time()))
+                    self.store.set(f"alive/{self.rank}", str(time.time()))
                     for listen in self.listeners:
-                        listen(store)
+                        listen(self.store)
                 except dist.DistError:  # the store went with rank 0: the main thread reports what failed
                     return
-                self.stopping.wait(HEARTBEAT)
+            self.stopping.wait(HEARTBEAT if self.phase == "run" else 0.05)
 
-        self.beat = threading.Thread(target=beat, daemon=True)
-        self.beat.start()
+    def waited(self, end):
+        """Between two looks at the rendezvous: the verdict past `end`; the thread ends with leave()."""
+        if time.monotonic() > end or self.stopping.wait(0.1):
+            self.verdict()
+
+    def verdict(self):
+        """From the watchdog's thread: end the process with why(), unless the main thread says it (unmet()) or the
+        run ends (leave()): then this thread alone ends."""
+        if not self.stopping.is_set() and self.saying.acquire(blocking=False):
+            fail(self.why())
+        raise SystemExit  # ends this thread, silently
+
+    def why(self):
+        """The line for a rendezvous that did not complete, as far as it got (`phase`)."""
+        rank, where, timeout, world_size = self.rank, self.where, self.timeout, self.world_size
+        if self.phase == "reach":
+            return f"error: rank {rank}: its rendezvous store at {where} did not start within --dist-timeout {timeout} s"  # fmt: skip
+        if self.phase == "connect":
+            return (f"error: rank {rank}: {where} accepts connections but is no rendezvous store: MASTER_PORT is "
+                    "taken by another program; choose another port")  # fmt: skip
+        missing = self.phase == "arrive" and within(5, lambda: [r for r in range(world_size) if not self.store.check([f"host/{r}"])])  # fmt: skip
+        if missing is None:
+            return f"error: rank {rank}: lost the rendezvous store at {where}: rank 0 ended (its message says why)"
+        if missing:
+            return (f"error: rank {rank}: ranks {', '.join(map(str, missing))} of {world_size} did not arrive at "
+                    f"{where} within --dist-timeout {timeout} s: were they started (srun with --ntasks = world size, "
+                    "torchrun on every node)? A rank that failed first printed its own error")  # fmt: skip
+        return (f"error: rank {rank}: the process group did not form although every rank arrived: the ranks cannot "
+                "reach each other's addresses; set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the network the "
+                "nodes share")  # fmt: skip
+
+    def unmet(self, error):
+        """setup()'s error, the process group not formed: the line the thread would say at its deadline."""
+        self.saying.acquire()  # the thread says nothing more: one line
+        if "EADDRINUSE" in str(error):  # rank 0's port, taken after check_rendezvous()
+            return check.port_in_use(self.launch.port)
+        return self.why()
 
     def listen(self, fn):
         """Call fn(store) with every heartbeat, in the heartbeat's thread, which leave() stops before the store
@@ -174,15 +179,13 @@ class Watchdog:
     def failed(self, line):
         """This rank's own error, in the store: a failed collective on the others names it (explain()); returns
         `line`. Bounded: the store may be gone with rank 0."""
-        saying = threading.Thread(target=lambda: self.store and self.store.set(f"failed/{self.rank}", line[:500]))
-        saying.daemon = True
-        saying.start()
-        saying.join(2)
+        within(2, lambda: self.store and self.store.set(f"failed/{self.rank}", line[:500]))
         return line
 
     def peers(self):
-        """(store, rank, world size) of this process's process group, for the guard rails that talk through the
-        store; None before rendezvous()."""
+        """(store, rank, world size): the watchdog's client, for the guard rails that talk through the store, once
+        every rank has arrived there (setup() returned: so have they, or nearly); None before watch()."""
+        self.ready.wait(self.timeout + 5 if self.beat else 0)
         return (self.store, self.rank, self.world_size) if self.store else None
 
     def explain(self, error):
@@ -191,7 +194,11 @@ class Watchdog:
         backend = isinstance(error, RuntimeError) and any(
             name in str(error) for name in ("gloo", "NCCL", "ProcessGroup")
         )
-        if not self.store or not (isinstance(error, dist.DistError) or backend):
+        if not (isinstance(error, dist.DistError) or backend):
+            return None
+        if self.phase != "run" and not dist.is_initialized():  # setup()'s rendezvous failed
+            return self.unmet(error)
+        if not self.store:
             return None
         rank, store, timeout = self.rank, self.store, self.timeout
         stalled = []
@@ -224,17 +231,20 @@ class Watchdog:
 
     def leave(self, together=True):
         """Stop the heartbeat, then, where every rank ends `together`, wait for all to leave if this one serves the
-        store (rank 0, unless torchrun's agent does): a heartbeat sent to a closed store prints a C++ stack trace
-        after the summary. After a failure the others may never come: no wait."""
+        store (rank 0, unless torchrun's agent does; it holds the store past the process group's end for this): a
+        heartbeat sent to a closed store prints a C++ stack trace after the summary. After a failure the others may
+        never come: no wait."""
         if not self.beat:
             return
         self.stopping.set()
-        self.beat.join()
-        self.beat = None
-        store, end = self.store, time.monotonic() + self.timeout
+        self.beat.join(2 * HEARTBEAT)  # a thread still waiting in the rendezvous (a failure): left behind
+        self.beat, store, end = None, self.store, time.monotonic() + self.timeout
+        if store is None:  # it never connected: a failed rendezvous
+            return
         try:
             store.add("left", 1)
             while together and self.serves and store.add("left", 0) < self.world_size and time.monotonic() < end:
                 time.sleep(0.05)
         except dist.DistError:
             pass
+        self.served = None  # rank 0: the store closes now
