@@ -57,7 +57,7 @@ def launcher(env=os.environ):
 
 
 def restarts(env=os.environ):
-    """(Slurm's requeues of this job, torchrun's restarts of its workers): 0 and 0 on a first start."""
+    """(Slurm's requeues of this job, torchrun's restarts of its workers): 0, 0 at first."""
     slurm, torchrun = env.get("SLURM_RESTART_COUNT"), env.get("TORCHELASTIC_RESTART_COUNT")
     return count(slurm) or 0, count(torchrun) or 0
 
