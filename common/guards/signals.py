@@ -5,7 +5,7 @@
                   signal's number (stop_at_once()); the same command starts it again
   a training step from resume() on, the signal is only noted: every rank finishes its step, all agree on one
                   step to stop at, save there and end (preemption.Preemption, rails.Guard.end_of_step())
-  an evaluation   likewise between evaluation batches (rails.Guard.evaluating()): the epoch's training is
+  an evaluation   likewise between evaluation batches (rails.Guard.end_of_batch()): the epoch's training is
                   saved whole, and the resumed run evaluates the epoch again
   a save, the     noted, and acted on at the next step or evaluation batch; after the last epoch's evaluation
   epoch's end     there is none: the run ends as it would have, its last checkpoint complete
