@@ -52,14 +52,13 @@ NO_GRAPHS = (  # what a CUDA graph cannot hold, by what the model is handed as (
 
 
 def compiled(modules, device):
-    """--compile: torch.compile the model, or each of stage 05's units (a list), in place: the
-    state dict keeps its names. Says once which mode and why; returns the mode."""
+    """--compile: torch.compile the model, or stage 05's units (a list), in place; says how, once."""
     why = next((why for kind, why in NO_GRAPHS if isinstance(modules, kind)), None)
     why = "CUDA graphs need a GPU" if device.type != "cuda" else why
     mode = "default" if why else "reduce-overhead"
     print0(f"compile: mode {mode} ({why or 'CUDA graphs of the forward and of the backward'})")
     for module in modules if isinstance(modules, list) else [modules]:
-        module.compile(mode=mode)
+        module.compile(mode=mode)  # in place: the state dict keeps its names
     return mode
 
 
