@@ -44,7 +44,7 @@ def optimizer(args, parameters):
     return torch.optim.SGD(parameters, momentum=args.momentum, **options)
 
 
-NO_GRAPHS = (  # what a CUDA graph cannot hold, by what the model is handed as (the docstring above)
+NO_GRAPHS = (  # what a CUDA graph cannot hold, by the model's wrapper (the module's docstring)
     (list, "per FSDP2 unit: the gathers and reduce-scatters between them cannot be captured"),
     (DistributedDataParallel, "DDP's all-reduce hooks cannot be captured"),
     (DataParallel, "DataParallel's thread per GPU cannot be captured"),
@@ -52,7 +52,7 @@ NO_GRAPHS = (  # what a CUDA graph cannot hold, by what the model is handed as (
 
 
 def compiled(modules, device):
-    """--compile: torch.compile the model, or stage 05's units (a list), in place; says how, once."""
+    """--compile: torch.compile the model, or stage 05's units (a list), in place; says how once."""
     why = next((why for kind, why in NO_GRAPHS if isinstance(modules, kind)), None)
     why = "CUDA graphs need a GPU" if device.type != "cuda" else why
     mode = "default" if why else "reduce-overhead"
