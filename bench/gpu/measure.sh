@@ -52,7 +52,8 @@ if has speedup; then  # the --compile rows alone: 01, 03 and 05 at batch 64, eag
     run p03c 150 "${TR[@]}" 03_ddp_single_node/train.py --epochs $EP --compile "${LIM[@]}"
     run p05 120 "${TR[@]}" 05_fsdp/train.py --epochs $EP05 "${LIM[@]}"
     run p05c 150 "${TR[@]}" 05_fsdp/train.py --epochs $EP05 --compile "${LIM[@]}"
-    note "compile modes: $(grep -h '^compile: mode' "$RUNS"/p0[135]c.log 2>/dev/null | tr '\n' ';')"
+    note "compile modes: $(for n in p01c p03c p05c; do grep -m1 '^compile: mode' "$RUNS/$n.log" 2>/dev/null |
+        sed "s/^compile:/$n/"; done | tr '\n' ';')"
     note "-- speedup done at $(($(date +%s) - T0)) s"
 fi
 if has perf; then  # batch 64 defaults, eager; the classic reference; --compile; the recipe over 5 seeds
