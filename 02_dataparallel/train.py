@@ -106,8 +106,8 @@ def main(guard):
     if device.type == "cuda" and torch.cuda.device_count() > 1:
         # one process, every visible GPU: each batch split across them, gradients summed on GPU 0
         model = nn.DataParallel(model)
-    if args.compile:  # fused kernels; the first step of each shape waits for the compiler
-        model.compile()  # in place: the state dict keeps its names, so checkpoints do not change
+    if args.compile:  # fused kernels, in CUDA graphs where they go; the first steps wait for it
+        optim.compiled(model, device)  # in place: checkpoints keep their names; says its mode
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)

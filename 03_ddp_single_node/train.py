@@ -117,8 +117,8 @@ def main(guard):
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # gradients are averaged across ranks during backward(), overlapped with it
         model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
-    if args.compile:  # fused kernels; the first step of each shape waits for the compiler
-        model.compile()  # in place: the state dict keeps its names, so checkpoints do not change
+    if args.compile:  # fused kernels, in CUDA graphs where they go; the first steps wait for it
+        optim.compiled(model, device)  # in place: checkpoints keep their names; says its mode
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)

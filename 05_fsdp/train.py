@@ -117,8 +117,8 @@ def main(guard):
     metrics.memory(model, args, world_size, mesh)
     for block in units if args.checkpoint_activations else []:  # keep its input; rerun in backward
         recompute(block)
-    for block in units if args.compile else []:  # each unit FSDP gathers, as documented for FSDP2
-        block.compile()
+    if args.compile:  # fused kernels, in CUDA graphs where they go; the first steps wait for it
+        optim.compiled(list(units), device)  # each unit FSDP gathers, as documented for FSDP2
     block_policy, norm_policy, root_policy = amp.policies(device, args)  # --amp: bf16 over fp32
     if dist.is_initialized():  # a plain `python train.py` has no process group: nothing to wrap
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share

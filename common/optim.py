@@ -5,6 +5,15 @@ grows, as it does with the number of GPUs at a fixed batch per GPU, --lr-scaling
 follows: `linear` (k times the batch, k times the rate: Goyal et al. 2017, for SGD, best with a few
 epochs of warm-up), `sqrt` (the gradient noise shrinks with the square root of the batch: a safer
 rule for adaptive optimizers such as Adam or Adadelta), or `none`.
+
+--compile (compiled()): at batch 64 a step is bound by kernel launches and host work, not by the
+GPU's arithmetic. torch.compile's default mode fuses kernels but still launches them one by one;
+mode "reduce-overhead" replays the forward and the backward as CUDA graphs, one launch each. A
+graph holds only work on one GPU: not DDP's all-reduce hooks, which fire between the backward's
+parts (pytorch/pytorch#128218, #140395), nor FSDP2's gathers and reduce-scatters around each
+unit, nor DataParallel's thread per GPU: there the default mode. The optimizer's step stays
+eager: its learning rate, a Python number the scheduler changes each epoch, would recompile a
+compiled step every epoch. No step reads a tensor on the host, except on --log-interval steps.
 """
 
 import sys
@@ -13,9 +22,11 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from common import data
 from common.cli import learning_rate
+from common.distributed import print0
 
 
 def optimizer(args, parameters):
@@ -31,6 +42,24 @@ def optimizer(args, parameters):
     if args.optimizer == "rmsprop":
         return torch.optim.RMSprop(parameters, momentum=args.momentum, **options)
     return torch.optim.SGD(parameters, momentum=args.momentum, **options)
+
+
+NO_GRAPHS = (  # what a CUDA graph cannot hold, by the model's wrapper (the module's docstring)
+    (list, "per FSDP2 unit: the gathers and reduce-scatters between them cannot be captured"),
+    (DistributedDataParallel, "DDP's all-reduce hooks cannot be captured"),
+    (DataParallel, "DataParallel's thread per GPU cannot be captured"),
+)
+
+
+def compiled(modules, device):
+    """--compile: torch.compile the model, or stage 05's units (a list), in place; says how once."""
+    why = next((why for kind, why in NO_GRAPHS if isinstance(modules, kind)), None)
+    why = "CUDA graphs need a GPU" if device.type != "cuda" else why
+    mode = "default" if why else "reduce-overhead"
+    print0(f"compile: mode {mode} ({why or 'CUDA graphs of the forward and of the backward'})")
+    for module in modules if isinstance(modules, list) else [modules]:
+        module.compile(mode=mode)  # in place: the state dict keeps its names
+    return mode
 
 
 def state_tensors(args):

@@ -11,11 +11,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import data, models
+from common import data, models, optim
 from common.metrics import Sums
 from common.models import Net
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # after 6 Adadelta steps of the Net; bitwise equality is not expected
+SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")  # a tensor read on the host
 
 
 def both(rank, world_size, port, data_dir, name, result):
@@ -30,15 +31,15 @@ def both(rank, world_size, port, data_dir, name, result):
     for compiled in (False, True):
         model = model_without_dropout()
         if name == "05_fsdp":
-            for block in models.blocks(model):  # as stage 05 does: compile per block, then shard
-                if compiled:
-                    block.compile()
+            if compiled:  # as stage 05 does: compile per block, then shard
+                optim.compiled(list(models.blocks(model)), CPU)
+            for block in models.blocks(model):
                 fully_shard(block)
             fully_shard(model)
         else:
             model = DDP(model) if world_size > 1 else model
             if compiled:
-                model.compile()
+                optim.compiled(model, CPU)
         args = type(ARGS)(**vars(ARGS), grad_accum=1)  # stage 05's train() reads it
         sums = stage(name).train(step(model, args), loader, 1, Sums.zeros(CPU), args, RUN)
         for total in (sums.loss, sums.samples) if world_size > 1 else ():
@@ -76,6 +77,8 @@ def test_compiled_and_eager_checkpoints_are_one_format(tiny_data, tmp_path):
     run: resuming with it changed is refused, naming it."""
     out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1, "--compile"))
     assert out.returncode == 0 and "| compile " in out.stdout, out.stderr
+    assert out.stdout.count("compile: mode default (CUDA graphs need a GPU)") == 1  # said once, why
+    assert "warn" not in out.stderr.lower(), out.stderr  # the fallback is quiet
     weights = checkpoint(tmp_path)["model"]
     eager = Net().eval()
     eager.load_state_dict(weights, strict=True)
@@ -94,3 +97,61 @@ def test_compile_without_a_cpp_compiler_is_one_line(tiny_data, tmp_path):
     out = python(S01, *stage_args(tiny_data, tmp_path, "--compile"), PATH="/nonexistent", CXX="")
     one_error(out, "--compile on the CPU needs a C++ compiler")
     assert out.seconds < 30 and not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_compile_chooses_cuda_graphs_where_they_go(monkeypatch, capsys):
+    """CUDA graphs (mode reduce-overhead) for a plain model on a GPU; the default mode on a CPU and around
+    what a graph cannot hold: DDP's all-reduce hooks, stage 05's FSDP2 units, DataParallel's threads. The
+    choice is said once, with its reason; every unit is compiled with it."""
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: modes.append(options["mode"]) or fn)
+    linear, gpu = torch.nn.Linear(2, 2), torch.device("cuda")  # compiling is lazy: no GPU is touched
+    assert optim.compiled(linear, CPU) == "default" and modes == ["default"]
+    assert capsys.readouterr().out == "compile: mode default (CUDA graphs need a GPU)\n"
+    assert optim.compiled(linear, gpu) == "reduce-overhead" and modes[-1] == "reduce-overhead"
+    assert capsys.readouterr().out.count("compile: mode reduce-overhead (CUDA graphs") == 1
+    units = [torch.nn.Linear(2, 2) for _ in range(3)]
+    assert optim.compiled(units, gpu) == "default" and modes[-3:] == ["default"] * 3 and len(modes) == 5
+    assert capsys.readouterr().out.count("FSDP2") == 1  # once for all the units
+    assert optim.compiled(torch.nn.DataParallel(linear), gpu) == "default"
+    assert "DataParallel" in capsys.readouterr().out
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        assert optim.compiled(DDP(linear), gpu) == "default"
+    finally:
+        dist.destroy_process_group()
+    assert "compile: mode default (DDP's all-reduce hooks cannot be captured)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "name, compiled",
+    [("01_single_gpu", False), ("05_fsdp", False), pytest.param("01_single_gpu", True, marks=pytest.mark.slow)],
+)
+def test_no_host_sync_between_log_steps(name, compiled, monkeypatch):
+    """A step reads no tensor on the host (a GPU would wait for it) except on --log-interval steps, for its
+    progress line: one .item() each, eager and compiled (counted after the compiler's first steps)."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))) for _ in range(7)]
+    model = model_without_dropout()
+    if compiled:
+        optim.compiled(model, CPU)
+    args = type(ARGS)(**{**vars(ARGS), "log_interval": 3, "grad_accum": 1})  # steps 0, 3 and 6 log
+    train = stage(name).train
+    if compiled:  # the compiler reads tensors while it compiles: once, before the steps counted
+        train(step(model), batches, 1, Sums.zeros(CPU), args, RUN)
+    reads = {method: 0 for method in SYNCS}
+    for method in SYNCS:
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, counted(original, method, reads))
+    sums = train(step(model), batches, 1, Sums.zeros(CPU), args, RUN)
+    monkeypatch.undo()
+    assert reads == {method: 3 if method == "item" else 0 for method in SYNCS}
+    assert sums.samples == 56 and torch.isfinite(sums.loss)  # it trained all 7 steps
+
+
+def counted(original, method, reads):
+    def read(tensor, *args, **kwargs):
+        reads[method] += 1
+        return original(tensor, *args, **kwargs)
+
+    return read

@@ -2,8 +2,8 @@
 # The GPU table (bench/gpu/README.md) in one call on one GPU, about 8 minutes: `make bench`, from the project's root.
 # Sections in priority order, each run on its own; a run that would start after BUDGET seconds (default 480) is
 # skipped and says so. Every result line goes to $OUT/results.txt as it comes, the runs' last lines to
-# $OUT/logs.txt, the table to $OUT/table.md. SECTIONS="perf compile plan resume doctor profile probe" chooses
-# (probe, stage 05's step taken apart, is not in the default); QUICK=1 (the default without a GPU) runs them on 640
+# $OUT/logs.txt, the table to $OUT/table.md. SECTIONS="speedup perf compile plan resume doctor profile probe" chooses
+# (not in the default: speedup, the --compile rows alone; probe, stage 05's step taken apart); QUICK=1 (the default without a GPU) runs them on 640
 # images to check the script (bench/gpu/README.md). PY is the Python with torch; RECIPE the time-to-99 % flags.
 set -u
 OUT=${OUT:-bench-results/gpu}
@@ -31,6 +31,7 @@ T0=$(date +%s)
 BUDGET=${BUDGET:-480}
 late() {  # is it past BUDGET (or is `name` one QUICK skips)? Then say so
     [[ $SKIP == *" $1 "* ]] && note "$1 skipped: QUICK" && return
+    [ -e "$RUNS/$1.log" ] && note "$1 skipped: measured above" && return  # speedup's runs, then perf's
     [ $(($(date +%s) - T0)) -ge "$BUDGET" ] && note "$1 skipped: past BUDGET=$BUDGET s"
 }
 device=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
@@ -44,6 +45,17 @@ run() {  # name timeout cmd... : one run into $RUNS/<name>, its summary line
     note "$name rc=$rc wall=$(awk "BEGIN{printf \"%.1f\", $e - $s}") $($PY "$HERE/summ.py" "$o/metrics.csv")"
 }
 has() { [[ " $SECTIONS " == *" $1 "* ]]; }
+if has speedup; then  # the --compile rows alone: 01, 03 and 05 at batch 64, eager then compiled, side by side
+    run p01 120 "$PY" 01_single_gpu/train.py --epochs $EP "${LIM[@]}"
+    run p01c 150 "$PY" 01_single_gpu/train.py --epochs $EP --compile "${LIM[@]}"
+    run p03 120 "${TR[@]}" 03_ddp_single_node/train.py --epochs $EP "${LIM[@]}"
+    run p03c 150 "${TR[@]}" 03_ddp_single_node/train.py --epochs $EP --compile "${LIM[@]}"
+    run p05 120 "${TR[@]}" 05_fsdp/train.py --epochs $EP05 "${LIM[@]}"
+    run p05c 150 "${TR[@]}" 05_fsdp/train.py --epochs $EP05 --compile "${LIM[@]}"
+    note "compile modes: $(for n in p01c p03c p05c; do grep -m1 '^compile: mode' "$RUNS/$n.log" 2>/dev/null |
+        sed "s/^compile:/$n/"; done | tr '\n' ';')"
+    note "-- speedup done at $(($(date +%s) - T0)) s"
+fi
 if has perf; then  # batch 64 defaults, eager; the classic reference; --compile; the recipe over 5 seeds
     run p01 120 "$PY" 01_single_gpu/train.py --epochs $EP "${LIM[@]}"
     run p03 120 "${TR[@]}" 03_ddp_single_node/train.py --epochs $EP "${LIM[@]}"
