@@ -42,6 +42,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common import amp, data, models, optim
 from common.environment import Launch
+from common.metrics import Sums
 from common.guards import preflight
 from common.tasks import sequences
 
@@ -121,7 +122,7 @@ def ranks(rank, world_size, port, data_dir, result):
             fully_shard(model, mesh=mesh)
         args = type(ARGS)(**vars(ARGS), grad_accum=accum)
         name = "05_fsdp" if way != "ddp" else "03_ddp_single_node"
-        stage(name).train(step(model, args), loader, 1, args, RUN)
+        stage(name).train(step(model, args), loader, 1, Sums.zeros(CPU), args, RUN)
         trained[way] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     if rank == 0:
         torch.save({way: {k.removeprefix("module."): v for k, v in w.items()} for way, w in trained.items()}, result)
