@@ -42,8 +42,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common import amp, data, models, optim
 from common.environment import Launch
-from common.metrics import Sums
 from common.guards import preflight
+from common.metrics import Sums
 from common.tasks import sequences
 
 STEPS = 4
