@@ -74,10 +74,9 @@ def test_single_process_stages(stage, tiny_data, tmp_path):
     Net().load_state_dict(checkpoint(tmp_path, "model.pt"))  # plain keys, any stage loads it
 
 
+@pytest.mark.slow  # make test: test_data.py checks each pipeline's batches, test_one_line.py runs classic's workers
 @pytest.mark.parametrize(
-    "flags",
-    [("--loader", "classic", "--limit", "100"), pytest.param(("--loader", "device", "--amp"), marks=pytest.mark.slow)],
-    ids=" ".join,
+    "flags", [("--loader", "classic", "--limit", "100"), ("--loader", "device", "--amp")], ids=" ".join
 )
 def test_stage01_with_other_pipelines(flags, tiny_data, tmp_path):
     out = run([sys.executable, "01_single_gpu/train.py", *stage_args(tiny_data, tmp_path, "--epochs", 2, *flags)])
