@@ -443,7 +443,8 @@ def test_a_killed_rank_is_named_by_the_others(tiny_data, tmp_path):
     kept(tmp_path, int(checkpoint(tmp_path)["epoch"]))
 
 
-@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.slow  # make test: test_preemption.py stops a run mid-epoch with SIGTERM, the same stop
+@pytest.mark.parametrize("workers", [0, 1])
 def test_ctrl_c_saves_at_a_step_as_sigterm_does(workers, tiny_data, tmp_path):
     """Ctrl-C is a stop like any other (common/guards/signals.py): saved at a step, one line, status 130."""
     cmd = [sys.executable, str(S01), *stage_args(tiny_data, tmp_path, "--epochs", 50, "--num-workers", workers)]
