@@ -93,11 +93,12 @@ def test_a_damaged_shard_or_missing_metadata_is_named_by_file(tiny_data, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint(tiny_data, tmp_path):
-    """Without --resume, neither stage 01 over stage 05's sharded checkpoint nor 05 over 01's whole one."""
+def test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint(uninterrupted, tiny_data, tmp_path):
+    """Without --resume, neither stage 01 over stage 05's sharded checkpoint nor 05 over 01's whole one (copies of
+    the shared runs of conftest.py's `uninterrupted`)."""
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
-    assert small(S01, tiny_data, whole, "--epochs", 1).returncode == 0
-    assert small(S05, tiny_data, sharded, "--epochs", 1).returncode == 0
+    shutil.copytree(uninterrupted("python", S01, "--epochs", 3), whole, symlinks=True)
+    shutil.copytree(uninterrupted(2, S05, "--epochs", 1, "--save-model"), sharded, symlinks=True)
     for script, folder, found in ((S05, whole, "checkpoint.pt"), (S01, sharded, "checkpoint")):
         metrics = (folder / "metrics.csv").read_text()
         one_error(small(script, tiny_data, folder, "--epochs", 1), f"{folder / found} holds the checkpoint", "--resume")
