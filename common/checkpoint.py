@@ -143,15 +143,17 @@ def epochs(output_dir):
 
 
 def latest(args, name=WHOLE):
-    """The checkpoint this run continues, or None to start afresh: --resume PATH; else --output-dir's own
-    (`name`) with --resume alone, or after a requeue or a restart once the run has saved one."""
-    restarted = any(restarts())
-    if dist.is_initialized():  # torchrun restarts only the workers of the node that failed: one is all
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, restarted)
-        restarted = any(everyone)
+    """The checkpoint to continue, or None: --resume PATH; --output-dir's own with --resume, or after a restart."""
     own = args.output_dir / name
-    return own if args.resume is True or (restarted and own.exists()) else args.resume
+    return own if args.resume is True or (restarted() and own.exists()) else args.resume
+
+
+def restarted():
+    """Did Slurm requeue this job or torchrun restart its workers, on any rank (torchrun counts on the failed node)?"""
+    everyone = [any(restarts())] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.all_gather_object(everyone, everyone[0])
+    return any(everyone)
 
 
 def read_on_rank0(path):

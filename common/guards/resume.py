@@ -14,6 +14,7 @@ import shutil
 
 import torch.distributed as dist
 
+from common import checkpoint
 from common.checkpoint import SHARDED, WHOLE, epochs, read
 from common.distributed import print0
 from common.environment import is_rank0, restarts
@@ -59,11 +60,7 @@ def state_to_resume(args, path, sharded, record):
     None: start afresh in its folder); where it may not, every rank ends with rank 0's reason. Returns the state
     rank 0 checked (None afresh), handed to all. Rank 0 has made the folder this run's (ownership.claim()), its manifest recording `record` (the
     options that define the run, its data's fingerprint, the model's size), before anyone writes there."""
-    restarted = any(restarts())
-    if dist.is_initialized():  # torch does not count a restart on a node whose own workers had not failed:
-        everyone = [None] * dist.get_world_size()  # one for any rank is one for all, so that every rank resumes
-        dist.all_gather_object(everyone, restarted)
-        restarted = any(everyone)
+    restarted = checkpoint.restarted()  # on every rank alike
     box = [None, None]
     if is_rank0():
         try:
