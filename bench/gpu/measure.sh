@@ -2,8 +2,9 @@
 # The GPU table (bench/gpu/README.md) in one call on one GPU, about 8 minutes: `make bench`, from the project's root.
 # Sections in priority order, each run on its own; a run that would start after BUDGET seconds (default 480) is
 # skipped and says so. Every result line goes to $OUT/results.txt as it comes, the runs' last lines to
-# $OUT/logs.txt, the table to $OUT/table.md. SECTIONS="speedup perf compile plan resume doctor profile probe" chooses
-# (not in the default: speedup, the --compile rows alone; probe, stage 05's step taken apart); QUICK=1 (the default without a GPU) runs them on 640
+# $OUT/logs.txt, the table to $OUT/table.md. SECTIONS="speedup perf compile plan resume doctor profile steps probe"
+# chooses (not in the default: speedup, the --compile rows alone; steps, what makes a step fast; probe, stage
+# 05's step taken apart); QUICK=1 (the default without a GPU) runs them on 640
 # images to check the script (bench/gpu/README.md). PY is the Python with torch; RECIPE the time-to-99 % flags.
 set -u
 OUT=${OUT:-bench-results/gpu}
@@ -116,6 +117,10 @@ fi
 if has profile && ! late ddp_profile; then  # the whole table goes to table.md, the two rows that matter here
     timeout 120 "$PY" bench/ddp_profile.py >"$OUT/ddp_profile.txt" 2>&1; rc=$?
     note "ddp_profile rc=$rc: $(grep -E '^\| (no DDP|DDP as|torch.compile)' "$OUT/ddp_profile.txt" | tr -s ' ' | tr '\n' ' ')"
+fi
+if has steps && ! late step_probe; then  # ms per step: eager, compile modes, the whole step as a CUDA graph
+    timeout 240 "$PY" "$HERE/step_probe.py" >"$OUT/steps.txt" 2>&1; rc=$?
+    note "steps rc=$rc: $(grep -E '^speed-up' "$OUT/steps.txt")"
 fi
 if has probe && ! late probe; then
     timeout 120 "$PY" "$HERE/fsdp_probe.py" >"$OUT/probe.txt" 2>&1; rc=$?
