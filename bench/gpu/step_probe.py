@@ -74,8 +74,9 @@ def graphed(model, optimizer, x, y):
 def measure(name, batch, device, kind):
     t0 = time.perf_counter()
     step = eager_step
-    model, optimizer, x, y = setup(batch, device, capturable=kind.startswith("graph"),
-                                   tensor_lr=kind in ("ro+opt", "graph", "graph+compile"))
+    model, optimizer, x, y = setup(
+        batch, device, capturable=kind.startswith("graph"), tensor_lr=kind in ("ro+opt", "graph", "graph+compile")
+    )
     if kind in ("default", "reduce-overhead", "ro+opt", "graph+compile"):
         mode = {"ro+opt": "reduce-overhead", "graph+compile": "default"}.get(kind, kind)
         model.compile(mode=mode)
@@ -83,8 +84,9 @@ def measure(name, batch, device, kind):
         opt_step = torch.compile(optimizer.step)
         step = lambda m, o, x, y: eager_step(m, o, x, y, opt_step)  # noqa: E731
     if kind.startswith("ddp"):
-        options = {"ddp-bucket-view": dict(gradient_as_bucket_view=True),
-                   "ddp-static": dict(static_graph=True)}.get(kind, {})
+        options = {"ddp-bucket-view": dict(gradient_as_bucket_view=True), "ddp-static": dict(static_graph=True)}.get(
+            kind, {}
+        )
         model = DDP(model, device_ids=[device.index] if CUDA else None, **options)
     if kind.startswith("graph"):
         for _ in range(3):  # compile (graph+compile) before the capture
@@ -101,8 +103,11 @@ def measure(name, batch, device, kind):
             loss = step(model, optimizer, x, y)
         sync()
         best = min(best, (time.perf_counter() - t) / N)
-    print(f"| {name} | {batch} | {best * 1e3:.3f} ms/step | {batch / best:,.0f} img/s | setup {setup_s:.1f} s "
-          f"| loss {loss.item():.3f} |", flush=True)
+    print(
+        f"| {name} | {batch} | {best * 1e3:.3f} ms/step | {batch / best:,.0f} img/s | setup {setup_s:.1f} s "
+        f"| loss {loss.item():.3f} |",
+        flush=True,
+    )
     return best
 
 
@@ -123,8 +128,10 @@ def main():
         except Exception as e:  # a mode that fails here is a row too
             print(f"| {kind} | 64 | failed: {type(e).__name__}: {str(e).splitlines()[0][:150]} |", flush=True)
     if "eager" in base:
-        print("speed-up vs eager at batch 64: " + ", ".join(
-            f"{k} {base['eager'] / v:.2f}x" for k, v in base.items() if k != "eager"))
+        print(
+            "speed-up vs eager at batch 64: "
+            + ", ".join(f"{k} {base['eager'] / v:.2f}x" for k, v in base.items() if k != "eager")
+        )
     for batch in (256, 512, 1024, 2048) if CUDA else (256,):
         for kind in ("eager", "graph") if CUDA else ("eager",):
             try:
