@@ -15,6 +15,7 @@ prepares the folder once. Every file is checked as it is read (common/datafiles.
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,28 +33,6 @@ FILES = {  # MNIST's sha256 of the uncompressed IDX files
     "t10k-images-idx3-ubyte": "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
     "t10k-labels-idx1-ubyte": "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
 }
-
-
-class Spec(NamedTuple):
-    folder: str  # under --data-dir, as torchvision lays it out
-    files: list  # what must be there; for CIFAR, the last one is the test set
-    mean: tuple  # per-channel pixel statistics of the training set, for Normalize
-    std: tuple
-    classes: int
-    size: int  # height and width of an image; its channels: one per mean
-    download: str = None  # the name of torchvision's class that downloads the set
-
-
-CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-SETS = {
-    # as in pytorch/examples
-    "mnist": Spec("MNIST/raw", list(FILES), (0.1307,), (0.3081,), 10, 28, "MNIST"),
-    "fashion-mnist": Spec("FashionMNIST/raw", list(FILES), (0.2860,), (0.3530,), 10, 28, "FashionMNIST"),
-    "cifar10": Spec("cifar-10-batches-py", CIFAR10_FILES, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), 10, 32, "CIFAR10"),
-    "cifar100": Spec("cifar-100-python", ["train", "test"], (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), 100, 32, "CIFAR100"),
-    "synthetic": Spec("", [], (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), 10, 32),
-}  # fmt: skip
-SYNTHETIC = {True: 50_000, False: 10_000}  # images of 3 x 32 x 32, as many as in CIFAR
 
 
 class Images(Dataset):
@@ -110,20 +89,12 @@ def dataset(data_dir, name, train, limit=None):
             f"{name} is not in {folder} (missing {missing[0]}): run `make data DATASET={name}` on a machine "
             f"with internet access (the login node), or point --data-dir at a folder holding {spec.folder}/"
         )
-    if name == "synthetic":
-        images, labels = synthetic(SYNTHETIC[train], spec.classes, seed=int(train))
-    elif name in ("mnist", "fashion-mnist"):
+    if spec.read is None:  # MNIST's IDX files (and Fashion-MNIST's)
         prefix = "train" if train else "t10k"
-        images = datafiles.read_idx(folder / f"{prefix}-images-idx3-ubyte", 3, name).unsqueeze(1)
-        labels_path = folder / f"{prefix}-labels-idx1-ubyte"
-        labels = datafiles.read_idx(labels_path, 1, name).long()
-        datafiles.check_labels(labels_path, labels, len(images), spec.classes, name)
-    else:
-        # not torchvision's CIFAR classes: they check the official files' MD5s and refuse any other
-        paths = [folder / file for file in (spec.files[:-1] if train else spec.files[-1:])]
-        images, labels = datafiles.read_cifar(
-            paths, b"labels" if name == "cifar10" else b"fine_labels", spec.classes, name
-        )
+        images = datafiles.read_idx(folder / f"{prefix}-images-idx3-ubyte", 3).unsqueeze(1)
+        labels = datafiles.read_idx(folder / f"{prefix}-labels-idx1-ubyte", 1).long()
+    else:  # CIFAR's batches, or images made in memory
+        images, labels = spec.read(folder, train, spec, name)
     return Images(name, images[:limit], labels[:limit], spec.mean, spec.std, spec.classes)
 
 
@@ -134,6 +105,42 @@ def synthetic(count, classes, seed):
     pixels = torch.empty(count * 3 * 32 * 32 // 8, dtype=torch.int64).random_(-(2**63), None, generator=generator)
     labels = torch.randint(classes, (count,), generator=generator)
     return pixels.view(torch.uint8).view(count, 3, 32, 32), labels
+
+
+def cifar_batches(folder, train, spec, name):
+    """CIFAR's python batches; not torchvision's CIFAR classes: they check the official files'
+    MD5s and refuse any other."""
+    paths = [folder / file for file in (spec.files[:-1] if train else spec.files[-1:])]
+    key = b"labels" if name == "cifar10" else b"fine_labels"
+    return datafiles.read_cifar(paths, key)
+
+
+def made(folder, train, spec, name):
+    """`synthetic`: as many images as CIFAR has, made in memory."""
+    return synthetic(SYNTHETIC[train], spec.classes, seed=int(train))
+
+
+class Spec(NamedTuple):
+    folder: str  # under --data-dir, as torchvision lays it out
+    files: list  # what must be there; for CIFAR, the last one is the test set
+    mean: tuple  # per-channel pixel statistics of the training set, for Normalize
+    std: tuple
+    classes: int
+    size: int  # height and width of an image; its channels: one per mean
+    download: str = None  # the name of torchvision's class that downloads the set
+    read: Callable = None  # (folder, train, spec, name) -> uint8 images N x C x H x W, labels
+
+
+CIFAR10_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+SETS = {
+    # as in pytorch/examples
+    "mnist": Spec("MNIST/raw", list(FILES), (0.1307,), (0.3081,), 10, 28, "MNIST"),
+    "fashion-mnist": Spec("FashionMNIST/raw", list(FILES), (0.2860,), (0.3530,), 10, 28, "FashionMNIST"),
+    "cifar10": Spec("cifar-10-batches-py", CIFAR10_FILES, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), 10, 32, "CIFAR10", cifar_batches),
+    "cifar100": Spec("cifar-100-python", ["train", "test"], (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762), 100, 32, "CIFAR100", cifar_batches),
+    "synthetic": Spec("", [], (0.5, 0.5, 0.5), (0.25, 0.25, 0.25), 10, 32, read=made),
+}  # fmt: skip
+SYNTHETIC = {True: 50_000, False: 10_000}  # images of 3 x 32 x 32, as many as in CIFAR
 
 
 def split(dataset, fraction, seed):

@@ -14,8 +14,31 @@ import numpy as np
 import torch
 
 from common import data
-from common.datafiles import BadFile, NumpyOnly, check_labels, read_idx
+from common.datafiles import NumpyOnly, read_idx
 from common.environment import regular_file
+
+
+class BadFile(ValueError):
+    """A data file that is there but wrong: its message names the file and the fix, instead of a
+    traceback from deep inside numpy or torch. Deleting it first matters: `make data` keeps the
+    files it finds."""
+
+    def __init__(self, path, name, problem):
+        fix = f"delete it and run `make data DATASET={name}` again (or point --data-dir at a good copy)"
+        super().__init__(f"{path}: {problem}: {fix}")
+
+
+def check_labels(path, labels, count, classes, name):
+    """One label per image, each a class of the set: a shorter labels file would otherwise train on
+    a subset, and a label out of range fail in the loss with a message naming nothing."""
+    if len(labels) != count:
+        raise BadFile(path, name, f"{len(labels)} labels for {count} images")
+    outside = ((labels < 0) | (labels >= classes)).nonzero()
+    if len(outside):
+        index = int(outside[0])
+        raise BadFile(
+            path, name, f"label {int(labels[index])} of image {index} is not one of the classes 0 to {classes - 1}"
+        )
 
 
 def check_idx(path, ndim, name):
@@ -68,7 +91,7 @@ def check_set(data_dir, name, train):
         if images.is_file() and labels.is_file():
             count = check_idx(images, 3, name)[0]
             check_idx(labels, 1, name)
-            check_labels(labels, read_idx(labels, 1, name).long(), count, spec.classes, name)
+            check_labels(labels, read_idx(labels, 1).long(), count, spec.classes, name)
     elif name in ("cifar10", "cifar100"):
         key = b"labels" if name == "cifar10" else b"fine_labels"
         for file in spec.files[:-1] if train else spec.files[-1:]:

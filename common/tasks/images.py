@@ -26,25 +26,16 @@ TESTED = {"net": DATASETS[:2], "cnn": DATASETS, "wideresnet": DATASETS[2:]}
 
 
 def add_arguments(group):
-    group.add_argument(
-        "--dataset",
-        choices=DATASETS,
-        default="mnist",
-        help="in torchvision's layout under --data-dir; `make data DATASET=...` (default: mnist)",
-    )
-    group.add_argument(
-        "--model",
-        choices=list(TESTED),
-        default="net",
-        help="net: pytorch/examples' CNN for 28x28; cnn: a small CNN for any size; "
-        "wideresnet: for 32x32 (default: net)",
-    )
-    group.add_argument(
-        "--depth", type=cli.POSITIVE, default=16, help="WideResNet depth, 6n+4 (default: 16)"
-    )
-    group.add_argument(
-        "--width", type=cli.POSITIVE, default=4, help="WideResNet width factor (default: 4)"
-    )
+    group.add_argument("--dataset", choices=DATASETS, default="mnist", help="in torchvision's "
+                       "layout under --data-dir; `make data DATASET=...` "
+                       "(default: mnist)")  # fmt: skip
+    group.add_argument("--model", choices=list(TESTED), default="net", help="net: pytorch/"
+                       "examples' CNN for 28x28; cnn: a small CNN for any size; wideresnet: for "
+                       "32x32 (default: net)")  # fmt: skip
+    group.add_argument("--depth", type=cli.POSITIVE, default=16,
+                       help="WideResNet depth, 6n+4 (default: 16)")  # fmt: skip
+    group.add_argument("--width", type=cli.POSITIVE, default=4,
+                       help="WideResNet width factor (default: 4)")  # fmt: skip
 
 
 def check(args):
