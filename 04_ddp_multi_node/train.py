@@ -40,8 +40,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, checkpoint, cli, data, distributed, metrics, optim, sampling
+from common import amp, checkpoint, cli, data, distributed, graphs, metrics, optim, sampling
 from common.guards import rails  # guard rails: each `guard` line says what it guards; skip them
+
+
+def train_step(step, x, y, args):
+    with amp.autocast(step.device, args):
+        loss = step.loss_fn(step.model(x), y)
+    step.scaler.scale(loss).backward()
+    step.scaler.step(step.optimizer)
+    step.scaler.update()
+    return loss.detach()
 
 
 @metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
@@ -51,12 +60,8 @@ def train(step, loader, epoch, sums, args, guard):
     for batch_idx, (x, y) in enumerate(loader):
         x, y = data.to_device((x, y), step.device)  # tensors, or dicts and lists of them
         step.optimizer.zero_grad(set_to_none=True)
-        with amp.autocast(step.device, args):
-            loss = step.loss_fn(step.model(x), y)
-        step.scaler.scale(loss).backward()
-        step.scaler.step(step.optimizer)
-        step.scaler.update()
-        sums.loss += loss.detach() * data.count(y)
+        loss = graphs.run(train_step, step, x, y, args)  # --compile on one GPU: one CUDA graph
+        sums.loss += loss * data.count(y)
         sums.samples += data.count(y)
         if batch_idx % args.log_interval == 0:
             metrics.progress(epoch, batch_idx, len(loader), loss)
@@ -114,15 +119,15 @@ def main(guard):
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # gradients are averaged across ranks during backward(), overlapped with it
         model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
-    if args.compile:  # fused kernels, in CUDA graphs where they go; the first steps wait for it
-        optim.compiled(model, device)  # in place: checkpoints keep their names; says its mode
+    # --compile: kernels fused in place (the checkpoints' names stay), the step one CUDA graph
+    graph = optim.compiled(model, device, args) if args.compile else None  # on one GPU
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)
 
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits
     metric = metrics.Metric.of(task)  # how good: the task's metric and score(), else accuracy
-    step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score)
+    step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score, graph)
     log = metrics.Log(args.output_dir, world_size, args.compile, metric)
     states = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log)
     resume = checkpoint.latest(args)  # --resume's, or after a requeue (None: start afresh)

@@ -1,23 +1,19 @@
 """Stage 05: FSDP2: a model too big for one GPU, sharded across the ranks.
 
-Teaches: DDP keeps the whole weights, gradients and optimizer state on each GPU; FSDP (fully_shard)
-keeps 1/world size of each per rank and gathers a block's weights just before it runs, then frees
-them: memory per GPU falls with the GPUs, for about 1.5x DDP's traffic. Checkpoints are sharded: a
-run resumes on any number of GPUs (a requeued job on fewer nodes continues).
+Teaches: DDP keeps whole weights, gradients and optimizer state on each GPU; FSDP (fully_shard)
+keeps 1/world size of each per rank and gathers a block's weights just before it runs: memory per
+GPU falls with the GPUs, for about 1.5x DDP's traffic; sharded checkpoints resume on any GPU count.
 
 Launch (from 05_fsdp/; srun starts one task per GPU on every node, as in stage 04):
     sbatch job.slurm --epochs 3
     sbatch job.slurm --model wideresnet --dataset cifar100 --amp --checkpoint-activations
 
-Changes from stage 04: built on the meta device, each rank filling only its own shards; fully_shard
-on each block worth a gather (BatchNorm too under --amp) and the root, not DDP; FSDP's precision
-policies, not autocast; sharded checkpoints (--save-model: the whole weights); --compile per block;
-a memory line and two savers: --grad-accum, --checkpoint-activations.
+Changes from stage 04: built on the meta device, each rank filling its own shards; fully_shard per
+block (BatchNorm too under --amp) and the root, not DDP; FSDP's precision policies, not autocast;
+sharded checkpoints; --compile per block; a memory line; --grad-accum, --checkpoint-activations.
 
 Reading it: the task (--task FILE; MNIST by default) gives the model, data and loss. A line using
 `guard` is a guard rail (common/guards/): skip it, the training reads the same without it.
-
-Expect: stage 04's accuracy at the same global batch; a memory line that shrinks with world size.
 """
 
 import importlib.util
@@ -42,9 +38,16 @@ from torch.distributed._composable import checkpoint as recompute
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, checkpoint, cli, data, distributed, metrics, optim, sampling
+from common import amp, checkpoint, cli, data, distributed, graphs, metrics, optim, sampling
 from common.guards import rails  # guard rails: each `guard` line says what it guards; skip them
 from common.models import blocks, gathered, materialise, norms
+
+
+def train_step(step, x, y, args):
+    loss = optim.backward(step.model, x, y, step.loss_fn, step.scaler, args.grad_accum)
+    step.scaler.step(step.optimizer)
+    step.scaler.update()
+    return loss.detach()
 
 
 @metrics.profile  # a no-op unless kernprof -l (or LINE_PROFILE=1) drives the run
@@ -54,11 +57,8 @@ def train(step, loader, epoch, sums, args, guard):
     for batch_idx, (x, y) in enumerate(loader):
         x, y = data.to_device((x, y), step.device)  # tensors, or dicts and lists of them
         step.optimizer.zero_grad(set_to_none=True)
-        # --grad-accum: the batch in slices, their gradients reduced once
-        loss = optim.backward(step.model, x, y, step.loss_fn, step.scaler, args.grad_accum)
-        step.scaler.step(step.optimizer)
-        step.scaler.update()
-        sums.loss += loss.detach() * data.count(y)
+        loss = graphs.run(train_step, step, x, y, args)  # --compile on one GPU: one CUDA graph
+        sums.loss += loss * data.count(y)
         sums.samples += data.count(y)
         if batch_idx % args.log_interval == 0:
             metrics.progress(epoch, batch_idx, len(loader), loss)
@@ -117,8 +117,8 @@ def main(guard):
     metrics.memory(model, args, world_size, mesh)
     for block in units if args.checkpoint_activations else []:  # keep its input; rerun in backward
         recompute(block)
-    if args.compile:  # fused kernels, in CUDA graphs where they go; the first steps wait for it
-        optim.compiled(list(units), device)  # each unit FSDP gathers, as documented for FSDP2
+    # --compile: kernels fused in place (the checkpoints' names stay), the step one CUDA graph
+    graph = optim.compiled(list(units), device, args) if args.compile else None  # per unit
     block_policy, norm_policy, root_policy = amp.policies(device, args)  # --amp: bf16 over fp32
     if dist.is_initialized():  # a plain `python train.py` has no process group: nothing to wrap
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
@@ -135,7 +135,7 @@ def main(guard):
 
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits
     metric = metrics.Metric.of(task)  # how good: the task's metric and score(), else accuracy
-    step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score)
+    step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score, graph)
     log = metrics.Log(args.output_dir, world_size, args.compile, metric)
     states = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log)
     resume = checkpoint.latest(args, checkpoint.SHARDED)  # --resume's, or after a requeue

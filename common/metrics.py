@@ -211,13 +211,11 @@ class Log:
 
     def reached(self, target, patience):
         """--target: have the last `patience` evaluations (validation, else test) all reached it?"""
-        name = self.metric.name
+        name, higher = self.metric.name, self.metric.better == "higher"
         last = [r[f"test_{name}"] if r[f"val_{name}"] == "" else r[f"val_{name}"] for r in self.rows[-patience:]]
-        if (
-            target is None
-            or len(last) < patience
-            or not all(v >= target if self.metric.better == "higher" else v <= target for v in last)
-        ):
+        if target is None or len(last) < patience:
+            return False
+        if not all(v >= target if higher else v <= target for v in last):
             return False
         print0(f"stopping: the last {patience} evaluations reached --target {target:g} ({name}, {self.metric.better} "
                "is better)")  # fmt: skip

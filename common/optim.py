@@ -7,13 +7,12 @@ epochs of warm-up), `sqrt` (the gradient noise shrinks with the square root of t
 rule for adaptive optimizers such as Adam or Adadelta), or `none`.
 
 --compile (compiled()): at batch 64 a step is bound by kernel launches and host work, not by the
-GPU's arithmetic. torch.compile's default mode fuses kernels but still launches them one by one;
-mode "reduce-overhead" replays the forward and the backward as CUDA graphs, one launch each. A
-graph holds only work on one GPU: not DDP's all-reduce hooks, which fire between the backward's
-parts (pytorch/pytorch#128218, #140395), nor FSDP2's gathers and reduce-scatters around each
-unit, nor DataParallel's thread per GPU: there the default mode. The optimizer's step stays
-eager: its learning rate, a Python number the scheduler changes each epoch, would recompile a
-compiled step every epoch. No step reads a tensor on the host, except on --log-interval steps.
+GPU's arithmetic. torch.compile fuses kernels but still launches them one by one; on one GPU the
+whole step is recorded once and replayed as one CUDA graph (common/graphs.py). A graph holds only
+work on one GPU: not DDP's all-reduce hooks, which fire between the backward's parts
+(pytorch/pytorch#128218, #140395), nor FSDP2's gathers and reduce-scatters around each unit, nor
+DataParallel's thread per GPU; nor --amp's autocast, whose cache of cast weights outlives a step.
+No step reads a tensor on the host, except on --log-interval steps.
 """
 
 import sys
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from common import data
+from common import data, graphs
 from common.cli import learning_rate
 from common.distributed import print0
 
@@ -51,15 +50,17 @@ NO_GRAPHS = (  # what a CUDA graph cannot hold, by the model's wrapper (the modu
 )
 
 
-def compiled(modules, device):
-    """--compile: torch.compile the model, or stage 05's units (a list), in place; says how once."""
+def compiled(modules, device, args):
+    """--compile: torch.compile the model, or stage 05's units (a list), in place; says once whether
+    the step is also one CUDA graph. Returns the graph to record (optim.Step's), or None."""
     why = next((why for kind, why in NO_GRAPHS if isinstance(modules, kind)), None)
+    why = "--amp's autocast cannot be recorded" if args.amp else why
     why = "CUDA graphs need a GPU" if device.type != "cuda" else why
-    mode = "default" if why else "reduce-overhead"
-    print0(f"compile: mode {mode} ({why or 'CUDA graphs of the forward and of the backward'})")
+    graph = f"no CUDA graph: {why}" if why else "the step one CUDA graph"
+    print0(f"compile: fused kernels, {graph}")
     for module in modules if isinstance(modules, list) else [modules]:
-        module.compile(mode=mode)  # in place: the state dict keeps its names
-    return mode
+        module.compile()  # in place: the state dict keeps its names
+    return None if why else graphs.StepGraph()
 
 
 def state_tensors(args):
@@ -88,6 +89,7 @@ class Step(NamedTuple):
     scaler: torch.amp.GradScaler  # amp.scaler()
     loss_fn: Callable  # the task's loss(output, target)
     score: Callable  # the task's metric summed over a batch (metrics.Metric)
+    graph: graphs.StepGraph | None = None  # --compile on one GPU: the step recorded (compiled())
 
 
 def backward(model, x, y, loss_fn, scaler, micro_batches):

@@ -1,0 +1,117 @@
+"""--compile's CUDA graph of the whole step (common/graphs.py): what a CPU can show. The eager steps that
+recording needs first leave no trace (the run trains from the state, and draws the dropout masks, it would
+have without), and a checkpoint's optimizer stays an eager run's. Recording and replay need a GPU:
+bench/gpu/measure.sh's speedup rows train stage 01 eager and with --compile side by side."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_equivalence import ARGS, CPU, model_without_dropout
+
+from common import graphs, optim
+from common.models import Net
+
+OPTIMIZERS = {
+    "adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),  # its momentum buffer: a first step's grad
+}
+
+
+def train_step(step, x, y, args):
+    loss = step.loss_fn(step.model(x), y)
+    loss.backward()
+    step.optimizer.step()
+    return loss.detach()
+
+
+def make(kind):
+    torch.manual_seed(0)
+    model = Net()  # with dropout: the generator must be put back too
+    return optim.Step(model, CPU, OPTIMIZERS[kind](model.parameters()), None, F.nll_loss, None)
+
+
+def steps(step, batch, n):
+    for _ in range(n):
+        step.optimizer.zero_grad(set_to_none=True)
+        train_step(step, *batch, ARGS)
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
+def test_the_steps_before_recording_are_undone(kind, resumed):
+    """Inside graphs.undone(), three steps; after it, the same tensors (recording keeps their memory) with the
+    same values, the optimizer's new state at zero, and the next steps bit-identical to a run without them."""
+    batch = (torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,)))
+    step = make(kind)
+    if resumed:  # an optimizer with state, as after a checkpoint's restore
+        steps(step, batch, 2)
+    twin = copy.deepcopy(step)  # the run without the extra steps
+    torch.manual_seed(1)
+    held = graphs.state(step)
+    with graphs.undone(step):
+        steps(step, batch, 3)
+        assert not torch.equal(step.model.fc2.weight, twin.model.fc2.weight)  # they trained
+    after = graphs.state(step)
+    assert all(any(t is h for t in after) for h in held)  # in place: a graph's recorded memory
+    for t in after[len(held) :]:  # what the steps created: zero, as a first step finds it
+        assert not t.any()
+    steps(step, batch, 2)  # from the generator as it was before undone(): the same dropout masks
+    generator = torch.get_rng_state()
+    torch.manual_seed(1)
+    steps(twin, batch, 2)
+    for mine, theirs in zip(step.model.state_dict().values(), twin.model.state_dict().values(), strict=True):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(generator, torch.get_rng_state())
+
+
+def test_capturable_only_while_recording():
+    """The optimizer is capturable (its state on the GPU, no host read of its step count) inside the
+    context only: its param_groups, and so a checkpoint, are an eager run's after it; SGD gains no key."""
+    model = torch.nn.Linear(2, 2)
+    for optimizer in (torch.optim.Adadelta(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1)):
+        before = copy.deepcopy(optimizer.state_dict()["param_groups"])
+        inside = True if isinstance(optimizer, torch.optim.Adadelta) else None  # SGD: no step count
+        with graphs.capturable(optimizer):
+            assert [group.get("capturable") for group in optimizer.param_groups] == [inside]
+        assert optimizer.state_dict()["param_groups"] == before
+
+
+def test_a_batch_of_another_shape_runs_eagerly():
+    """Only the loader's batch shape (the first seen) is recorded: an epoch's last, smaller batch steps
+    eagerly, on a CPU as on a GPU (recording the first batch needs a GPU: here it is taken as recorded)."""
+    step, batch = make("adadelta"), (torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,)))
+    graph = graphs.StepGraph()
+    graph.shape = [torch.Size([16, 1, 28, 28]), torch.Size([16])]
+    ran = []
+    loss = graph.run(lambda *a: ran.append(a) or train_step(*a), step, *batch, ARGS)
+    assert len(ran) == 1 and ran[0][1] is batch[0] and graph.graph is None and loss.ndim == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="recording a CUDA graph needs a GPU")
+def test_recorded_steps_train_as_eager_steps():
+    """On a GPU: two epochs of five full batches and a short one, the learning rate changed between them
+    (recorded anew), the short batches eager: the weights of eager training, within float tolerance."""
+    gpu = torch.device("cuda")
+    torch.manual_seed(0)
+    epochs = [[(torch.randn(n, 1, 28, 28, device=gpu), torch.randint(0, 10, (n,), device=gpu)) for n in
+               [16] * 5 + [8]] for _ in range(2)]  # fmt: skip
+    weights = []
+    for graph in (None, graphs.StepGraph()):
+        model = model_without_dropout().to(gpu)
+        optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+        step = optim.Step(model, gpu, optimizer, None, F.nll_loss, None, graph)
+        losses = []
+        for batches in epochs:
+            for x, y in batches:
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(graphs.run(train_step, step, x, y, ARGS).clone())
+            scheduler.step()
+        weights.append((torch.stack(losses), model.state_dict()))
+    (eager_losses, eager), (recorded_losses, recorded) = weights
+    torch.testing.assert_close(recorded_losses, eager_losses, rtol=1e-4, atol=1e-5)
+    for key, value in eager.items():
+        torch.testing.assert_close(recorded[key], value, rtol=1e-4, atol=1e-5)
