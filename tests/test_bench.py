@@ -34,3 +34,13 @@ def test_the_gpu_table_reads_the_h200_run_as_its_readme_gives_it():
     assert rows["`--compile` vs eager, 01 batch 64"] == "–" and rows["03 at 1 rank vs 01, batch 64 (two rounds)"] == (
         "24,793 / 32,193 = 77 %; –"
     )
+
+
+def test_the_gpu_table_reads_the_cuda_graph_run_as_its_readme_gives_it():
+    """The later H200 run (the step one CUDA graph, the recipe search): its rows in the README are table.py's."""
+    rows = table((GPU / "h200-2026-11-26c" / "results.txt").read_text().splitlines())
+    assert rows["`--compile` vs eager, 01 batch 64"] == "109,637 / 28,721 = 3.82× (18.5 s compiling)"
+    best = "time to 99 %, the recipe search's best, compiled: --batch-size 1024 --lr 2.0 --gamma 0.85"
+    assert rows[best] == "1.62 s, mean of 4 of 5 seeds (2.29, 1.39, 1.22, 1.58)"  # seed 3 fell short: not averaged
+    readme = (GPU / "README.md").read_text()
+    assert all(f"| {what} | {measured} |" in readme for what, measured in rows.items() if measured != "–"), rows

@@ -2,8 +2,9 @@
 # The GPU table (bench/gpu/README.md) in one call on one GPU, about 8 minutes: `make bench`, from the project's root.
 # Sections in priority order, each run on its own; a run that would start after BUDGET seconds (default 480) is
 # skipped and says so. Every result line goes to $OUT/results.txt as it comes, the runs' last lines to
-# $OUT/logs.txt, the table to $OUT/table.md. SECTIONS="speedup perf compile plan resume doctor profile steps probe"
-# chooses (not in the default: speedup, the --compile rows alone; steps, what makes a step fast; probe, stage
+# $OUT/logs.txt, the table to $OUT/table.md. SECTIONS="speedup perf compile plan resume doctor profile recipe steps probe"
+# chooses (not in the default: speedup, the --compile rows alone; recipe, the search for the time-to-99 % recipe
+# and its best compiled; steps, what makes a step fast; probe, stage
 # 05's step taken apart); QUICK=1 (the default without a GPU) runs them on 640
 # images to check the script (bench/gpu/README.md). PY is the Python with torch; RECIPE the time-to-99 % flags.
 set -u
@@ -22,9 +23,10 @@ if [ "$gpu" != True ] && [ -z "${QUICK:-}" ]; then
     QUICK=1
 fi
 LIM=() EP=3 EP05=2 SEEDS="1 2 3 4 5" WRN=("16 4 128" "16 4 512" "28 10 128" "28 10 512") WRNLIM=2048 STOP=12800
-SKIP=  # on a CPU compiling takes minutes a run: QUICK compiles once, has no BUDGET unless given one, and leaves
+SKIP=${SKIP:-}  # runs to leave out: " name name ". On a CPU compiling takes minutes a run: QUICK compiles once,
+# has no BUDGET unless given one, and leaves
 [ -n "${QUICK:-}" ] && { LIM=(--limit 640) EP=1 EP05=1 SEEDS="1 2" WRN=("16 4 128") WRNLIM=128 STOP=1280  # out
-    SKIP=" r1024c p03c p05c ddp_profile " BUDGET=${BUDGET:-100000}; }  # ddp_profile, which has no short form
+    SKIP="$SKIP r1024c p03c p05c rc1 rc2 ddp_profile " BUDGET=${BUDGET:-100000}; }  # ddp_profile, which has no short form
 rm -rf "$RUNS" "$R" "$L" "$OUT/table.md"  # this script's own files: a run refuses a folder another run wrote
 mkdir -p "$RUNS"
 note() { echo "$*" | tee -a "$R"; }
@@ -117,6 +119,18 @@ fi
 if has profile && ! late ddp_profile; then  # the whole table goes to table.md, the two rows that matter here
     timeout 120 "$PY" bench/ddp_profile.py >"$OUT/ddp_profile.txt" 2>&1; rc=$?
     note "ddp_profile rc=$rc: $(grep -E '^\| (no DDP|DDP as|torch.compile)' "$OUT/ddp_profile.txt" | tr -s ' ' | tr '\n' ' ')"
+fi
+if has recipe && ! late recipes; then  # steps to 99 % of candidate recipes over the seeds, then the best compiled
+    timeout 240 "$PY" "$HERE/recipes.py" "$(wc -w <<<"$SEEDS")" $((EP * 4)) >"$OUT/recipes.txt" 2>&1; rc=$?
+    best=$(sed -n 's/^best: --/--/p' "$OUT/recipes.txt")
+    note "recipes rc=$rc: best ${best:-none}"
+    read -ra best <<<"--loader device ${best:-${RECIPE[*]}}"
+    [[ " ${best[*]} " == *" --epochs "* ]] || best+=(--epochs $((EP * 4)))
+    for seed in $SEEDS; do
+        run "rc$seed" 150 "$PY" 01_single_gpu/train.py "${best[@]}" --seed "$seed" --compile --target-accuracy 99 \
+            "${LIM[@]}"
+    done
+    note "-- recipe done at $(($(date +%s) - T0)) s"
 fi
 if has steps && ! late step_probe; then  # ms per step: eager, compile modes, the whole step as a CUDA graph
     timeout 240 "$PY" "$HERE/step_probe.py" >"$OUT/steps.txt" 2>&1; rc=$?

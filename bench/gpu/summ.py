@@ -1,6 +1,7 @@
 """One line from a run's metrics.csv, for results.txt: epochs, the median s/epoch and images/s over the epochs after
 the first, the first epoch's seconds, compile seconds, the time to 99 % (training seconds, first epoch included,
-until the test accuracy reached 99), the final accuracy, the peak MiB and the accuracy of each epoch."""
+the compiler's seconds not, until the test accuracy reached 99), the final accuracy, the peak MiB and the accuracy
+of each epoch."""
 
 import csv
 import math
@@ -27,7 +28,7 @@ def summary(path):
     compiled = sum(number(r, "compile_seconds") for r in rows if r.get("compile_seconds") not in (None, ""))
     elapsed, t99 = 0.0, None
     for r in rows:
-        elapsed += number(r, "epoch_seconds")
+        elapsed += number(r, "epoch_seconds") - float(r.get("compile_seconds") or 0)
         if t99 is None and number(r, "test_accuracy") >= 99.0:
             t99 = elapsed
     peak = max(number(r, "peak_memory_mib") for r in rows)

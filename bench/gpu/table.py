@@ -7,6 +7,7 @@ import sys
 
 RUN = re.compile(r"^(\w+) rc=(\d+) .*?img/s=(\d+) .*?compile=([\d.]+) t99=(\S+) .*?peakMiB=(\d+|nan)")
 SEEDS = ["r1024", "r1024s2", "r1024s3", "r1024s4", "r1024s5"]
+BEST = ["rc1", "rc2", "rc3", "rc4", "rc5"]  # the recipe section's best recipe, compiled
 
 
 def parse(lines):
@@ -21,7 +22,7 @@ def parse(lines):
         elif m := re.match(r"plan (wrn-\d+-\d+ b\d+): (.*)", line):
             for strategy, cells in re.findall(r"\| 1 \| (DDP|FSDP) \|((?: [\d.]+ MiB \|){5})", m[2]):
                 plans.setdefault(m[1], {})[strategy] = sum(float(x) for x in re.findall(r"([\d.]+) MiB", cells))
-        elif re.match(r"t0[35]: |ddp_profile rc=0", line):
+        elif re.match(r"t0[35]: |ddp_profile rc=0|recipes rc=", line):
             other.append(line)
     return runs, plans, other, head.removeprefix("== start ").split(" | ", 1)[-1]
 
@@ -40,9 +41,9 @@ def compiled(runs, eager, compiled_run):
     return text if text == "–" else f"{text} ({runs[compiled_run]['compile']:.1f} s compiling)"
 
 
-def time_to_99(runs):
-    reached = [runs[s]["t99"] for s in SEEDS if s in runs and runs[s]["t99"] is not None]
-    ran = [s for s in SEEDS if s in runs]
+def time_to_99(runs, seeds=SEEDS):
+    reached = [runs[s]["t99"] for s in seeds if s in runs and runs[s]["t99"] is not None]
+    ran = [s for s in seeds if s in runs]
     if not reached:
         return f"not reached in {len(ran)} runs" if ran else "–"
     return f"{statistics.mean(reached):.2f} s, mean of {len(reached)} of {len(ran)} seeds ({', '.join(f'{t:.2f}' for t in reached)})"  # fmt: skip
@@ -66,6 +67,11 @@ def resume(lines):
     )
 
 
+def best(lines):
+    """The flags recipes.py found best (the recipe section), or "–"."""
+    return next((x.split(": best ", 1)[1] for x in lines if x.startswith("recipes rc=")), "–")
+
+
 def ddp_step(lines):
     """ms per step of bench/ddp_profile.py: no DDP, DDP, DDP compiled."""
     line = next((x for x in lines if x.startswith("ddp_profile")), "")
@@ -86,6 +92,8 @@ def table(lines):
         ("`--compile` vs eager, 05 batch 64", compiled(runs, "p05", "p05c"), "≥ 1.5×"),
         ("`--compile` vs eager, the time-to-99 % recipe", compiled(runs, "r1024", "r1024c"), "–"),
         ("time to 99 % test accuracy, the recipe (RECIPE)", time_to_99(runs), "≤ 1.0 s, mean of 5 seeds"),
+        (f"time to 99 %, the recipe search's best, compiled: {best(other)}", time_to_99(runs, BEST),
+         "≤ 1.0 s, mean of 5 seeds"),
         ("planner vs measured peak (weights+grads+optimizer+gathered+activations)", planner(runs, plans), "within 15 %"),
         ("SIGTERM to every process of a torchrun step, 03 and 05, then `--resume`", resume(other), "–"),
         ("ms per step, batch 64: no DDP / DDP (as 03) / DDP then compile (bench/ddp_profile.py)", ddp_step(other), "–"),
