@@ -114,7 +114,7 @@ def main(guard):
         model = task.model(args)
     units = getattr(task, "blocks", blocks)(model)  # the task's, else Sequential/ModuleList layers
     mesh = distributed.mesh(args, world_size, device)  # HSDP: shard in a node, replicate across
-    metrics.memory(model, args, world_size, mesh)
+    optim.memory(model, args, world_size, mesh)
     for block in units if args.checkpoint_activations else []:  # keep its input; rerun in backward
         recompute(block)
     # --compile: kernels fused in place (the checkpoints' names stay), the step one CUDA graph

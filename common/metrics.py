@@ -1,6 +1,5 @@
 """Per-epoch lines and the metrics CSV, in one format for every stage, from global rank 0 only; an
-epoch's sums by name; the progress line; the memory line of stage 05; the line profiler's
-decorator."""
+epoch's sums by name; the progress line; the line profiler's decorator."""
 
 import csv
 import time
@@ -11,7 +10,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from common import optim
 from common.checkpoint import atomic
 from common.distributed import print0
 from common.environment import is_rank0, ranks_per_node
@@ -89,29 +87,6 @@ class Epoch(NamedTuple):
 def progress(epoch, batch, batches, loss):
     """Print a progress line (every --log-interval batches: reading the loss waits for the GPU)."""
     print0(f"  epoch {epoch} batch {batch}/{batches} loss {loss.item():.4f}")
-
-
-def memory(model, args, world_size, mesh):
-    """Stage 05, at start: the mesh, and the bytes each rank holds of the weights, their gradients and the
-    optimizer state: replicated (DDP: all of them on every rank), sharded (FSDP: 1/world size of each) and,
-    on several nodes, hybrid (HSDP: 1/ranks per node). Activations and the one block FSDP gathers at a time
-    come on top: the peak of each epoch is measured on GPUs."""
-    per_rank = args.batch_size // world_size
-    if args.grad_accum > per_rank:
-        print0(f"warning: --grad-accum {args.grad_accum} is more than the {per_rank} images each rank computes per "
-               f"step: each rank runs {per_rank} micro-batches of one image")  # fmt: skip
-    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
-    total = weights * (2 + optim.state_tensors(args))
-    shards = mesh.shape[-1] if mesh is not None else 1  # the ranks that share one copy of the weights
-    if mesh is not None and mesh.ndim == 2:
-        print0(f"mesh: {mesh.shape[0]} nodes (replicate) x {mesh.shape[1]} ranks (shard): HSDP, the weights "
-               "gathered within a node, the gradients all-reduced across nodes")  # fmt: skip
-    elif mesh is not None:
-        print0(f"mesh: {shards} ranks (shard): FSDP across all of them")
-    peak = "in the log and metrics.csv each epoch" if torch.cuda.is_initialized() else "not measured on the CPU"
-    print0(f"memory per rank: weights {weights:.1f} MiB + gradients {weights:.1f} MiB + {args.optimizer} state "
-           f"{total - 2 * weights:.1f} MiB = {total:.1f} MiB under DDP, {total / world_size:.1f} MiB under FSDP "
-           f"at world size {world_size}, {total / shards:.1f} MiB with this mesh | peak device memory: {peak}")  # fmt: skip
 
 
 def elapsed(start, device):

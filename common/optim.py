@@ -1,4 +1,5 @@
-"""Optimizer, learning-rate schedule and the learning-rate rule for large global batches.
+"""Optimizer, learning-rate schedule and the learning-rate rule for large global batches; what the
+weights, gradients and optimizer state take per rank (stage 05's memory line).
 
 --lr is the learning rate for a global batch of 64 (cli.REFERENCE_BATCH). When the global batch
 grows, as it does with the number of GPUs at a fixed batch per GPU, --lr-scaling says how the rate
@@ -69,6 +70,30 @@ def state_tensors(args):
     return {"adadelta": 2, "adam": 2, "rmsprop": 1, "sgd": 0}[args.optimizer] + int(
         args.optimizer in ("rmsprop", "sgd") and args.momentum > 0
     )
+
+
+def memory(model, args, world_size, mesh):
+    """Stage 05, at start: the mesh; what each rank holds of weights, gradients and optimizer state
+    under DDP (all), FSDP (1/world size) and HSDP (1/ranks per node); activations come on top."""
+    per_rank = args.batch_size // world_size
+    if args.grad_accum > per_rank:
+        print0(f"warning: --grad-accum {args.grad_accum} is more than the {per_rank} images each "
+               f"rank computes per step: each rank runs {per_rank} micro-batches of one "
+               "image")  # fmt: skip
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    total = weights * (2 + state_tensors(args))
+    shards = mesh.shape[-1] if mesh is not None else 1  # the ranks sharing one copy of the weights
+    if mesh is not None and mesh.ndim == 2:
+        print0(f"mesh: {mesh.shape[0]} nodes (replicate) x {mesh.shape[1]} ranks (shard): HSDP, "
+               "the weights gathered within a node, the gradients all-reduced across "
+               "nodes")  # fmt: skip
+    elif mesh is not None:
+        print0(f"mesh: {shards} ranks (shard): FSDP across all of them")
+    peak = "each epoch's, in the log" if torch.cuda.is_initialized() else "not measured on the CPU"
+    print0(f"memory per rank: weights {weights:.1f} MiB + gradients {weights:.1f} MiB + "
+           f"{args.optimizer} state {total - 2 * weights:.1f} MiB = {total:.1f} MiB under DDP, "
+           f"{total / world_size:.1f} MiB under FSDP at world size {world_size}, "
+           f"{total / shards:.1f} MiB with this mesh | peak device memory: {peak}")  # fmt: skip
 
 
 def scheduler(args, optimizer):
