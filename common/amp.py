@@ -24,8 +24,7 @@ def policies(device, args):
     passed on in bf16 (to the next block, or to the root's layers after the last: a classifier's
     head); sharded weights, optimizer and gradient reduction stay fp32, the root hands the loss
     fp32; BatchNorm computes in fp32 (its running statistics are fp32), hands bf16 on. Else fp32.
-    (The guard rails refuse --amp where there is no FSDP to use it, or no bf16: check_amp() in
-    common/guards/preflight.py.)"""
+    (The guard rails refuse --amp without FSDP or bf16: preflight.check_amp().)"""
     from torch.distributed.fsdp import MixedPrecisionPolicy  # here: its import costs 0.7 s
 
     if not args.amp:

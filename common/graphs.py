@@ -87,10 +87,11 @@ def warm_up(train_step, step, x, y, args):
     """WARM_UP eager steps (cuDNN's choice of kernels, the optimizer's state), then undone."""
     for s in step.optimizer.state.values():  # a resumed optimizer's step counts, on the CPU
         s.update({k: v.to(step.device) for k, v in s.items() if k == "step"})
-    side = torch.cuda.Stream(step.device)
-    side.wait_stream(torch.cuda.current_stream(step.device))
-    with undone(step), capturable(step.optimizer), torch.cuda.stream(side):
-        for _ in range(WARM_UP):
-            step.optimizer.zero_grad(set_to_none=True)
-            train_step(step, x, y, args)
-    torch.cuda.current_stream(step.device).wait_stream(side)
+    side, now = torch.cuda.Stream(step.device), torch.cuda.current_stream(step.device)
+    with undone(step):  # its copies, on the current stream, before and after the side stream's steps
+        side.wait_stream(now)
+        with capturable(step.optimizer), torch.cuda.stream(side):
+            for _ in range(WARM_UP):
+                step.optimizer.zero_grad(set_to_none=True)
+                train_step(step, x, y, args)
+        now.wait_stream(side)
