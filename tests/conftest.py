@@ -87,3 +87,18 @@ def uninterrupted(tiny_data, tmp_path_factory):
         return out
 
     return folder
+
+
+# The slow suite's longest tests (`pytest --durations`), started first: the two workers then end together,
+# instead of one waiting out a long test that began last.
+LONGEST = {
+    "test_a_model_of_a_gigabyte_never_whole_on_a_rank",
+    "test_hsdp_on_two_nodes_and_its_checkpoint_across_mesh_shapes",
+    "test_resume_at_other_world_sizes_continues_the_same_run",
+    "test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint",
+    "test_compiled_and_eager_checkpoints_are_one_format",
+}
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: getattr(item, "originalname", item.name) not in LONGEST)  # stable
