@@ -115,3 +115,13 @@ def test_recorded_steps_train_as_eager_steps():
     torch.testing.assert_close(recorded_losses, eager_losses, rtol=1e-4, atol=1e-5)
     for key, value in eager.items():
         torch.testing.assert_close(recorded[key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_that_is_not_two_tensors_runs_eagerly():
+    """A task's batch of dicts (text: token ids and a mask) is never recorded: each steps eagerly, with no GPU
+    touched, whatever its shapes."""
+    step, graph, ran = make("adadelta"), graphs.StepGraph(), []
+    x = {"image": torch.randn(8, 1, 28, 28)}
+    loss = graph.run(lambda s, x, y, a: ran.append(x) or train_step(s, x["image"], y, a), step, x,
+                     torch.randint(0, 10, (8,)), ARGS)  # fmt: skip
+    assert ran == [x] and graph.graph is None and graph.shape is None and loss.ndim == 0
