@@ -12,6 +12,7 @@ from helpers import REPO, STAGES, clean_env, free_port
 
 from common import distributed
 from common.environment import Launch
+from common.guards import watchdog as watchdogs
 from common.guards.watchdog import Watchdog
 
 ONE_RANK = """
@@ -87,3 +88,27 @@ def test_a_rendezvous_that_fails_inside_setup_is_the_watchdogs_line(phase, error
     watchdog.phase = phase
     assert said in watchdog.explain(error)
     assert watchdog.saying.locked()
+
+
+def test_a_worker_still_watches_its_torchrun_when_a_beat_finds_the_agents_store_gone(monkeypatch):
+    """A killed torchrun's store socket closes before its workers get a new parent: a beat that fails in between
+    (the store is torchrun's) leaves the parent watched, so the worker still ends in one line, not trains on."""
+    said = []
+
+    def fail(message):
+        said.append(message)
+        raise SystemExit
+
+    class Gone:
+        def set(self, key, value):
+            raise dist.DistNetworkError("Connection reset by peer")
+
+    parents = iter([4321, 4321])  # torchrun's pid when the beat starts and at its first look; then init's
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
+    monkeypatch.setattr(watchdogs.os, "getppid", lambda: next(parents, 1))
+    monkeypatch.setattr(watchdogs, "fail", fail)
+    watchdog = Watchdog(Launch(1, 1, 2, "127.0.0.1", 29999), 3)
+    watchdog.store, watchdog.phase = Gone(), "run"
+    with pytest.raises(SystemExit):
+        watchdog.heartbeat(form_by=0)
+    assert said == ["error: rank 1: torchrun (pid 4321) has ended: this worker ends too"]

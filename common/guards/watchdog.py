@@ -7,6 +7,7 @@ then every rank keeps a heartbeat in it, so that a failed collective names the r
 (killed, stopped, hung) instead of a timeout deep in the backend; a worker whose torchrun is gone ends."""
 
 import datetime
+import math
 import os
 import socket
 import sys
@@ -124,8 +125,12 @@ class Watchdog:
                     self.store.set(f"alive/{self.rank}", str(time.time()))
                     for listen in self.listeners:
                         listen(self.store)
-                except dist.DistError:  # the store went with rank 0: the main thread reports what failed
-                    return
+                except dist.DistError:
+                    # the store went with rank 0 (the main thread reports what failed), or with torchrun: its
+                    # socket closes before this process gets a new parent, so the parent is still watched
+                    if not parent:
+                        return
+                    beaten = math.inf  # no more beats
             self.stopping.wait(HEARTBEAT if self.phase == "run" else 0.05)
 
     def waited(self, end):
