@@ -19,12 +19,9 @@ def scaler(device, args):
 
 
 def policies(device, args):
-    """Stage 05: FSDP's mixed precision, for fully_shard: the blocks', BatchNorm layers' and root's
-    policies. Under --amp each block's weights are gathered and computed in bf16 and its output
-    passed on in bf16 (to the next block, or to the root's layers after the last: a classifier's
-    head); sharded weights, optimizer and gradient reduction stay fp32, the root hands the loss
-    fp32; BatchNorm computes in fp32 (its running statistics are fp32), hands bf16 on. Else fp32.
-    (The guard rails refuse --amp without FSDP or bf16: preflight.check_amp().)"""
+    """Stage 05's policies for fully_shard: blocks', BatchNorm layers', root's. Under --amp a block
+    is gathered and computes in bf16, hands bf16 on; sharded weights, optimizer and the gradients'
+    reduction stay fp32, as BatchNorm (fp32 statistics) and the loss the root hands back."""
     from torch.distributed.fsdp import MixedPrecisionPolicy  # here: its import costs 0.7 s
 
     if not args.amp:

@@ -45,14 +45,14 @@ warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or
 
 
 def unwrap(model):
-    """The model inside DataParallel or DDP: its weights carry no `module.` prefix, so any stage loads them."""
+    """The model inside DataParallel or DDP: its weights, no `module.` prefix, load anywhere."""
     return getattr(model, "module", model)
 
 
 @contextlib.contextmanager
 def atomic(path, mode="wb"):
-    """Write `path` whole or not at all: into a temporary file of this process, switched in once complete. On
-    any error the temporary file goes and the old `path` stays."""
+    """Write `path` whole or not at all: into a temporary file of this process, switched in once
+    complete. On any error the temporary file goes and the old `path` stays."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")  # two writers never share one
     try:
@@ -61,7 +61,7 @@ def atomic(path, mode="wb"):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
-    except (OSError, RuntimeError) as err:  # a full disk (torch.save reports it as a RuntimeError): name the file
+    except (OSError, RuntimeError) as err:  # a full disk (torch.save's RuntimeError): name the file
         cause = err.__context__ if isinstance(err, RuntimeError) else err
         if not isinstance(cause, OSError):
             raise
@@ -73,14 +73,13 @@ def atomic(path, mode="wb"):
 def run_state(epoch, step, states):
     """What a checkpoint holds besides stage 05's shards: plain values and small tensors."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    rng = generators() | {"cuda": cuda}  # every generator a step may draw from: torch's, numpy's, random's
-    return {"epoch": epoch, "step": step, "rng": rng} | {
-        name: unwrap(thing).state_dict() for name, thing in states.items()
-    }
+    rng = generators() | {"cuda": cuda}  # every generator a step may draw from
+    saved = {name: unwrap(thing).state_dict() for name, thing in states.items()}
+    return {"epoch": epoch, "step": step, "rng": rng} | saved
 
 
 def save(output_dir, epoch, states, step=0):
-    """Stages 01-04: the end of epoch `epoch` (or `step` steps into it); every rank calls it, rank 0 writes."""
+    """Stages 01-04: the end of `epoch` (or `step` steps into it): all ranks call, rank 0 saves."""
     if is_rank0():
         with atomic(output_dir / WHOLE) as f:
             torch.save(run_state(epoch, step, states), f)
@@ -89,13 +88,12 @@ def save(output_dir, epoch, states, step=0):
 
 
 def save_sharded(output_dir, epoch, states, step=0):
-    """Stage 05: each rank writes its shards of the weights and optimizer state into <output-dir>/epoch-N
-    (epoch-N-step-S mid-epoch; torch.distributed.checkpoint), rank 0 adds state.pt and then switches the link
-    <output-dir>/checkpoint to the new folder: a kill before the switch leaves the previous checkpoint whole."""
-    from torch.distributed import checkpoint as dcp  # here: the stages that do not shard skip the import
+    """Stage 05: each rank writes its shards into <output-dir>/epoch-N (epoch-N-step-S mid-epoch),
+    rank 0 adds state.pt, then switches the link <output-dir>/checkpoint to it, atomically."""
+    from torch.distributed import checkpoint as dcp  # here: the stages that do not shard skip it
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    weights, optimizer_state = get_state_dict(states["model"], states["optimizer"])  # this rank's shards
+    weights, optimizer_state = get_state_dict(states["model"], states["optimizer"])  # this rank's
     folder = output_dir / (f"epoch-{epoch}-step-{step}" if step else f"epoch-{epoch}")
     if is_rank0():
         shutil.rmtree(folder, ignore_errors=True)  # what a save killed half-way left behind
@@ -105,26 +103,29 @@ def save_sharded(output_dir, epoch, states, step=0):
     dcp.save({"model": weights, "optimizer": optimizer_state["state"]}, checkpoint_id=folder)
     if is_rank0():
         rest = {name: thing for name, thing in states.items() if name not in SPLIT}
-        with atomic(folder / "state.pt") as f:  # the optimizer's plain values too: loaded with weights_only=True
-            torch.save(run_state(epoch, step, rest) | {"param_groups": optimizer_state["param_groups"]}, f)
+        # the optimizer's plain values too: loaded with weights_only=True
+        groups = {"param_groups": optimizer_state["param_groups"]}
+        with atomic(folder / "state.pt") as f:
+            torch.save(run_state(epoch, step, rest) | groups, f)
         latest, before = linked(output_dir / SHARDED), linked(output_dir / f"{SHARDED}-previous")
-        if latest and latest != folder.name:  # the checkpoint this one replaces stays, as the previous one
+        if latest and latest != folder.name:  # the checkpoint this one replaces stays, as previous
             point(output_dir / f"{SHARDED}-previous", latest)
         point(output_dir / SHARDED, folder.name)
-        if before and latest and before not in (latest, folder.name):  # what the links no longer name goes
+        if before and latest and before not in (latest, folder.name):  # what no link names goes
             shutil.rmtree(output_dir / before, ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()  # rank 0 has switched the link
 
 
 def linked(link):
-    """The folder beside it that `link` names, or None: rotation deletes what this run linked, never by name."""
+    """The folder beside it that `link` names, or None: rotation deletes what this run linked, never
+    by name."""
     name = os.readlink(link) if os.path.islink(link) else None
     return name if name and "/" not in name and name not in (".", "..") else None
 
 
 def point(link, name):
-    """Switch `link` to the folder `name` beside it, atomically: readers see the old link or the new one."""
+    """Switch `link` to the folder `name` beside it, atomically: readers see the old or the new."""
     tmp = link.with_name("checkpoint.tmp")
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(name)
@@ -137,19 +138,21 @@ def epochs(output_dir):
 
     def position(folder):
         epoch, _, step = folder.name.removeprefix("epoch-").partition("-step-")
-        return (int(epoch), int(step) if step else float("inf")) if (epoch + step).isdigit() else (-1, 0)
+        if not (epoch + step).isdigit():
+            return (-1, 0)
+        return (int(epoch), int(step) if step else float("inf"))
 
     return sorted(output_dir.glob("epoch-*"), key=position, reverse=True)
 
 
 def latest(args, name=WHOLE):
-    """The checkpoint to continue, or None: --resume PATH; --output-dir's own with --resume, or after a restart."""
+    """The checkpoint to continue, or None: --resume PATH, or --output-dir's (--resume, restart)."""
     own = args.output_dir / name
     return own if args.resume is True or (restarted() and own.exists()) else args.resume
 
 
 def restarted():
-    """Did Slurm requeue this job or torchrun restart its workers, on any rank (torchrun counts on the failed node)?"""
+    """Did Slurm requeue this job, or torchrun restart its workers on any rank's node?"""
     everyone = [any(restarts())] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
         dist.all_gather_object(everyone, everyone[0])
@@ -168,13 +171,13 @@ def read(path):
     """The checkpoint at `path`, a checkpoint.pt or a stage 05 folder (then its state.pt, with
     "folder" added for restore() to read the shards from)."""
     folder = path.resolve() if path.is_dir() else None
-    state = torch.load(folder / "state.pt" if folder else path, map_location="cpu", weights_only=True)
+    state = torch.load(folder / "state.pt" if folder else path, "cpu", weights_only=True)
     return state | {"folder": folder} if isinstance(state, dict) else state
 
 
 def restore(path, states):
-    """Load the checkpoint at `path` (None: none) into `states`: returns where to start, (epoch, steps done
-    in it): (1, 0) without one, the next epoch after a whole one, the same after part of one."""
+    """Load the checkpoint at `path` (None: none) into `states`: returns where to start, (epoch,
+    steps done in it): (1, 0) without one, the next epoch after a whole one, the same after part."""
     if path is None:
         return 1, 0
     state = read_on_rank0(path)
@@ -197,8 +200,8 @@ def restore_rest(state, states):
 
 
 def restore_sharded(path, states):
-    """Stage 05's restore(): each rank reads from the folder the pieces of its own shards (at any world size:
-    the checkpoint records where each piece lies), or takes its shards of a whole checkpoint.pt."""
+    """Stage 05's restore(): each rank reads from the folder the pieces of its own shards (at any
+    world size: the checkpoint records where each lies), or its shards of a whole checkpoint.pt."""
     if path is None:
         return 1, 0
     state = read_on_rank0(path)
@@ -208,33 +211,35 @@ def restore_sharded(path, states):
 
 def load_sharded(state, model, optimizer):
     from torch.distributed import checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.checkpoint import state_dict as sd
 
-    if state["folder"]:  # the shapes to fill are this rank's shards
-        weights, optimizer_state = get_state_dict(model, optimizer)
+    folder = state["folder"]
+    if folder:  # the shapes to fill are this rank's shards
+        weights, optimizer_state = sd.get_state_dict(model, optimizer)
         pieces = {"model": weights, "optimizer": optimizer_state["state"]}
         # DCP's own reader unpickles .metadata as it is: shards.reader() builds DCP's classes alone
-        dcp.load(pieces, checkpoint_id=state["folder"], storage_reader=shards.reader(state["folder"]))
+        dcp.load(pieces, checkpoint_id=folder, storage_reader=shards.reader(folder))
         optimizer_state = {"state": pieces["optimizer"], "param_groups": state["param_groups"]}
-        set_state_dict(model, optimizer, model_state_dict=pieces["model"], optim_state_dict=optimizer_state)
+        sd.set_state_dict(model, optimizer, model_state_dict=pieces["model"],
+                          optim_state_dict=optimizer_state)  # fmt: skip
         return
-    names = [name for name, _ in model.named_parameters()]  # optimizer.state_dict() numbers them in this order
+    # a whole checkpoint: optimizer.state_dict() numbers the parameters in this order
+    names = [name for name, _ in model.named_parameters()]
     saved = state["optimizer"]
-    optimizer_state = {
-        "state": {names[i]: value for i, value in saved["state"].items()},
-        "param_groups": [group | {"params": [names[i] for i in group["params"]]} for group in saved["param_groups"]],
-    }
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optimizer_state,
-                   options=StateDictOptions(full_state_dict=True))  # fmt: skip
+    groups = [g | {"params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]
+    by_name = {"state": {names[i]: v for i, v in saved["state"].items()}, "param_groups": groups}
+    sd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=by_name,
+                      options=sd.StateDictOptions(full_state_dict=True))  # fmt: skip
 
 
 def save_model(model, output_dir):
     """The whole weights, as stage 01's model names them: from any stage, a file any stage loads."""
     weights = unwrap(model).state_dict()
-    if any(hasattr(w, "to_local") for w in weights.values()):  # stage 05's DTensors: gather the shards on rank 0
+    if any(hasattr(w, "to_local") for w in weights.values()):  # stage 05's: gathered on rank 0
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = get_model_state_dict(model, options=whole)
     if is_rank0():
         with atomic(output_dir / "model.pt") as f:
             torch.save(weights, f)

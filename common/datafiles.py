@@ -1,7 +1,7 @@
-"""The data files as uint8 tensors: MNIST's IDX files and CIFAR's python batches, in their official formats.
-The guard rails check each file before a stage reads it (common/guards/datafiles.py): a file cut short, of
-another format, or with labels that do not fit its images is one line naming it and the fix, not a traceback
-from numpy or a run that trains on less."""
+"""The data files as uint8 tensors: MNIST's IDX files and CIFAR's python batches, in their official
+formats. The guard rails check each file before a stage reads it (common/guards/datafiles.py): a
+file cut short, of another format, or with labels that do not fit its images is one line naming it
+and the fix, not a traceback from numpy or a run that trains on less."""
 
 import pickle
 
@@ -21,12 +21,13 @@ class NumpyOnly(pickle.Unpickler):
     """Unpickling runs whatever code a file names. A CIFAR batch holds dictionaries of numpy arrays,
     lists and bytes alone, so nothing else may be loaded: a crafted file fails, not runs."""
 
+    # the official files name numpy.core, numpy >= 2 numpy._core
     ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
-               ("numpy._core.multiarray", "_reconstruct")}  # the official files' name; numpy >= 2's  # fmt: skip
+               ("numpy._core.multiarray", "_reconstruct")}  # fmt: skip
 
     def find_class(self, module, name):
         if (module, name) not in self.ALLOWED:
-            raise ValueError(f"{module}.{name} is not allowed in a CIFAR batch, which holds numpy arrays")
+            raise ValueError(f"{module}.{name} is not allowed in a CIFAR batch (numpy arrays only)")
         return super().find_class(module, name)
 
 

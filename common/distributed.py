@@ -45,11 +45,9 @@ def setup(args):
 
 
 def mesh(args, world_size, device):
-    """Stage 05's DeviceMesh, or None without a process group. On several nodes, 2-D (nodes, ranks
-    per node): FSDP2 replicates the weights across nodes and shards them within each (HSDP), so a
-    block's all-gather stays on the node's fast links; only the gradients' all-reduce crosses the
-    network. On one node, on nodes of unequal rank counts, or with --full-shard, 1-D: each rank
-    holds 1/world size of everything (FSDP)."""
+    """Stage 05's DeviceMesh, or None without a process group. On several nodes 2-D (HSDP): the
+    weights sharded within a node, whose fast links carry the all-gathers, and replicated across
+    nodes, where only the gradients' all-reduce goes. Else (or --full-shard) 1-D: FSDP."""
     if not dist.is_initialized():
         return None
     if device.type == "cpu" and sys.platform == "linux":  # glibc keeps what FSDP frees each step:

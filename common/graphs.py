@@ -88,7 +88,7 @@ def warm_up(train_step, step, x, y, args):
     for s in step.optimizer.state.values():  # a resumed optimizer's step counts, on the CPU
         s.update({k: v.to(step.device) for k, v in s.items() if k == "step"})
     side, now = torch.cuda.Stream(step.device), torch.cuda.current_stream(step.device)
-    with undone(step):  # its copies, on the current stream, before and after the side stream's steps
+    with undone(step):  # copies on the current stream, before and after the side stream's steps
         side.wait_stream(now)
         with capturable(step.optimizer), torch.cuda.stream(side):
             for _ in range(WARM_UP):

@@ -14,19 +14,18 @@ from common.checkpoint import atomic
 from common.distributed import print0
 from common.environment import is_rank0, ranks_per_node
 
-try:
-    from line_profiler import profile  # the stages' train(): timed per line under kernprof -l or LINE_PROFILE=1
+try:  # the stages' train(): timed per line under kernprof -l or LINE_PROFILE=1
+    from line_profiler import profile
 except ImportError:  # an environment without it trains the same, untimed
 
     def profile(func):
         return func
 
 
-FIELDS = [
-    # or the task's metric
+FIELDS = [  # accuracy: or the task's metric; better: its direction, "higher" or "lower"
     "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",
-    "epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size", "nodes", "peak_memory_mib",
-    "compile_seconds", "better",  # better: "higher" or "lower", the metric's direction, for tools/
+    "epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size", "nodes",
+    "peak_memory_mib", "compile_seconds", "better",
 ]  # fmt: skip
 
 
@@ -90,7 +89,7 @@ def progress(epoch, batch, batches, loss):
 
 
 def elapsed(start, device):
-    """Seconds since `start`, once the GPU has finished: without the wait a timer measures kernel launches."""
+    """Seconds since `start`, once the GPU has finished (else a timer measures kernel launches)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
@@ -100,36 +99,40 @@ class Log:
     """The rows of metrics.csv (all-reduced: alike on every rank; rank 0 writes) and epoch lines."""
 
     def __init__(self, output_dir, world_size, compiled=False, metric=None):
-        self.path, self.world_size, self.metric = output_dir / "metrics.csv", world_size, metric or Metric()
+        self.path, self.world_size = output_dir / "metrics.csv", world_size
+        self.metric = metric or Metric()
         self.fields = [field.replace("accuracy", self.metric.name) for field in FIELDS]
         self.nodes = max(world_size // ranks_per_node(world_size), 1)
         self.rows, self.clock = [], (0, 0.0)  # (epoch, start) of the epoch in progress
         self.cut = {"epoch": 0}  # an epoch resumed part-way: its seconds and training sums before
-        self.compiled = 0.0  # --compile: the seconds torch.compile spent, from its own callbacks, apart in the CSV
-        if compiled:  # torch._dynamo takes a second and a half to import: only where it compiles anyway
+        self.compiled = 0.0  # --compile: the seconds torch.compile took, apart in the CSV
+        if compiled:  # torch._dynamo takes a second and a half to import: only where it compiles
             from torch._dynamo import callback
 
-            callback.on_compile_start(lambda *_: setattr(self, "compile_start", time.perf_counter()))
-            callback.on_compile_end(lambda *_: setattr(self, "compiled", self.compiled + time.perf_counter() - self.compile_start))  # fmt: skip
+            callback.on_compile_start(lambda *_: self.compiling(-time.perf_counter()))
+            callback.on_compile_end(lambda *_: self.compiling(time.perf_counter()))
+
+    def compiling(self, clock):
+        self.compiled += clock  # the start subtracted, the end added: the seconds in between
 
     def state_dict(self):
         return {"rows": self.rows}
 
     def load_state_dict(self, state):
-        """A resumed run rewrites the CSV from the checkpoint's rows: an epoch logged but not saved counts once.
-        One saved part-way through an epoch holds that part's time and each rank's training sums (its cut)."""
+        """A resumed run rewrites the CSV from the checkpoint's rows (an epoch logged, not saved,
+        counts once), and takes the time and sums of an epoch saved part-way (its cut)."""
         self.rows, self.cut = list(state["rows"]), state.get("cut") or {"epoch": 0}
         self.write()
 
     def so_far(self, epoch, device):
-        """This rank's training Sums of `epoch` before a stop part-way: zeros, but in an epoch resumed
-        part-way; resumed at another world size (stage 05), rank 0 carries them all."""
+        """This rank's training Sums of `epoch` before a stop part-way: zeros, but in an epoch
+        resumed part-way; resumed at another world size (stage 05), rank 0 carries them all."""
         if self.cut["epoch"] != epoch:
             return Sums.zeros(device)
         ranks, rank = self.cut["ranks"], dist.get_rank() if dist.is_initialized() else 0
         if len(ranks) != self.world_size:
             ranks = [self.cut["training"]] + [dict.fromkeys(self.cut["training"], 0.0)] * rank
-        return Sums(**{name: torch.tensor(value, device=device) for name, value in ranks[rank].items()})
+        return Sums(**{k: torch.tensor(v, device=device) for k, v in ranks[rank].items()})
 
     def start(self, epoch):
         self.clock = (epoch, time.perf_counter())
@@ -137,7 +140,7 @@ class Log:
     def seconds(self, device):
         """The time of the epoch in progress, its part before an interruption included."""
         epoch, start = self.clock
-        return elapsed(start, device) + (self.cut["seconds"] if self.cut["epoch"] == epoch else 0.0)
+        return elapsed(start, device) + (self.cut["seconds"] if self.cut["epoch"] == epoch else 0)
 
     def write(self):
         if is_rank0():
@@ -148,8 +151,9 @@ class Log:
 
     def epoch(self, epoch, lr, seconds, sums):
         """`sums`: the epoch's Epoch, summed over all ranks."""
-        training, val, test = sums.training, sums.validation, sums.test  # training: from so_far()
-        name, value, seen, shown = self.metric.name, self.metric.value, training.samples, self.shown
+        training, val, test = sums  # training: from so_far() on
+        name, value, seen = self.metric.name, self.metric.value, training.samples
+        peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else ""
         row = {
             "epoch": epoch, "lr": lr, "train_loss": training.loss / seen,
             "val_loss": val.loss / val.samples if val.samples else "",
@@ -157,47 +161,51 @@ class Log:
             "test_loss": test.loss / test.samples, f"test_{name}": value(test.score, test.samples),
             "epoch_seconds": seconds, "images_per_s": seen / seconds,
             "images_per_s_per_process": seen / seconds / self.world_size,
-            "world_size": self.world_size, "nodes": self.nodes,
-            "peak_memory_mib": torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else "",
-            "compile_seconds": self.compiled,  # inside epoch_seconds: the first steps of each shape wait for it
-            "better": self.metric.better,
+            "world_size": self.world_size, "nodes": self.nodes, "peak_memory_mib": peak,
+            # inside epoch_seconds: the first steps of each shape wait for the compiler
+            "compile_seconds": self.compiled, "better": self.metric.better,
         }  # fmt: skip
-        if torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats()  # each epoch's own peak
         self.rows.append(row)
         self.compiled = 0.0
-        print0(
-            f"epoch {epoch:3d} | lr {lr:.4f} | train loss {row['train_loss']:.4f} "
-            + (f"| val loss {row['val_loss']:.4f} ({shown(row, 'val')}) " if val.samples else "")
-            + f"| test loss {row['test_loss']:.4f} "
-            f"| {shown(row, 'test', test.score, test.samples)} | {seconds:.2f} s "
-            f"| {row['images_per_s']:.0f} img/s ({row['images_per_s_per_process']:.0f} per process)"
-            + (f" | peak {row['peak_memory_mib']:.0f} MiB" if row["peak_memory_mib"] != "" else "")
-            + (f" | compile {row['compile_seconds']:.1f} s" if row["compile_seconds"] else "")
-        )
+        if torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()  # each epoch's own peak
+        tested = self.shown(row, "test")
+        if name == "accuracy":  # as pytorch/examples prints it
+            tested = f"accuracy {int(test.score)}/{int(test.samples)} ({tested})"
+        line = [f"epoch {epoch:3d}", f"lr {lr:.4f}", f"train loss {row['train_loss']:.4f}"]
+        if val.samples:
+            line.append(f"val loss {row['val_loss']:.4f} ({self.shown(row, 'val')})")
+        speed = f"{seen / seconds:.0f} img/s ({seen / seconds / self.world_size:.0f} per process)"
+        line += [f"test loss {row['test_loss']:.4f}", tested, f"{seconds:.2f} s", speed]
+        if peak != "":
+            line.append(f"peak {peak:.0f} MiB")
+        if row["compile_seconds"]:
+            line.append(f"compile {row['compile_seconds']:.1f} s")
+        print0(" | ".join(line))
         self.write()
 
-    def shown(self, row, split, total=None, samples=None):
-        """The metric as the epoch line shows it: `accuracy 9512/10000 (95.12%)`, `95.12%`, `mae 0.1234`."""
-        value = row[f"{split}_{self.metric.name}"]
-        if self.metric.name != "accuracy":
-            return f"{self.metric.name} {value:.4f}"
-        return f"{value:.2f}%" if total is None else f"accuracy {int(total)}/{int(samples)} ({value:.2f}%)"
+    def shown(self, row, split):
+        """The metric of `split` in a row, as the lines show it: `95.12%`, `mae 0.1234`."""
+        value, name = row[f"{split}_{self.metric.name}"], self.metric.name
+        return f"{value:.2f}%" if name == "accuracy" else f"{name} {value:.4f}"
 
     def reached(self, target, patience):
         """--target: have the last `patience` evaluations (validation, else test) all reached it?"""
-        name, higher = self.metric.name, self.metric.better == "higher"
-        last = [r[f"test_{name}"] if r[f"val_{name}"] == "" else r[f"val_{name}"] for r in self.rows[-patience:]]
+        name, better = self.metric.name, self.metric.better
+        split = "val" if self.rows and self.rows[-1][f"val_{name}"] != "" else "test"
+        last = [row[f"{split}_{name}"] for row in self.rows[-patience:]]
         if target is None or len(last) < patience:
             return False
-        if not all(v >= target if higher else v <= target for v in last):
+        if not all(v >= target if better == "higher" else v <= target for v in last):
             return False
-        print0(f"stopping: the last {patience} evaluations reached --target {target:g} ({name}, {self.metric.better} "
-               "is better)")  # fmt: skip
+        print0(f"stopping: the last {patience} evaluations reached --target {target:g} ({name}, "
+               f"{better} is better)")  # fmt: skip
         return True
 
     def summary(self):
-        seconds, images = sum(r["epoch_seconds"] for r in self.rows), sum(r["images_per_s"] * r["epoch_seconds"] for r in self.rows)  # fmt: skip
+        seconds = sum(r["epoch_seconds"] for r in self.rows)
+        images = sum(r["images_per_s"] * r["epoch_seconds"] for r in self.rows)
         last = self.shown(self.rows[-1], "test")
-        print0(f"done: {len(self.rows)} epochs, {seconds:.1f} s of training, {images / seconds:.0f} img/s, "
-               f"test {last if self.metric.name != 'accuracy' else 'accuracy ' + last} | metrics in {self.path}")  # fmt: skip
+        last = f"accuracy {last}" if self.metric.name == "accuracy" else last
+        print0(f"done: {len(self.rows)} epochs, {seconds:.1f} s of training, "
+               f"{images / seconds:.0f} img/s, test {last} | metrics in {self.path}")  # fmt: skip

@@ -1,10 +1,10 @@
-"""The models (--model), built by `build` for a data set's channels, classes and image size; it finds each
-by its name in MODELS, so a reader who follows it to one model reads that one alone. Each returns
-log-probabilities, as the stages train with F.nll_loss.
+"""The models (--model), built by `build` for a data set's channels, classes and image size; it
+finds each by its name in MODELS, so a reader who follows it to one model reads that one alone. Each
+returns log-probabilities, as the stages train with F.nll_loss.
 
-  net         the CNN of pytorch/examples mnist/main.py, unchanged but for the channels and classes: 28x28 only
+  net         pytorch/examples' mnist/main.py CNN, but for the channels and classes: 28x28 only
   cnn         a small VGG-style CNN that ends in global average pooling, so any image size fits
-  wideresnet  WRN-depth-width of Zagoruyko & Komodakis, "Wide Residual Networks" (2016), for 32x32 images
+  wideresnet  WRN-depth-width of Zagoruyko & Komodakis, "Wide Residual Networks" (2016), for 32x32
 """
 
 import itertools
@@ -64,7 +64,8 @@ class Block(nn.Module):
         self.bn1, self.conv1 = nn.BatchNorm2d(cin), nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
         self.bn2, self.conv2 = nn.BatchNorm2d(cout), nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.dropout = nn.Dropout(dropout)
-        self.shortcut = nn.Conv2d(cin, cout, 1, stride, bias=False) if cin != cout or stride != 1 else None
+        projected = cin != cout or stride != 1
+        self.shortcut = nn.Conv2d(cin, cout, 1, stride, bias=False) if projected else None
 
     def forward(self, x):
         out = F.relu(self.bn1(x))
@@ -83,7 +84,8 @@ class WideResNet(nn.Module):
     def __init__(self, in_channels=3, num_classes=10, depth=16, width=4, dropout=0.0):
         super().__init__()
         if depth < 10 or (depth - 4) % 6:
-            raise ValueError(f"--depth {depth}: a WideResNet is 6n+4 layers deep, n >= 1 (10, 16, 22, 28, 40)")
+            raise ValueError(f"--depth {depth}: a WideResNet is 6n+4 layers deep, n >= 1 "
+                             "(10, 16, 22, 28, 40)")  # fmt: skip
         blocks = (depth - 4) // 6
         widths = [16, 16 * width, 32 * width, 64 * width]
         layers = [nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False)]
@@ -91,7 +93,8 @@ class WideResNet(nn.Module):
             for i in range(blocks):
                 cin = widths[group] if i == 0 else widths[group + 1]
                 layers.append(Block(cin, widths[group + 1], stride if i == 0 else 1, dropout))
-        layers += [nn.BatchNorm2d(widths[3]), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        layers += [nn.BatchNorm2d(widths[3]), nn.ReLU(inplace=True)]
+        layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
         self.features = nn.Sequential(*layers)
         self.fc = nn.Linear(widths[3], num_classes)
         for m in self.modules():
@@ -112,26 +115,28 @@ class WideResNet(nn.Module):
 
 
 def blocks(model):
-    """The pieces stage 05 shards one at a time and, with --checkpoint-activations, recomputes in the
-    backward pass: the layers with weights that a model lists in order (the children of its nn.Sequential and
-    nn.ModuleList: a WideResNet's residual blocks, a transformer's layers), but its norms; in a model that
-    lists none, each layer with weights."""
+    """What stage 05 shards one at a time (and --checkpoint-activations recomputes): the layers
+    with weights of a model's nn.Sequential and nn.ModuleList (residual blocks, a transformer's
+    layers) but norms; in a model that lists none, each layer with weights."""
     found = []
-    for seq in model.modules():  # outermost first; a list inside a block found already is part of it
-        if isinstance(seq, (nn.Sequential, nn.ModuleList)) and not any(seq in b.modules() for b in found):
+    for seq in model.modules():  # outermost first; a list inside a block found is part of it
+        listed = isinstance(seq, (nn.Sequential, nn.ModuleList))
+        if listed and not any(seq in b.modules() for b in found):
             found += [m for m in seq.children() if list(m.parameters()) and m not in norms(seq)]
     return found or [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
 
 
 def gathered(blocks):
-    """Stage 05's units: hooks cost per unit and step; the smallest blocks, together up to 1/8 of the largest, join the root."""
+    """Stage 05's units: hooks cost per unit and step; the smallest blocks, together up to 1/8 of
+    the largest, join the root."""
     sizes = sorted((sum(p.numel() for p in b.parameters()), i) for i, b in enumerate(blocks))
-    totals = dict(zip((i for _, i in sizes), itertools.accumulate(n for n, _ in sizes), strict=True))  # smallest first
+    running = itertools.accumulate(n for n, _ in sizes)  # each block's and all smaller ones'
+    totals = dict(zip([i for _, i in sizes], running, strict=True))
     return [b for i, b in enumerate(blocks) if 8 * totals[i] > sizes[-1][0]]
 
 
 def norms(model):
-    """The BatchNorm layers: under --amp, stage 05 makes each a unit of its own, which computes in fp32."""
+    """The BatchNorm layers: under --amp, stage 05 makes each a unit of its own, in fp32."""
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
@@ -142,24 +147,23 @@ FITS = {"net": (28, "mnist, fashion-mnist", "cnn or wideresnet for 32x32"),
 
 
 def build(name, in_channels, num_classes, image_size, depth=16, width=4):
-    """The model `name` of MODELS for images of in_channels x image_size x image_size in num_classes classes;
-    a ValueError that says what to change for a size it does not fit."""
+    """The model `name` of MODELS for images of in_channels x image_size x image_size in
+    num_classes classes; a ValueError that says what to change for a size it does not fit."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}: net, cnn or wideresnet")
     size, sets, instead = FITS.get(name, (image_size, "", ""))
     if image_size != size:
-        raise ValueError(f"--model {name} fits {size}x{size} images ({sets}), not {image_size}x{image_size}: "
-                         f"use --model {instead}")  # fmt: skip
+        raise ValueError(f"--model {name} fits {size}x{size} images ({sets}), not "
+                         f"{image_size}x{image_size}: use --model {instead}")  # fmt: skip
     shape = dict(depth=depth, width=width) if name == "wideresnet" else {}
     return MODELS[name](in_channels, num_classes, **shape)
 
 
 def materialise(model, device, task, args):
-    """Stage 05 builds the model on the meta device (shapes, no memory) and shards it; each rank then allocates
-    its own shards and fills them, never holding more than one layer whole: from the task's file of whole
-    weights, `weights(args)`, if it names one, else with stage 01's initial weights at the same seed (each
-    layer's reset_parameters(), children first as a constructor runs them, then the task's or the model's
-    init_weights(layer)): the same at any world size. A task built on the CPU (META = False) is only moved."""
+    """The model stage 05 built on the meta device (shapes, no memory) and sharded: each rank fills
+    its shards, holding one layer whole at most, from the task's `weights(args)` file, else with
+    stage 01's initial weights at the seed (reset_parameters(), children first, then the task's or
+    model's init_weights(layer)): alike at any world size. A CPU-built one (META = False) moves."""
     if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         return model.to(device)
     model.to_empty(device=device)
@@ -169,9 +173,9 @@ def materialise(model, device, task, args):
     covered = {id(t) for m in resets for *_, t in held(m, True)}
     for name, m in model.named_modules():
         if any(id(t) not in covered for *_, t in held(m)):
-            raise TypeError(f"{name} ({type(m).__name__}) has tensors that no reset_parameters() sets, which "
-                            "stage 05 needs to initialise a model built on the meta device: give it one, or set "
-                            "META = False in the task file")  # fmt: skip
+            raise TypeError(f"{name} ({type(m).__name__}) has tensors that no reset_parameters() "
+                            "sets, which stage 05 needs to initialise a model built on the meta "
+                            "device: give it one, or set META = False in the task")  # fmt: skip
     done, init = set(), getattr(task, "init_weights", None) or getattr(model, "init_weights", None)
     for m in resets:
         on_cpu(m, reset_of(m), done, recurse=True)
@@ -188,37 +192,41 @@ def post_order(module, seen):
     yield module
 
 
-def reset_of(module):
-    return getattr(module, "reset_parameters", None) or getattr(
-        module, "_reset_parameters", None
-    )  # the latter: attention's
+def reset_of(module):  # _reset_parameters: attention's
+    return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
 
 
 def held(module, recurse=False):
-    """(owner, "_parameters" or "_buffers", name, tensor) for each tensor of `module` (and its sub-layers)."""
+    """(owner, "_parameters" or "_buffers", name, tensor) of each tensor of `module` (or below)."""
     for owner in module.modules() if recurse else [module]:
         for kind in ("_parameters", "_buffers"):
-            yield from ((owner, kind, name, t) for name, t in getattr(owner, kind).items() if t is not None)
+            tensors = getattr(owner, kind).items()
+            yield from ((owner, kind, name, t) for name, t in tensors if t is not None)
 
 
 def on_cpu(module, init, done, recurse=False):
-    """init() on CPU copies of the whole tensors of `module` (their values so far if `done`, gathered), drawing
-    from the global generator as the constructor did; then each rank keeps its own shard of each."""
+    """init() on whole CPU copies of `module`'s tensors (their values so far if `done`), drawing
+    from the global generator as a constructor does; each rank then keeps its shard of each."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     slots = list(held(module, recurse))
     for owner, kind, name, t in slots:
-        whole = (t.full_tensor() if isinstance(t, DTensor) else t) if id(t) in done else torch.empty(t.shape)
+        whole = torch.empty(t.shape)
+        if id(t) in done:  # its values so far
+            whole = t.full_tensor() if isinstance(t, DTensor) else t
         whole = whole.detach().to("cpu", t.dtype, copy=True)
-        getattr(owner, kind)[name] = nn.Parameter(whole, t.requires_grad) if kind == "_parameters" else whole
+        param = kind == "_parameters"
+        getattr(owner, kind)[name] = nn.Parameter(whole, t.requires_grad) if param else whole
     try:
         with torch.no_grad():
             init()
             for owner, kind, name, t in slots:
                 whole, local = getattr(owner, kind)[name], t
-                if isinstance(t, DTensor):  # this rank's piece, cut as fully_shard cut it: no communication
-                    whole = distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local()
-                    local = t.to_local()
+                if isinstance(t, DTensor):  # this rank's piece, cut as fully_shard cut it, locally
+                    whole = distribute_tensor(
+                        whole, t.device_mesh, t.placements, src_data_rank=None
+                    )
+                    whole, local = whole.to_local(), t.to_local()
                 local.copy_(whole)
                 done.add(id(t))
     finally:
@@ -227,15 +235,16 @@ def on_cpu(module, init, done, recurse=False):
 
 
 def load_whole(model, path):
-    """A file of whole weights into the sharded model: rank 0 maps it from disk, the others receive their
-    shards of each tensor; no GPU holds it whole."""
+    """A file of whole weights into the sharded model: rank 0 maps it from disk, the others receive
+    their shards of each tensor; no GPU holds it whole."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint import state_dict as sd
 
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     weights = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if rank0 else {}
     if dist.is_initialized():
-        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        whole = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        sd.set_model_state_dict(model, weights, options=whole)
     else:
         model.load_state_dict(weights)
     return model

@@ -67,26 +67,19 @@ def compiled(modules, device, args):
 def state_tensors(args):
     """How many tensors the size of the weights the optimizer keeps: Adadelta and Adam two (running
     averages), RMSprop one, SGD none; momentum one more (stage 05's memory line)."""
-    return {"adadelta": 2, "adam": 2, "rmsprop": 1, "sgd": 0}[args.optimizer] + int(
-        args.optimizer in ("rmsprop", "sgd") and args.momentum > 0
-    )
+    momentum = args.optimizer in ("rmsprop", "sgd") and args.momentum > 0
+    return {"adadelta": 2, "adam": 2, "rmsprop": 1, "sgd": 0}[args.optimizer] + int(momentum)
 
 
 def memory(model, args, world_size, mesh):
     """Stage 05, at start: the mesh; what each rank holds of weights, gradients and optimizer state
     under DDP (all), FSDP (1/world size) and HSDP (1/ranks per node); activations come on top."""
-    per_rank = args.batch_size // world_size
-    if args.grad_accum > per_rank:
-        print0(f"warning: --grad-accum {args.grad_accum} is more than the {per_rank} images each "
-               f"rank computes per step: each rank runs {per_rank} micro-batches of one "
-               "image")  # fmt: skip
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     total = weights * (2 + state_tensors(args))
     shards = mesh.shape[-1] if mesh is not None else 1  # the ranks sharing one copy of the weights
     if mesh is not None and mesh.ndim == 2:
         print0(f"mesh: {mesh.shape[0]} nodes (replicate) x {mesh.shape[1]} ranks (shard): HSDP, "
-               "the weights gathered within a node, the gradients all-reduced across "
-               "nodes")  # fmt: skip
+               "weights gathered within a node, gradients all-reduced across nodes")  # fmt: skip
     elif mesh is not None:
         print0(f"mesh: {shards} ranks (shard): FSDP across all of them")
     peak = "each epoch's, in the log" if torch.cuda.is_initialized() else "not measured on the CPU"
@@ -100,8 +93,6 @@ def scheduler(args, optimizer):
     """Stepped once per epoch."""
     if args.scheduler == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
-    if args.scheduler == "exponential":
-        return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=args.gamma)
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.step_size, gamma=args.gamma)
 
 

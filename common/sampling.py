@@ -1,11 +1,12 @@
-"""Which samples each epoch trains on, in which order, drawn with which random numbers: so that a run
-stopped part-way through an epoch (a Slurm requeue, a torchrun restart) and resumed trains on the
-samples, augmented alike, that the uninterrupted run would have.
+"""Which samples each epoch trains on, in which order, drawn with which random numbers: so that a
+run stopped part-way through an epoch (a Slurm requeue, a torchrun restart) and resumed trains on
+the samples, augmented alike, that the uninterrupted run would have.
 
 Resumable is the training sampler: each epoch's order follows from --seed and the epoch alone, and
 an epoch can start at the sample where an earlier run stopped. Seeded draws each sample of a task's
 own data set with the CPU generators seeded for that sample alone, from (--seed, epoch, index): a
-random augmentation draws the same with 0 or 8 DataLoader workers, at any world size, resumed or not.
+random augmentation draws the same with 0 or 8 DataLoader workers, at any world size, resumed
+or not.
 """
 
 import hashlib
@@ -22,11 +23,10 @@ except ImportError:
 
 
 class Resumable(Sampler):
-    """`sampler` (a RandomSampler with a generator of its own, or a DistributedSampler), with epochs
-    that can start part-way: resume_at(epoch, samples) skips, in that epoch, the first `samples` of
-    its order counted over all ranks. A DistributedSampler deals rank r every world_size-th sample of
-    one order, so the samples seen are the first ones of that order at any world size: a run resumed
-    at another deals out the rest anew, and no sample is skipped or seen twice."""
+    """`sampler` (a RandomSampler with its own generator, or a DistributedSampler), its epochs able
+    to start part-way: resume_at(epoch, samples) skips that epoch's first `samples`, over all ranks.
+    A DistributedSampler deals rank r every world_size-th sample of one order, so those seen are its
+    first at any world size: resumed at another, the rest is dealt anew, none skipped or twice."""
 
     def __init__(self, sampler, seed):
         self.sampler, self.seed, self.epoch, self.skip = sampler, seed, 0, (0, 0)
@@ -79,9 +79,9 @@ class Tagged(Sampler):
 
 
 class Seeded(Dataset):
-    """A task's own data set, each sample drawn with torch's CPU generator, numpy's and random's seeded
-    from (seed, epoch, index). In the process that trains, they are put back afterwards: the training's
-    own draws (dropout, the next shuffle) do not depend on what the data set drew."""
+    """A task's data set, each sample drawn with torch's CPU generator, numpy's and random's seeded
+    from (seed, epoch, index), put back after in the training process: its own draws (dropout, the
+    next shuffle) do not depend on the data set's."""
 
     def __init__(self, dataset, seed):
         self.dataset, self.seed = dataset, seed
@@ -106,7 +106,7 @@ class Seeded(Dataset):
 
 
 def generators():
-    """torch's CPU generator, numpy's and random's, as values a checkpoint loads with weights_only."""
+    """torch's CPU generator, numpy's and random's, as a checkpoint loads them (weights_only)."""
     found = {"cpu": torch.get_rng_state(), "python": random.getstate(), "numpy": None}
     if numpy is not None:
         kind, words, position, has_gauss, gauss = numpy.random.get_state()

@@ -16,10 +16,9 @@ class Planted(pickle.UnpicklingError):
 
 
 class IndexUnpickler(pickle.Unpickler):
-    """Builds what DCP's metadata is made of and nothing else: find_class is the only way a pickle
-    reaches a callable, and it refuses every name but these. Not BytesStorageMetadata either, the
-    entry of an item that is not a tensor, which DCP would unpickle unrestricted: the stages write
-    none (the optimizer's param_groups go to state.pt)."""
+    """Builds DCP's metadata and nothing else: find_class, a pickle's only way to a callable,
+    refuses every other name; BytesStorageMetadata too, an item that is no tensor, which DCP would
+    unpickle unrestricted (the stages write none: param_groups go to state.pt)."""
 
     def __init__(self, file):
         from pathlib import PosixPath  # the folder saved to, as a StorageMeta records it
@@ -30,10 +29,11 @@ class IndexUnpickler(pickle.Unpickler):
 
         super().__init__(file)
         self.file = file.name
-        kinds = (dcp.Metadata, dcp.TensorStorageMetadata, dcp.ChunkStorageMetadata, dcp.MetadataIndex,
-                 dcp.TensorProperties, dcp._MEM_FORMAT_ENCODING, dcp.StorageMeta, filesystem._StorageInfo,
-                 torch.Size, PosixPath)  # fmt: skip
-        self.admitted = {(kind.__module__, kind.__qualname__) for kind in kinds} | {("pathlib", "PosixPath")}
+        kinds = (dcp.Metadata, dcp.TensorStorageMetadata, dcp.ChunkStorageMetadata,
+                 dcp.MetadataIndex, dcp.TensorProperties, dcp._MEM_FORMAT_ENCODING, dcp.StorageMeta,
+                 filesystem._StorageInfo, torch.Size, PosixPath)  # fmt: skip
+        self.admitted = {(kind.__module__, kind.__qualname__) for kind in kinds}
+        self.admitted.add(("pathlib", "PosixPath"))
         dtypes = {name for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
         self.admitted |= {("torch", name) for name in dtypes}
         self.admitted.add(("torch.serialization", "_get_layout"))  # a layout, from its name
@@ -41,9 +41,11 @@ class IndexUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if (module, name) in self.admitted:
             return super().find_class(module, name)
-        bytes_item = name == "BytesStorageMetadata"
-        what = "an item torch would unpickle" if bytes_item else f"{module}.{name}, which loading would call"
-        raise Planted(f"{self.file} is not a checkpoint this repository wrote (it names {what}): it may be planted")
+        what = f"{module}.{name}, which loading would call"
+        if name == "BytesStorageMetadata":
+            what = "an item torch would unpickle"
+        raise Planted(f"{self.file} is not a checkpoint this repository wrote (it names {what}): "
+                      "it may be planted")  # fmt: skip
 
 
 def index(folder):
@@ -53,7 +55,7 @@ def index(folder):
 
 
 def reader(folder):
-    """DCP's reader of `folder` for torch.distributed.checkpoint.load, reading .metadata with index()."""
+    """DCP's reader of `folder` for torch.distributed.checkpoint.load: .metadata read by index()."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class Reader(FileSystemReader):

@@ -24,8 +24,9 @@ def no_launcher(monkeypatch):
 
 
 def parse(argv, warn=True):
-    """The options as a stage takes them: the parser (common/cli.py), then the guard rails' own checks."""
-    args, _ = cli.parse_args(argv)
+    """The options as a stage takes them: the parser (common/cli.py), then the guard rails' own checks
+    (a usage error the parser raises is one line, check.parse_args(), and so is a number out of range)."""
+    args, _ = check.parse_args(argv)
     check.check_args(args, warn)
     return args
 
@@ -45,7 +46,7 @@ BAD = [
     ("--momentum", "1"), ("--momentum", "-0.1"), ("--momentum", "nan"),
     ("--weight-decay", "-1e-4"), ("--weight-decay", "inf"), ("--weight-decay", "nan"), ("--weight-decay", "1e39"),
     ("--lr", "1e39"),  # past float32's range: the optimizer's update would overflow
-    ("--target-accuracy", "0"), ("--target-accuracy", "100.5"), ("--target-accuracy", "nan"),
+    ("--target", "nan"), ("--target", "inf"), ("--target", "-inf"),
     ("--val-fraction", "1"), ("--val-fraction", "-0.1"), ("--val-fraction", "nan"),
     ("--epochs", "0"), ("--epochs", "1e3"), ("--batch-size", "-64"), ("--test-batch-size", "0"),
     ("--log-interval", "0"), ("--patience", "0"), ("--step-size", "0"), ("--depth", "0"), ("--width", "0"),
@@ -53,17 +54,33 @@ BAD = [
 ]  # fmt: skip
 
 
+NOT_NUMBERS = {("--seed", "1.5"), ("--epochs", "1e3"), ("--num-workers", "two")}  # the parser's type= refuses
+
+
 @pytest.mark.parametrize("flag, value", BAD)
 def test_bad_value_is_one_line_naming_the_flag(flag, value, capsys):
     err = refused([f"{flag}={value}"], capsys)  # "=": argparse reads a lone -1e-4 or -inf as an option
-    assert err.startswith(f"error: argument {flag}: must be ") and f"got {value}" in err
+    said = f"invalid int value: '{value}'" if (flag, value) in NOT_NUMBERS else "must be "
+    assert err.startswith(f"error: argument {flag}: {said}"), err
     assert err.endswith("(see --help)\n") and err.count("\n") == 1
+
+
+def test_every_number_has_a_range():
+    """Every option read as a number, of the stages and of each built-in task, has its range in the guard rails
+    (common/guards/options.py), which check it: nan, inf, zero epochs never reach a run."""
+    numbers = set()
+    for task in [None, *sorted((cli.REPO / "common" / "tasks").glob("*.py"))]:
+        p = cli.parser(S05, [cli.large_models])
+        if task is not None and hasattr(loaded := cli.load_task(task), "add_arguments"):
+            loaded.add_arguments(p)
+        numbers |= {action.dest for action in p._actions if action.type in (int, float)}
+    assert "dim" in numbers and numbers == set(options.RANGES)
 
 
 @pytest.mark.parametrize(
     "flag, value, parsed",
     [("--lr", "1e30", 1e30), ("--gamma", "1", 1.0), ("--seed", str(2**32 - 1), 2**32 - 1), ("--seed", "0", 0),
-     ("--momentum", "0", 0.0), ("--target-accuracy", "100", 100.0), ("--val-fraction", "0", 0.0),
+     ("--momentum", "0", 0.0), ("--target", "1e30", 1e30), ("--val-fraction", "0", 0.0),
      ("--dist-timeout", "86400", 86400), ("--num-workers", "0", 0)],
 )  # fmt: skip
 def test_edge_values_are_accepted(flag, value, parsed):

@@ -207,5 +207,5 @@ def test_default_output_dir(tmp_path):
 @pytest.mark.parametrize("flag", ["--batch-size=0", "--epochs=-1", "--lr=0", "--num-workers=-2", "--dist-timeout=0"])
 def test_parser_refuses_zero_and_negative(flag, capsys):
     with pytest.raises(SystemExit):
-        check.check_args(cli.parse_args([flag])[0])
+        check.check_args(check.parse_args([flag])[0])
     assert flag.split("=")[0] in capsys.readouterr().err

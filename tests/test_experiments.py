@@ -28,8 +28,7 @@ def test_optimizers(name, kind):
     assert isinstance(opt, kind) and opt.param_groups[0]["weight_decay"] == 1e-4
 
 
-@pytest.mark.parametrize("name, lrs", [("step", [1.0, 1.0, 0.5, 0.5]), ("exponential", [1.0, 0.5, 0.25, 0.125]),
-                                       ("cosine", [1.0, 0.854, 0.5, 0.146])])  # fmt: skip
+@pytest.mark.parametrize("name, lrs", [("step", [1.0, 1.0, 0.5, 0.5]), ("cosine", [1.0, 0.854, 0.5, 0.146])])  # fmt: skip
 def test_schedules(name, lrs):
     opt = optim.optimizer(args(), [torch.nn.Parameter(torch.ones(2))])
     sched = optim.scheduler(args(scheduler=name, gamma=0.5, step_size=2), opt)
@@ -43,16 +42,15 @@ def test_schedules(name, lrs):
 
 @pytest.mark.parametrize("pair", [("net", "cifar10"), ("net", "synthetic"), ("wideresnet", "mnist")])
 def test_parser_refuses_untested_pairs(pair, capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(cli.UsageError, match=f"--model {pair[0]} is tested with"):
         cli.parse_args(["--model", pair[0], "--dataset", pair[1]])  # the built-in task's check()
-    assert f"--model {pair[0]} is tested with" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_validation_and_early_stop(tiny_data, tmp_path):
-    """A validation split is reported each epoch; --target-accuracy stops every rank at the same epoch,
+    """A validation split is reported each epoch; --target stops every rank at the same epoch,
     and the count survives a resume (the rows it is made of are in the checkpoint)."""
-    flags = ("--epochs", 5, "--val-fraction", 0.25, "--target-accuracy", 1, "--patience", 2)
+    flags = ("--epochs", 5, "--val-fraction", 0.25, "--target", 1, "--patience", 2)
     out = run([sys.executable, "01_single_gpu/train.py", *stage_args(tiny_data, tmp_path, *flags)])
     assert out.returncode == 0, out.stderr
     assert [line.split("|")[0].strip() for line in out.stdout.splitlines() if line.startswith("epoch ")] == [

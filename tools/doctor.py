@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
 from common import cli, distributed  # noqa: E402
 from common.environment import cpus_per_rank  # noqa: E402
-from common.guards import failure, flightrecorder, preemption, preflight, rails, versions  # noqa: E402
+from common.guards import check, failure, flightrecorder, options, preemption, preflight, rails, versions  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]  # every dtype the stages all-reduce or train in
 FLOOR_GBPS = {"within nodes": 5, "across nodes": 1}  # busbw below PCIe 3 x16 / 10 GbE: the fast links are not used
@@ -56,7 +56,7 @@ def parse_args():
     first.add_argument("--task", type=Path, default=cli.TASK)
     path = first.parse_known_args()[0].task
     task = cli.load_task(path)
-    p = cli.Parser(description="check a cluster for multi-node training, launched as a training stage is")
+    p = check.Parser(description="check a cluster for multi-node training, launched as a training stage is")
     p.add_argument(
         "--task",
         type=Path,
@@ -77,12 +77,12 @@ def parse_args():
     )
     p.add_argument(
         "--num-workers",
-        type=cli.number(int, "[0, inf)"),
+        type=options.number(int, "[0, inf)"),
         help="the DataLoader workers per rank your training uses (default: those of --loader classic)",
     )
     p.add_argument(
         "--dist-timeout",
-        type=cli.number(int, "[1, 86400]"),
+        type=options.number(int, "[1, 86400]"),
         default=60,
         help="seconds any wait for the other ranks may last (default: 60)",
     )
@@ -91,6 +91,8 @@ def parse_args():
         task.add_arguments(p.add_argument_group(f"the task's options ({path.name})"))
     p.set_defaults(batch_size=0, sync_bn=False)  # what setup() checks of a training run: the doctor trains nothing
     args = p.parse_args()
+    if problem := options.out_of_range(argparse.Namespace(**vars(args) | {"batch_size": None})):  # the task's
+        p.error(problem)
     training = argparse.Namespace(**vars(cli.parser(Path(__file__)).parse_args([])) | vars(args))
     if hasattr(task, "check") and (problem := task.check(training)):
         p.error(problem)

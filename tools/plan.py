@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree  # noqa: E402
 from torch.utils.data import default_collate  # noqa: E402
 
 from common import cli, data, models, optim  # noqa: E402
-from common.guards import failure  # noqa: E402
+from common.guards import check, failure, options  # noqa: E402
 from common.guards.bounded import Refused, text  # noqa: E402
 
 MiB = 2**20
@@ -179,22 +179,29 @@ def bandwidth(args):
     return speed
 
 
-def options(p):
+def planner(p):
     """The planner's own, beside the stages' flags (--batch-size --amp ...) and its task's (the built-in
     task's --model --depth --width --dataset)."""
     p.description = "will it fit, and on how many GPUs: memory per GPU under DDP, FSDP and HSDP"
-    p.add_argument("--gpu-memory", type=cli.number(float, "(0, inf)"), default=80.0, metavar="GiB",
+    p.add_argument("--gpu-memory", type=options.number(float, "(0, inf)"), default=80.0, metavar="GiB",
                    help="memory of one GPU (default: 80, an H100)")  # fmt: skip
-    p.add_argument("--gpus-per-node", type=cli.POSITIVE, default=4, help="GPUs in one node (default: 4)")
-    p.add_argument("--bandwidth", type=cli.number(float, "(0, inf)"), metavar="GBps",
+    p.add_argument(
+        "--gpus-per-node", type=options.number(int, options.POSITIVE), default=4, help="GPUs in one node (default: 4)"
+    )
+    p.add_argument("--bandwidth", type=options.number(float, "(0, inf)"), metavar="GBps",
                    help="GB/s between nodes per GPU: adds the communication time per step")  # fmt: skip
     p.add_argument("--doctor", metavar="doctor.json",
                    help="the report of tools/doctor.py: the slowest bandwidth it measured, instead of --bandwidth")  # fmt: skip
-    p.add_argument("--max-gpus", type=cli.POSITIVE, default=16, help="the largest allocation to show (default: 16)")
+    p.add_argument(
+        "--max-gpus",
+        type=options.number(int, options.POSITIVE),
+        default=16,
+        help="the largest allocation to show (default: 16)",
+    )
 
 
 def parse(argv=None):
-    return cli.parse_args(argv, [cli.large_models, options])[0]
+    return check.parse_args(argv, [cli.large_models, planner])[0]
 
 
 def main(argv=None):

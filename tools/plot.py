@@ -20,8 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from common.cli import Parser
 from common.guards.bounded import Refused, text
+from common.guards.check import Parser
 
 try:
     from matplotlib.figure import Figure  # without pyplot: no display, no global state

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from plot import FORMATS, Figure, labels, load, output  # tools/plot.py, beside this file
 
-from common import cli, data, models
-from common.guards import ownership
+from common import data, models
+from common.guards import check, options, ownership
 from common.guards.bounded import Refused, torch_file
 
 NOTE = (
@@ -166,7 +166,7 @@ def figure(runs, paper):
 
 
 def main(argv=None):
-    p = cli.Parser(description=__doc__.splitlines()[0])
+    p = check.Parser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path, help="run folders (holding metrics.csv) or metrics.csv files")
     p.add_argument(
         "--target",
@@ -177,7 +177,7 @@ def main(argv=None):
     p.add_argument("--out", type=output(), help="also write the Markdown to this file, in a folder that exists")
     p.add_argument("--plot", type=output(FORMATS),
                    help="draw images/s against world size into this image, in a folder that exists; its suffix names the format (needs matplotlib)")  # fmt: skip
-    p.add_argument("--bandwidth", type=cli.number(float, "(0, inf)"), metavar="GBps",
+    p.add_argument("--bandwidth", type=options.number(float, "(0, inf)"), metavar="GBps",
                    help="GB/s of the all-reduce links: adds the rows on paper")  # fmt: skip
     p.add_argument("--params", type=int, help="the model's parameters (default: as the run's checkpoint records them)")
     args = p.parse_args(argv)

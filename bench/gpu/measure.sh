@@ -67,7 +67,7 @@ if has perf; then  # batch 64 defaults, eager; the classic reference; --compile;
     run p01c 150 "$PY" 01_single_gpu/train.py --epochs $EP --compile "${LIM[@]}"
     for seed in $SEEDS; do  # each stops once its test accuracy reaches 99 %
         run "r1024$([ "$seed" = 1 ] || echo "s$seed")" 120 "$PY" 01_single_gpu/train.py "${RECIPE[@]}" --seed "$seed" \
-            --epochs $((EP * 4)) --target-accuracy 99 "${LIM[@]}"
+            --epochs $((EP * 4)) --target 99 "${LIM[@]}"
     done
     run r1024c 150 "$PY" 01_single_gpu/train.py "${RECIPE[@]}" --epochs $((EP * 4)) --compile "${LIM[@]}"
     note "-- perf done at $(($(date +%s) - T0)) s"
@@ -127,7 +127,7 @@ if has recipe && ! late recipes; then  # steps to 99 % of candidate recipes over
     read -ra best <<<"--loader device ${best:-${RECIPE[*]}}"
     [[ " ${best[*]} " == *" --epochs "* ]] || best+=(--epochs $((EP * 4)))
     for seed in $SEEDS; do
-        run "rc$seed" 150 "$PY" 01_single_gpu/train.py "${best[@]}" --seed "$seed" --compile --target-accuracy 99 \
+        run "rc$seed" 150 "$PY" 01_single_gpu/train.py "${best[@]}" --seed "$seed" --compile --target 99 \
             "${LIM[@]}"
     done
     note "-- recipe done at $(($(date +%s) - T0)) s"

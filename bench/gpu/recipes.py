@@ -1,5 +1,5 @@
 """Steps to 99 % test accuracy for candidate recipes of stage 01's Net, over seeds: each run is stage 01's own
-main() (in this process, eager, --loader device, stopping at --target-accuracy 99), its guard rails left out.
+main() (in this process, eager, --loader device, stopping at --target 99), its guard rails left out.
 Steps to an accuracy do not depend on the hardware; the time per step does (measure.sh's speedup rows, step_probe):
 time to 99 % = steps x time per step. Prints a row per candidate, then `best:` the flags of the one that reached 99 %
 in every seed in the least eager time (epochs x s/epoch).
@@ -41,7 +41,7 @@ def stage():
 
 
 def run(main, flags, seed, cap, folder):
-    argv = [*flags.split(), "--seed", str(seed), "--loader", "device", "--target-accuracy", "99"]
+    argv = [*flags.split(), "--seed", str(seed), "--loader", "device", "--target", "99"]
     argv += [] if "--epochs" in flags else ["--epochs", str(cap)]
     argv += ["--limit", "640"] if os.environ.get("QUICK") else []
     sys.argv = ["train.py", *argv, "--output-dir", folder]

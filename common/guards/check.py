@@ -15,7 +15,7 @@ from pathlib import Path
 
 from common import cli
 from common.environment import count, cpus_per_rank, is_rank0
-from common.guards import versions
+from common.guards import options, versions
 
 REQUIRED = object()
 # about float32's largest: optimizers compute in it, and a larger --lr or --weight-decay overflows
@@ -126,10 +126,47 @@ def port_in_use(port):
     return f"error: MASTER_PORT {port} is in use on {socket.gethostname()} by another program: choose another port"
 
 
+def say(message):
+    """A usage error, once: from rank 0 where a launcher gives every rank the same arguments (torchrun, srun)."""
+    by_hand = "TORCHELASTIC_RUN_ID" not in os.environ and "SLURM_STEP_ID" not in os.environ
+    if is_rank0() or by_hand:
+        print(message, file=sys.stderr)
+
+
+# stage 05's own options (cli.large_models()): given to another stage, argparse would call them unknown
+LARGE = ("--grad-accum", "--checkpoint-activations", "--full-shard")
+
+
+def refuse(message):
+    """Say a usage error (the parser's cli.UsageError, or a check's) in one line, from rank 0: exit status 2."""
+    taught = [flag for flag in LARGE if message.startswith("unrecognized arguments") and flag in message]
+    if taught:  # an unknown flag, it would mislead
+        message = f"{taught[0]} is taught in stage 05_fsdp, not here: run 05_fsdp/train.py"
+    say(f"error: {message} (see --help)")
+    return 2
+
+
 def usage(message):
-    """A usage error, as the parser reports one: one line from rank 0, exit status 2."""
-    cli.say(f"error: {message} (see --help)")
-    raise SystemExit(2)
+    raise SystemExit(refuse(message))
+
+
+class Parser(cli.Parser):
+    """The tools' parser: a usage error is one line (usage()), not the lesson's exception."""
+
+    def error(self, message):
+        usage(message)
+
+
+def parse_args(argv=None, groups=()):
+    """cli.parse_args() with the guard rails' checks of what it parsed: a usage error, or a number outside
+    its range, is one line (usage()). The tools' and the job scripts' reading of a stage's options."""
+    try:
+        args, task = cli.parse_args(argv, groups)
+    except cli.UsageError as err:
+        usage(str(err))
+    if problem := options.out_of_range(args):
+        usage(problem)
+    return args, task
 
 
 def check_args(args, warn=True, gpus=None):
@@ -138,6 +175,8 @@ def check_args(args, warn=True, gpus=None):
     anything starts (a FIFO would hang torch.load, a directory make it fail with a traceback). `gpus`: those the
     run would use, where torch is loaded to count them (a stage, its --check too), else None; then the data
     files are checked too."""
+    if problem := options.out_of_range(args):  # the parser reads numbers; their ranges are checked here
+        usage(problem)
     if args.sync_bn and gpus == 0:
         usage("--sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only) and this run has none: drop it on CPUs")
     if cli.learning_rate(args) > FLOAT32_MAX:
@@ -154,9 +193,7 @@ def check_args(args, warn=True, gpus=None):
     cpus = cpus_per_rank()
     if args.num_workers is not None and args.num_workers > cpus:
         if warn:
-            cli.say(
-                f"warning: --num-workers {args.num_workers} is more than the {cpus} CPUs per rank here: using {cpus}"
-            )
+            say(f"warning: --num-workers {args.num_workers} is more than the {cpus} CPUs per rank here: using {cpus}")
         args.num_workers = cpus
     if gpus is not None:  # a stage, torch loaded: the data files it reads, before the lesson trusts them
         from common.guards import datafiles  # here: the job scripts' check runs without torch
@@ -176,6 +213,6 @@ def plain(value):
 if __name__ == "__main__":
     versions.require(Path("train.py"))  # job scripts run in the stage's folder
     try:
-        check_args(cli.parse_args(sys.argv[1:])[0], warn=False)
+        check_args(parse_args(sys.argv[1:])[0], warn=False)
     except (OSError, SyntaxError) as err:  # reading the options: the task file
         sys.exit(f"error: --task {err.filename}: {getattr(err, 'strerror', None) or err.msg}")

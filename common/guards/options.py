@@ -3,6 +3,9 @@
 Every option of every stage and of the built-in task is in one of the two (tests/test_cli.py): a new option
 is classified where it is added."""
 
+import argparse
+import math
+
 # What a run computes: stored in its checkpoint, compared on resume and across the ranks. (--epochs
 # too under --scheduler cosine: see preflight.defining().)
 DEFINING = (
@@ -32,7 +35,60 @@ FREE = (
     "grad_accum", "checkpoint_activations",
     "full_shard",  # the mesh: a sharded checkpoint loads into any
     # when to stop early: a resumed run may change its mind
-    "target", "target_accuracy", "patience",
+    "target", "patience",
     # how often a run saves mid-epoch: the saves change nothing that is computed
     "checkpoint_minutes",
 )  # fmt: skip
+
+# What each number may be: a value outside is a usage error, in one line (check.check_args()). The
+# stages' numbers and the built-in tasks' (common/tasks/); 3.4e38 is about float32's largest, which
+# optimizers compute in.
+POSITIVE, FRACTION = "[1, inf)", "[0, 1)"
+RANGES = {
+    "batch_size": POSITIVE, "test_batch_size": POSITIVE, "epochs": POSITIVE, "log_interval": POSITIVE,
+    "limit": POSITIVE, "step_size": POSITIVE, "patience": POSITIVE, "grad_accum": POSITIVE,
+    "lr": "(0, 3.4e38]", "weight_decay": "[0, 3.4e38]", "gamma": "(0, 1]", "momentum": FRACTION,
+    "val_fraction": FRACTION, "target": "(-inf, inf)", "num_workers": "[0, inf)",
+    "checkpoint_minutes": "(0, inf)",
+    "seed": "[0, 4294967295]",  # numpy.random.seed's limit; past 2**64 torch.manual_seed crashes
+    # a collective that waits a day is a hang: a larger value is a typo (milliseconds?), and past
+    # datetime.timedelta's range it would crash the process group's setup
+    "dist_timeout": "[1, 86400]",
+    "depth": POSITIVE, "width": POSITIVE, "dim": POSITIVE, "layers": POSITIVE, "heads": POSITIVE,
+    "vocab": POSITIVE, "samples": POSITIVE, "seq_len": POSITIVE, "max_len": POSITIVE,
+}  # fmt: skip
+
+
+def outside(value, interval):
+    """Is `value` outside `interval`, written "(0, 1]" or "[1, inf)"? nan fails every comparison
+    and inf lies outside every interval, so neither is inside."""
+    low, high = (float(end.strip("([]) ")) for end in interval.split(","))
+    above = low < value if interval[0] == "(" else low <= value
+    below = value < high if interval[-1] == ")" else value <= high
+    return not (above and below)
+
+
+def out_of_range(args):
+    """The first option of `args` outside its RANGES, as a usage error's words; else None."""
+    for name, interval in RANGES.items():
+        value = getattr(args, name, None)
+        if isinstance(value, int | float) and not isinstance(value, bool) and outside(value, interval):
+            what = "an integer" if isinstance(value, int) else "a number"
+            return f"argument --{name.replace('_', '-')}: must be {what} in {interval}, got {value}"
+    return None
+
+
+def number(kind, interval):
+    """An argparse type for the tools' own options: a `kind` (int or float) in `interval`."""
+
+    def check(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = math.nan
+        if outside(value, interval):
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {what} in {interval}, got {text}")
+        return value
+
+    return check

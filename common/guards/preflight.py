@@ -41,6 +41,10 @@ def check_launch(launch, args):
         sizes = ", ".join(str(n) for n in range(1, min(args.batch_size, 1024) + 1) if args.batch_size % n == 0)
         raise SystemExit(f"error: --batch-size {args.batch_size} is the global batch: it must divide by the world size "
                          f"{world_size}: run on {sizes} ranks" if rank == 0 else 1)  # fmt: skip
+    per_rank = args.batch_size // world_size
+    if hasattr(args, "grad_accum") and args.grad_accum > per_rank and rank == 0:  # torch.chunk makes fewer
+        print(f"warning: --grad-accum {args.grad_accum} is more than the {per_rank} images each rank computes per "
+              f"step: each rank runs {per_rank} micro-batches of one image", flush=True)  # fmt: skip
     check_amp(args, launch)
 
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from common import checkpoint, distributed
+from common import checkpoint, cli, distributed
 from common.environment import is_rank0
 from common.guards import check, divergence, failure, lock, ownership, preflight, randomness, resume, signals
 from common.guards.ending import end
@@ -203,6 +203,8 @@ def run(main):
         code, together = signals.say(stopped), False
     except signals.SavedStop as stop:  # a stop every rank agreed on and saved for
         code = stop.code
+    except cli.UsageError as err:  # the parser's, or the task's check()
+        code = check.refuse(str(err))
     except SystemExit as stop:  # the end of a run, a verdict every rank reached, a usage error, or the task's own
         code = stop.code if isinstance(stop.code, int | None) else failure.exit_line(stop.code)
     except BaseException as err:  # the lesson's refusal (every rank met it) is its line as it is; each

@@ -16,16 +16,13 @@ def shapes(batch):
 
 
 def check_metric(args, task):
-    """The task's metric, if it has one (common/metrics.py Metric), and --target-accuracy only for accuracy."""
+    """The task's metric, if it has one (common/metrics.py Metric)."""
     metric, scored = getattr(task, "metric", None), callable(getattr(task, "score", None))
     if (metric is not None or scored) and not (
         scored and isinstance(metric, tuple) and len(metric) == 2 and metric[1] in ("higher", "lower")
     ):
         stop(f'error: --task {args.task}: a metric is `metric = (name, "higher" or "lower")` with a function '
              "score(output, target) that sums it over a batch: it defines one without the other, or another kind")  # fmt: skip
-    if metric and args.target_accuracy is not None:
-        stop(f"error: --target-accuracy: --task {args.task} measures {metric[0]} ({metric[1]} is better), not "
-             "accuracy: give --target")  # fmt: skip
 
 
 def check_collate(args, task, name, samples):

@@ -1,13 +1,11 @@
-"""Guard rail: no wait for other ranks outlasts --dist-timeout by more than a few seconds, and each one
-says what it waited for. setup() meets the other ranks in the process group's store at MASTER_ADDR:
-MASTER_PORT (rank 0 serves it, or torchrun's agent); check.check_rendezvous() looks at both before, and
-the watchdog is a second client of that store, in a thread from before setup() to the run's end: it
-names the ranks that did not arrive there, or says that the process group did not form though all did;
-then every rank keeps a heartbeat in it, so that a failed collective names the ranks that went silent
-(killed, stopped, hung) instead of a timeout deep in the backend; a worker whose torchrun is gone ends."""
+"""Guard rail: no wait for other ranks outlasts --dist-timeout by more than a few seconds, and each says what it
+waited for. setup() meets the others in the process group's store at MASTER_ADDR:MASTER_PORT (rank 0's, or
+torchrun's agent's); check.check_rendezvous() looks at both before, and the watchdog is a second client of that
+store, in a thread from before setup() to the run's end: it names the ranks that did not arrive, or says that the
+process group did not form though all did; then each rank beats in it, so that a failed collective names the ranks
+gone silent (killed, stopped, hung), not a timeout deep in the backend; a worker whose torchrun is gone ends."""
 
 import datetime
-import math
 import os
 import socket
 import sys
@@ -105,8 +103,7 @@ class Watchdog:
 
     def heartbeat(self, form_by):
         """Keep this rank's heartbeat in the store; end the rank if the process group has not formed by `form_by`
-        although every rank arrived (the ranks cannot reach each other's addresses), or when the torchrun that
-        started it is gone (a killed launcher must not leave its workers running)."""
+        though every rank arrived (they cannot reach each other's addresses), or once its torchrun is gone."""
         parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         beaten = 0
         while not self.stopping.is_set():
@@ -125,12 +122,10 @@ class Watchdog:
                     self.store.set(f"alive/{self.rank}", str(time.time()))
                     for listen in self.listeners:
                         listen(self.store)
-                except dist.DistError:
-                    # the store went with rank 0 (the main thread reports what failed), or with torchrun: its
-                    # socket closes before this process gets a new parent, so the parent is still watched
-                    if not parent:
+                except dist.DistError:  # gone with rank 0 (the main thread says what failed), or with torchrun:
+                    if not parent:  # its socket closes before this process gets a new parent, still watched
                         return
-                    beaten = math.inf  # no more beats
+                    beaten = float("inf")  # no more beats
             self.stopping.wait(HEARTBEAT if self.phase == "run" else 0.05)
 
     def waited(self, end):

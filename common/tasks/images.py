@@ -18,24 +18,19 @@ This one trains pytorch/examples' MNIST CNN by default; its options choose anoth
 common/data.py and another model of common/models.py.
 """
 
-from common import cli
-
 DATASETS = ["mnist", "fashion-mnist", "cifar10", "cifar100", "synthetic"]  # common/data.py's SETS
 # net fits 28x28 images, wideresnet 32x32
 TESTED = {"net": DATASETS[:2], "cnn": DATASETS, "wideresnet": DATASETS[2:]}
 
 
 def add_arguments(group):
-    group.add_argument("--dataset", choices=DATASETS, default="mnist", help="in torchvision's "
-                       "layout under --data-dir; `make data DATASET=...` "
-                       "(default: mnist)")  # fmt: skip
-    group.add_argument("--model", choices=list(TESTED), default="net", help="net: pytorch/"
-                       "examples' CNN for 28x28; cnn: a small CNN for any size; wideresnet: for "
-                       "32x32 (default: net)")  # fmt: skip
-    group.add_argument("--depth", type=cli.POSITIVE, default=16,
-                       help="WideResNet depth, 6n+4 (default: 16)")  # fmt: skip
-    group.add_argument("--width", type=cli.POSITIVE, default=4,
-                       help="WideResNet width factor (default: 4)")  # fmt: skip
+    add = group.add_argument
+    add("--dataset", choices=DATASETS, default="mnist", help="in torchvision's layout under "
+        "--data-dir; `make data DATASET=...` (default: mnist)")  # fmt: skip
+    add("--model", choices=list(TESTED), default="net", help="net: pytorch/examples' CNN for "
+        "28x28; cnn: a small CNN for any size; wideresnet: for 32x32 (default: net)")  # fmt: skip
+    add("--depth", type=int, default=16, help="WideResNet depth, 6n+4 (default: 16)")
+    add("--width", type=int, default=4, help="WideResNet width factor (default: 4)")
 
 
 def check(args):

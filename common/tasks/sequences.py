@@ -12,37 +12,33 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from common import cli
-
 CLASSES = 4  # tokens 0..3 are the markers; a sequence's class is the marker it holds most often
 MOST = 3  # its marker occurs 3 times, every other one 0 to 2 times
 
 
 def add_arguments(group):
-    group.add_argument(
-        "--seq-len", type=cli.POSITIVE, default=16, help="tokens per sequence (default: 16)"
-    )
+    group.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default: 16)")
     group.add_argument(
         "--vocab",
-        type=cli.POSITIVE,
+        type=int,
         default=16,
         help=f"distinct tokens, the first {CLASSES} the markers (default: 16)",
     )
     group.add_argument(
-        "--dim", type=cli.POSITIVE, default=32, help="the width of the transformer (default: 32)"
+        "--dim", type=int, default=32, help="the width of the transformer (default: 32)"
     )
     group.add_argument(
         "--layers",
-        type=cli.POSITIVE,
+        type=int,
         default=2,
         help="transformer layers: stage 05's blocks (default: 2)",
     )
     group.add_argument(
-        "--heads", type=cli.POSITIVE, default=2, help="attention heads, dividing --dim (default: 2)"
+        "--heads", type=int, default=2, help="attention heads, dividing --dim (default: 2)"
     )
     group.add_argument(
         "--samples",
-        type=cli.POSITIVE,
+        type=int,
         default=4000,
         help="training sequences; the test set has a fifth as many (default: 4000)",
     )

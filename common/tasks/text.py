@@ -13,8 +13,6 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from common import cli
-
 # the token that fills a batch's shorter texts; the mask tells it apart, and no text holds it
 PAD = 0
 
@@ -22,28 +20,28 @@ PAD = 0
 def add_arguments(group):
     group.add_argument(
         "--max-len",
-        type=cli.POSITIVE,
+        type=int,
         default=32,
         help="the longest text, in tokens; the shortest is 2 (default: 32)",
     )
     group.add_argument(
         "--vocab",
-        type=cli.POSITIVE,
+        type=int,
         default=16,
         help="distinct tokens, the padding and tokens 1 and 2 among them (default: 16)",
     )
     group.add_argument(
-        "--dim", type=cli.POSITIVE, default=32, help="the width of the embeddings (default: 32)"
+        "--dim", type=int, default=32, help="the width of the embeddings (default: 32)"
     )
     group.add_argument(
         "--layers",
-        type=cli.POSITIVE,
+        type=int,
         default=2,
         help="hidden layers: stage 05's blocks (default: 2)",
     )
     group.add_argument(
         "--samples",
-        type=cli.POSITIVE,
+        type=int,
         default=4000,
         help="training texts; the test set has a fifth as many (default: 4000)",
     )
