@@ -105,15 +105,12 @@ class Log:
         self.nodes = max(world_size // ranks_per_node(world_size), 1)
         self.rows, self.clock = [], (0, 0.0)  # (epoch, start) of the epoch in progress
         self.cut = {"epoch": 0}  # an epoch resumed part-way: its seconds and training sums before
-        self.compiled = 0.0  # --compile: the seconds torch.compile took, apart in the CSV
+        self.compiles = []  # --compile: when torch.compile started and ended, in turn
         if compiled:  # torch._dynamo takes a second and a half to import: only where it compiles
             from torch._dynamo import callback
 
-            callback.on_compile_start(lambda *_: self.compiling(-time.perf_counter()))
-            callback.on_compile_end(lambda *_: self.compiling(time.perf_counter()))
-
-    def compiling(self, clock):
-        self.compiled += clock  # the start subtracted, the end added: the seconds in between
+            callback.on_compile_start(lambda *_: self.compiles.append(time.perf_counter()))
+            callback.on_compile_end(lambda *_: self.compiles.append(time.perf_counter()))
 
     def state_dict(self):
         return {"rows": self.rows}
@@ -154,6 +151,10 @@ class Log:
         training, val, test = sums  # training: from so_far() on
         name, value, seen = self.metric.name, self.metric.value, training.samples
         peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else ""
+        # the compiler's seconds in training, inside `seconds` (an evaluation compiles after it)
+        end = self.clock[1] + seconds - (self.cut["seconds"] if self.cut["epoch"] == epoch else 0)
+        spans = zip(self.compiles[::2], self.compiles[1::2], strict=False)  # each start, its end
+        compiled = sum(min(stop, end) - start for start, stop in spans if start < end)
         row = {
             "epoch": epoch, "lr": lr, "train_loss": training.loss / seen,
             "val_loss": val.loss / val.samples if val.samples else "",
@@ -162,11 +163,10 @@ class Log:
             "epoch_seconds": seconds, "images_per_s": seen / seconds,
             "images_per_s_per_process": seen / seconds / self.world_size,
             "world_size": self.world_size, "nodes": self.nodes, "peak_memory_mib": peak,
-            # inside epoch_seconds: the first steps of each shape wait for the compiler
-            "compile_seconds": self.compiled, "better": self.metric.better,
+            "compile_seconds": compiled, "better": self.metric.better,
         }  # fmt: skip
         self.rows.append(row)
-        self.compiled = 0.0
+        self.compiles = []
         if torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()  # each epoch's own peak
         tested = self.shown(row, "test")
