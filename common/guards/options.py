@@ -1,7 +1,7 @@
 """Guard rail: the options that define a run, those that do not, and the range of every number (RANGES, below, which
 check.check_args() holds each run to). A checkpoint stores the defining ones (preflight.defining()); a resumed run,
-and every rank of a run, must have the same (resume.py, preflight.py). Every option of every stage and of the built-
-in task is in one of the two (tests/test_cli.py): a new option is classified where it is added."""
+and every rank of a run, must have the same (resume.py, preflight.py). Every option of every stage and of the
+built-in task is in one of the two (tests/test_cli.py): a new option is classified where it is added."""
 
 import argparse
 import math
