@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside the stages
 if importlib.util.find_spec("common"):
-    from common.guards import versions
+    from common.guards import early
 
-    versions.require(__file__)  # guard: before torch: an old one fails in the imports, or mid-run
+    early.start(__file__)  # guard: before torch: an old one, or a stop in its imports, is one line
 else:  # this folder was copied without common/
     sys.exit(f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's "
              "common/ there, or `make install` in the repository, or `pip install --no-deps -e "

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from helpers import (
@@ -210,6 +211,27 @@ def test_a_stop_during_start_up_is_one_line_and_the_run_starts_again(signum, tin
     assert "error:" not in stdout and "Traceback" not in stdout, stdout  # a request, not an error: srun's other tasks
     again = python(S01, *args(tiny_data, out, "--task", task, "--epochs", 1))
     assert again.returncode == 0 and len(metrics(out)) == 1, again.stdout + again.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_while_torch_is_imported_is_the_same_one_line(signum, tiny_data, tmp_path):
+    """Ctrl-C (or a scancel) in a run's first seconds, while `import torch` loads libtorch, before rails.run() can
+    catch anything: the start-up line and 128 + the signal. Before, Ctrl-C there was a KeyboardInterrupt traceback
+    out of torch's imports, and SIGTERM ended the run with no line at all (status -15)."""
+    proc = start(S01, *args(tiny_data, tmp_path / "out"))
+
+    def importing_torch():  # libtorch is mapped a second or more before the import of torch returns
+        return "libtorch_cpu" in Path(f"/proc/{proc.pid}/maps").read_text()
+
+    wait_for(importing_torch, 60, proc)
+    proc.send_signal(signum)
+    proc.send_signal(signum)  # pressed twice: the first counts
+    output = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 128 + signum, output
+    assert output.splitlines() == [f"stopped by {signal.Signals(signum).name} during start-up, before the first "
+                                   "step: nothing was saved and nothing is lost; start the run again as it was "
+                                   "started"], output  # fmt: skip
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

@@ -1,8 +1,8 @@
 """Guard rail: the signals that stop a run, wherever they find it. A stop is honoured at every safe point:
 
-  start-up        the options, the rendezvous, the data, its fingerprint, the model: until resume() the run has
-                  saved nothing and can lose nothing, so a stop ends it at once, in one line, with 128 + the
-                  signal's number (stop_at_once()); the same command starts it again
+  start-up        the imports, the options, the rendezvous, the data, its fingerprint, the model: until resume()
+                  the run has saved nothing and can lose nothing, so a stop ends it at once, in one line, with
+                  128 + the signal's number (end_at_once(), then stop_at_once()); the same command starts it again
   a training step from resume() on, the signal is only noted: every rank finishes its step, all agree on one
                   step to stop at, save there and end (preemption.Preemption, rails.Guard.end_of_step())
   an evaluation   likewise between evaluation batches (rails.Guard.end_of_batch()): the epoch's training is
@@ -53,6 +53,19 @@ def stop_at_once():
 
 def raise_stopped(signum, frame):
     raise Stopped(signum)
+
+
+def end_at_once():
+    """From a stage's first line (early.start()) until run() takes over with stop_at_once(): the imports, where no
+    one could catch a Stopped. A stop exits with the same line and status, not a traceback out of an import."""
+    for signum in STOPS:
+        signal.signal(signum, exit_stopped)
+
+
+def exit_stopped(signum, frame):
+    for later in STOPS:  # the first stop counts: a second Ctrl-C does not say it again
+        signal.signal(later, signal.SIG_IGN)
+    sys.exit(say(Stopped(signum)))
 
 
 def say(stopped):

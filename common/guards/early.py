@@ -1,0 +1,11 @@
+"""Guard rail: a stage's first line, before it imports torch, which takes seconds and fails on an old one. Both a
+torch older than the stage runs on (versions.py) and a stop during those seconds (signals.py: Ctrl-C, a scancel
+just after the start) end the run in one line instead of a traceback out of an import."""
+
+from common.guards import signals, versions
+
+
+def start(script):
+    """Until rails.run(): a stop ends the process in the line of a stop at start-up; then the torch check."""
+    signals.end_at_once()
+    versions.require(script)
