@@ -58,7 +58,7 @@ test-slurm: $(VENV) $(DATA)  ## the job scripts under a real local Slurm (root)
 run: $(VENV) $(DATA)  ## stage 01, one epoch on real MNIST, on this machine's GPU or CPU
 	$(PYTHON) 01_single_gpu/train.py --epochs 1
 
-doctor: $(VENV) $(DATA)  ## check this machine as a cluster, two gloo ranks (a cluster: sbatch tools/doctor.slurm); ARGS=...
+doctor: $(VENV) $(DATA)  ## check this machine as a cluster, two gloo ranks (a cluster: cd tools && sbatch doctor.slurm); ARGS=...
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 tools/doctor.py --no-cuda $(ARGS)
 
 # diff -u of two train.py below their opening docstrings (the rule of code() in tests/test_budgets.py), which
@@ -79,7 +79,7 @@ lint: $(VENV)  ## ruff (check, format --check); bash -n and shellcheck on the jo
 	for f in $(SHELL_SCRIPTS); do bash -n $$f; done
 	$(SHELLCHECK) $(SHELL_SCRIPTS)
 
-clean:  ## deletes runs/ (every run's metrics and checkpoints), plot and scaling outputs, decompressed MNIST, caches
+clean:  ## deletes runs/ (every run's metrics and checkpoints), the stages' Slurm logs, plot and scaling outputs, decompressed MNIST, caches
 	rm -rf runs .pytest_cache */__pycache__ */*.out */*.gpu.csv plot.png scaling.md scaling.png data/MNIST/raw/*-ubyte
 
 # One GPU, one call, priority first (BUDGET=480 s): what the stages promise on a GPU against its targets; on a CPU it
