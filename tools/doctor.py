@@ -28,10 +28,15 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
-import torch.distributed as dist
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
+from common.guards import early  # noqa: E402
+
+if __name__ == "__main__":  # run (tests import it): before torch, an old one or a stop in its imports is one line
+    early.start(__file__)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
 from common import cli, distributed  # noqa: E402
 from common.environment import cpus_per_rank  # noqa: E402
 from common.guards import check, failure, flightrecorder, options, preemption, preflight, rails, versions  # noqa: E402
@@ -496,7 +501,6 @@ def judge(args, everyone, device):
 
 
 def main(guard):
-    versions.require(__file__)
     args, task, training = parse_args()
     nccl_log = None
     if torch.cuda.is_available() and not args.no_cuda:  # a collective that hangs: each rank's last ones, on disk
