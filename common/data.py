@@ -146,7 +146,7 @@ SETS = {
 def split(dataset, fraction, seed):
     """(training part, validation part): `fraction` of the images, drawn with `seed`, held out for
     validation, both in the order of `dataset`. For 0 the validation part is empty."""
-    subset = getattr(dataset, "subset", lambda indices: Subset(dataset, indices.tolist()))
+    subset = dataset.subset if type(dataset) is Images else lambda i: Subset(dataset, i.tolist())
     if not fraction:
         return dataset, subset(torch.tensor([], dtype=torch.long))
     held = round(len(dataset) * fraction)
@@ -239,8 +239,8 @@ def count(batch):
 
 
 def first(batch, n):
-    """The first `n` samples of every tensor in `batch`."""
-    return pytree.tree_map_only(torch.Tensor, lambda t: t[:n], batch)
+    """The first `n` samples of every tensor in `batch`; a 0-dim tensor has none: kept."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t[:n] if t.ndim else t, batch)
 
 
 def chunk(batch, parts):

@@ -7,7 +7,9 @@ import argparse
 import csv
 import re
 import signal
+from types import SimpleNamespace
 
+import numpy
 import pytest
 import torch
 from helpers import (
@@ -27,10 +29,11 @@ from helpers import (
     torchrun,
 )
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
+from torch.utils.data import default_collate
 
-from common import data
-from common.guards import preflight
-from common.metrics import Log, Metric
+from common import cli, data
+from common.guards import divergence, preflight, resume
+from common.metrics import Epoch, Log, Metric
 from common.tasks import text
 
 TEXT = REPO / "common" / "tasks" / "text.py"
@@ -210,6 +213,80 @@ def test_the_fingerprint_reads_every_tensor_of_nested_samples():
             return {"ids": torch.tensor([i, self.value])}, {"label": torch.tensor(i)}
 
     assert preflight.fingerprint(Dicts(1)) == preflight.fingerprint(Dicts(1)) != preflight.fingerprint(Dicts(2))
+
+
+def test_the_fingerprint_is_of_the_data_whatever_a_sample_holds():
+    """numpy arrays and PIL images by their bytes, not their repr(): a PIL image's names its address, new in
+    every process (the ranks never agreed, and no resume matched), and numpy's leaves out an array's middle (a
+    change there resumed unseen). A value numpy cannot read counts by its type's name, the same everywhere."""
+    from PIL import Image
+
+    class Samples(torch.utils.data.Dataset):
+        def __init__(self, middle=0):
+            self.middle = middle
+
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            features = numpy.arange(2000, dtype=numpy.float32) + i
+            features[100:1900] *= self.middle
+            image = Image.fromarray(numpy.full((4, 4), i, dtype=numpy.uint8))
+            return (features, image, object()), i
+
+    assert preflight.fingerprint(Samples()) == preflight.fingerprint(Samples())
+    assert preflight.fingerprint(Samples()) != preflight.fingerprint(Samples(middle=1))
+
+
+def test_an_option_that_defaults_to_nan_is_the_same_on_every_rank_and_on_resume():
+    """A task's `--clip` of default nan: nan != nan refused every resume and every launch of two ranks."""
+    assert preflight.same(float("nan"), float("nan")) and preflight.same([1.0, float("nan")], [1.0, float("nan")])
+    assert not preflight.same(float("nan"), 1.0) and preflight.same(1, 1.0)
+    args = argparse.Namespace(**vars(cli.parse_args(["--epochs", "3"])[0]), clip=float("nan"))
+    state = {"epoch": 1, "step": 0}
+    assert resume.mismatch({"flags": preflight.defining(args)}, state, args, "data") is None
+
+
+def flattened(samples):
+    inputs, labels = default_collate(samples)
+    return inputs, labels.view(-1)  # as a next-token loss takes them
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [({"metric": ("loss", "lower")}, "a metric named 'loss' would take the loss's columns in metrics.csv"),
+     ({"collate": flattened}, "returns labels of shapes [4]: the stages count a batch's samples by its labels' first")],
+    ids=["a metric named loss", "flattened labels"],
+)  # fmt: skip
+def test_a_task_that_would_log_wrong_numbers_is_refused(change, problem):
+    """Labels flattened in collate(): an evaluation counted their tokens as samples and scored the first few alone;
+    a metric named `loss`: its columns took the loss's place in metrics.csv. Both ran to exit 0 with wrong rows."""
+    task = SimpleNamespace(**{"metric": ("mae", "lower"), "score": sum, "loss": sum} | change)
+    pairs = torch.utils.data.TensorDataset(torch.zeros(2, 3), torch.zeros(2, 2))
+    with pytest.raises(SystemExit, match=re.escape(problem)):
+        preflight.check_datasets(SimpleNamespace(task="task.py", loader="batched"), task, pairs, pairs)
+
+
+def test_a_non_finite_score_is_never_logged(tmp_path):
+    """A task's score() of inf (a relative error of a target of 0): the row and checkpoint were written with it."""
+    sums = Epoch.read(torch.tensor([[1.0, 0, 8], [0, 0, 0], [1.0, float("inf"), 4]]))
+    with pytest.raises(SystemExit, match=re.escape("non-finite test score (inf): the task's score() must sum")):
+        divergence.check_epoch(1, sums, tmp_path)
+
+
+def test_a_model_output_with_a_number_beside_the_batch_is_evaluated():
+    """A model returning (prediction, a 0-dim auxiliary loss), as mixtures of experts do: the evaluation cuts the
+    batch's padding off the prediction and keeps the number (it failed after the epoch's training)."""
+    prediction, aux = data.first((torch.ones(5, 2), torch.tensor(0.5)), 3)
+    assert prediction.shape == (3, 2) and aux.item() == 0.5
+
+
+def test_a_data_set_of_the_users_with_a_subset_attribute_is_split():
+    class Named(torch.utils.data.TensorDataset):
+        subset = "train"  # a name, not common/data.py Images' method
+
+    train, val = data.split(Named(torch.arange(10.0)), 0.2, seed=1)
+    assert (len(train), len(val)) == (8, 2) and isinstance(val, torch.utils.data.Subset)
 
 
 STREAM = (

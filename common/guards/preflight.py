@@ -20,7 +20,7 @@ from common import amp, data
 from common.environment import is_rank0
 from common.guards import options, samples
 from common.guards.ending import stop
-from common.sampling import Seeded
+from common.sampling import Seeded, numpy
 
 
 def check_device(args, local_rank):
@@ -126,6 +126,11 @@ def defining(args):
     return values
 
 
+def same(value, other):
+    """Are two values of an option the same? A NaN too (a task's default), which == finds unequal to itself."""
+    return value == other or repr(value) == repr(other)
+
+
 def fingerprint(dataset, samples=1000):
     """A short string that differs when two ranks read different data: the size, and a hash of at most `samples`
     samples evenly strided through the set (of a data set in tensors, common/data.py Images, of all labels and
@@ -149,10 +154,18 @@ def fingerprint(dataset, samples=1000):
 
 
 def as_bytes(leaf):
-    """A tensor's bytes (numpy has no bfloat16: viewed as bytes first), or another value's repr()."""
-    if not isinstance(leaf, torch.Tensor):
-        return repr(leaf).encode()
-    return leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    """A tensor's bytes (numpy has no bfloat16: viewed as bytes first); of another value what numpy reads of it (an
+    array, a PIL image, a number, a text), else its type's name alone: a repr() may hold an address that differs
+    in every process, or leave out the middle of an array."""
+    if isinstance(leaf, torch.Tensor):
+        return leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    try:
+        array = numpy.asarray(leaf)
+    except (ValueError, TypeError, AttributeError):  # ragged nested lists; no numpy
+        array = None
+    if array is None or array.dtype.hasobject:
+        return type(leaf).__qualname__.encode()
+    return f"{array.dtype}{array.shape}".encode() + array.tobytes()
 
 
 def item(dataset, i):
@@ -211,7 +224,7 @@ def agree(args, task, *datasets):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for key, value in everyone[0].items():
-        differ = [f"rank {r}: {theirs.get(key)}" for r, theirs in enumerate(everyone) if theirs.get(key) != value]
+        differ = [f"rank {r}: {got}" for r, got in enumerate(t.get(key) for t in everyone) if not same(got, value)]
         if differ:  # the same verdict on every rank; rank 0 says it
             stop(f"error: the ranks differ in {key}: rank 0: {value}, {', '.join(differ)}: give every rank the same "
                  "options and data")  # fmt: skip

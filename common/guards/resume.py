@@ -21,7 +21,7 @@ from common.environment import is_rank0, restarts
 from common.guards import ownership
 from common.guards.bounded import PICKLE, Refused, torch_file
 from common.guards.ending import stop
-from common.guards.preflight import defining
+from common.guards.preflight import defining, same
 from common.guards.safeload import Planted, damage
 
 PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
@@ -122,7 +122,7 @@ def mismatch(run, state, args, fingerprint):
     its folder records of it (a checkpoint of an older version: what it holds itself). A run from before an
     option (or the data's fingerprint) was recorded does not record it: what it records must match."""
     now, flags = defining(args), run.get("flags", {})
-    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in flags.items() if now.get(k) != v]
+    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in flags.items() if not same(now.get(k), v)]
     if differ:
         return f"was written with {', '.join(differ)}: resume with the same options, or use another --output-dir"
     if run.get("data", fingerprint) != fingerprint:  # <samples>-<hash> (preflight.fingerprint)

@@ -7,6 +7,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data import default_collate
 
+from common.data import count
 from common.guards.ending import stop
 
 
@@ -23,6 +24,9 @@ def check_metric(args, task):
     ):
         stop(f'error: --task {args.task}: a metric is `metric = (name, "higher" or "lower")` with a function '
              "score(output, target) that sums it over a batch: it defines one without the other, or another kind")  # fmt: skip
+    if metric is not None and metric[0] in ("loss", ""):  # metrics.csv: test_<name> beside test_loss
+        stop(f"error: --task {args.task}: a metric named {metric[0]!r} would take the loss's columns in metrics.csv "
+             '(test_loss): name it after what score() sums, e.g. `metric = ("mae", "lower")`')  # fmt: skip
 
 
 def check_collate(args, task, name, samples):
@@ -37,6 +41,10 @@ def check_collate(args, task, name, samples):
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         stop(f"error: --task {args.task}: {what} must return a pair (inputs, labels), each a tensor or a dict, list or "
              f"tuple of them; of its {name} set's first samples it returns {shapes(batch)}")  # fmt: skip
+    if count(batch[1]) != len(samples):  # flattened labels: an evaluation would count tokens as samples
+        stop(f"error: --task {args.task}: {what} of {len(samples)} samples of its {name} set returns labels of "
+             f"shapes {shapes(batch[1])}: the stages count a batch's samples by its labels' first dimension (each "
+             "test sample once, images/s): keep it the batch's, and flatten in loss() and score()")  # fmt: skip
 
 
 def explain(err, task):
