@@ -4,12 +4,14 @@ launcher() and common/guards/rails.py's run(). What each test proves is in tests
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy
 import pytest
 import torch
 from helpers import REPO, S01, S03, free_port, metrics, one_error, python, run, srun_like, stage_args
 
-from common import cli, data, models
+from common import checkpoint, cli, data, models
 from common.environment import is_rank0, launcher
 from common.guards import check, failure, preflight, rails
 
@@ -251,6 +253,26 @@ def test_run_says_the_lessons_refusal_as_it_is_and_a_tasks_error_with_its_place(
     assert ended[0] == "error: a validation fraction of 0.01 of 4 images leaves a part empty"
     assert closed == [True, False]  # the refusal's ranks end together; the fallback's each alone
     assert ended[1].startswith(f"error: ValueError: no such layer (at {task}:6, in model)"), ended
+
+
+def test_a_task_is_blamed_only_where_its_own_call_failed(tmp_path):
+    """`model(args) returned ... not a torch.nn.Module` only for the stage's `task.model(args).to(device)`, and
+    `the checkpoint does not match` only inside common/checkpoint.py: a batch of numpy arrays that a model's
+    forward moves with .to(), and a model() loading weights of another shape, were both said so, with no place."""
+    guard, task = rails.Guard(), SimpleNamespace(model=lambda args: {})
+    guard.args = SimpleNamespace(task="my_task.py", output_dir=None)
+    wrong = raised(lambda: task.model(None).to("cpu"))
+    assert (
+        failure.explain(wrong, guard) == "error: --task my_task.py: model(args) returned a dict, not a torch.nn.Module"
+    )
+    for err in [raised(lambda: numpy.zeros(3).to("cpu")),
+                raised(lambda: torch.nn.Linear(2, 2).load_state_dict(torch.nn.Linear(3, 2).state_dict()))]:  # fmt: skip
+        assert failure.explain(err, guard) is None and failure.settle(err, guard).startswith(
+            f"error: {type(err).__name__}: "
+        ), err
+    torch.save({"model": torch.nn.Linear(3, 2).state_dict()}, tmp_path / "checkpoint.pt")
+    mismatch = raised(lambda: checkpoint.restore(tmp_path / "checkpoint.pt", {"model": torch.nn.Linear(2, 2)}))
+    assert failure.explain(mismatch, guard).startswith("error: the checkpoint does not match this model: ")
 
 
 def test_explaining_that_fails_still_ends_in_one_line(monkeypatch):

@@ -177,10 +177,11 @@ def explain(err, guard):
     if isinstance(err, AttributeError) and getattr(err.obj, "__name__", "").startswith("task_"):
         return once(f"error: --task {err.obj.__file__} defines no {err.name}(): a task defines model(args) and "
                     "datasets(args), as common/tasks/images.py does")  # fmt: skip
-    if isinstance(err, AttributeError) and err.name == "to" and guard.args is not None:  # task.model(args).to()
+    frames = traceback.extract_tb(err.__traceback__)
+    raised = frames[-1].line or ""  # the source line, where Python finds it
+    if isinstance(err, AttributeError) and err.name == "to" and "task.model(" in raised:  # a stage's model line
         return once(f"error: --task {guard.args.task}: model(args) returned a {type(err.obj).__name__}, not a "
                     "torch.nn.Module")  # fmt: skip
-    raised = traceback.extract_tb(err.__traceback__)[-1].line or ""  # the source line, where Python finds it
     if isinstance(err, (TypeError, ValueError)) and "task.datasets(" in raised:  # unpacking what datasets() returned
         return once(f"error: --task {guard.args.task}: datasets(args) must return (training set, test set), two "
                     f"torch.utils.data Datasets of (input, label) pairs ({message(err)})")  # fmt: skip
@@ -207,7 +208,8 @@ def explain(err, guard):
             )
         return once(f"error: could not write {folder}: {safeload.describe(err)} ({free_mib(guard.args.output_dir):.0f} MiB free "
                 "there): the previous checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
-    if isinstance(err, RuntimeError) and message(err).startswith("Error(s) in loading state_dict"):
+    restoring = any(Path(f.filename).resolve() == LESSON / "checkpoint.py" for f in frames)  # not a task's own load
+    if isinstance(err, RuntimeError) and message(err).startswith("Error(s) in loading state_dict") and restoring:
         return f"error: the checkpoint does not match this model: {message(err).splitlines()[0][:300]}"
     return None
 
