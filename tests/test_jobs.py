@@ -7,6 +7,7 @@ import argparse
 import csv
 import re
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy
@@ -265,6 +266,19 @@ def test_a_task_that_would_log_wrong_numbers_is_refused(change, problem):
     pairs = torch.utils.data.TensorDataset(torch.zeros(2, 3), torch.zeros(2, 2))
     with pytest.raises(SystemExit, match=re.escape(problem)):
         preflight.check_datasets(SimpleNamespace(task="task.py", loader="batched"), task, pairs, pairs)
+
+
+def test_a_resume_after_the_metric_was_renamed_says_so():
+    """A task's metric renamed between a run and its resume (mae, then l1): the checkpoint's rows do not fit the
+    new columns. Before: `ValueError: dict contains fields not in fieldnames` from the csv module."""
+    before, after = (Log(Path("."), 1, metric=Metric(name, "lower")) for name in ("mae", "l1"))
+    state = {"log": {"rows": [dict.fromkeys(before.fields, 0.0)]}}
+    resume.same_columns(state, before.fields)  # the same task: nothing to say
+    resume.same_columns(None, after.fields)  # a fresh run
+    with pytest.raises(
+        SystemExit, match=re.escape("hold test_mae, val_mae, where this run's task logs test_l1, val_l1")
+    ):
+        resume.same_columns(state, after.fields)
 
 
 def test_a_non_finite_score_is_never_logged(tmp_path):

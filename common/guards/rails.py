@@ -101,6 +101,7 @@ class Guard:
         parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
         record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters}
         state = resume.state_to_resume(self.args, path, sharded, record)
+        resume.same_columns(state, states["log"].fields)  # the task's metric renamed since: its rows do not fit
         if state is not None and state["folder"]:  # a failure while every rank reads its shards names the folder
             self.doing = f"read {state['folder']}"
         if state is not None and state["step"]:  # saved mid-epoch: the lesson trains the rest of it

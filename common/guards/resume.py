@@ -80,6 +80,16 @@ def state_to_resume(args, path, sharded, record):
     return state
 
 
+def same_columns(state, fields):
+    """The rows of metrics.csv that the checkpoint `state` holds fit this run's columns (`fields`, metrics.Log's):
+    they do not where the task's metric was renamed since (mae, then l1); one line, on every rank alike."""
+    rows = (state or {}).get("log", {}).get("rows")
+    if rows and set(rows[0]) != set(fields):
+        stop(f"error: the checkpoint's rows of metrics.csv hold {', '.join(sorted(set(rows[0]) - set(fields)))}, "
+             f"where this run's task logs {', '.join(sorted(set(fields) - set(rows[0])))}: resume with the task's "
+             "metric as it was trained, or use another --output-dir")  # fmt: skip
+
+
 def find(args, path, name, restarted, fingerprint):
     """Rank 0: the state of the checkpoint at `path` (a stage 05 folder: its state.pt, with "folder" added), or
     None to start afresh, and the id of the run it continues (None: a new one); a SystemExit saying why where
