@@ -103,8 +103,7 @@ class WideResNet(nn.Module):
     @staticmethod
     def init_weights(m):
         """The authors' initialization, layer by layer after PyTorch's: He et al. for convolutions,
-        zero biases. Stage 05 applies it the same way to a model built on the meta device
-        (materialise())."""
+        zero biases. Stage 05 applies it alike on the meta device (materialise())."""
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
         elif isinstance(m, nn.Linear):
@@ -115,9 +114,8 @@ class WideResNet(nn.Module):
 
 
 def blocks(model):
-    """What stage 05 shards one at a time (and --checkpoint-activations recomputes): the layers
-    with weights of a model's nn.Sequential and nn.ModuleList (residual blocks, a transformer's
-    layers) but norms; in a model that lists none, each layer with weights."""
+    """What stage 05 shards one at a time (and --checkpoint-activations recomputes): the layers with
+    weights but norms of each nn.Sequential and nn.ModuleList; else each layer with weights."""
     found = []
     for seq in model.modules():  # outermost first; a list inside a block found is part of it
         listed = isinstance(seq, (nn.Sequential, nn.ModuleList))
@@ -160,12 +158,13 @@ def build(name, in_channels, num_classes, image_size, depth=16, width=4):
 
 
 def materialise(model, device, task, args):
-    """The model stage 05 built on the meta device (shapes, no memory) and sharded: each rank fills
-    its shards, holding one layer whole at most, from the task's `weights(args)` file, else with
-    stage 01's initial weights at the seed (reset_parameters(), children first, then the task's or
-    model's init_weights(layer)): alike at any world size. A CPU-built one (META = False) moves."""
+    """Stage 05's model, built on the meta device (no memory) and sharded: each rank fills its
+    shards, a layer whole at most, from the task's `weights(args)` file, else as stage 01 starts at
+    the seed (reset_parameters(), children first, then init_weights(layer)); a CPU one moves."""
     if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         return model.to(device)
+    if len(dict(model.named_parameters())) < len([*model.named_parameters(remove_duplicate=False)]):
+        raise TypeError("tied weights do not survive the meta device: set META = False in the task")
     model.to_empty(device=device)
     if getattr(task, "weights", None) and (path := task.weights(args)):
         return load_whole(model, path)
@@ -235,8 +234,7 @@ def on_cpu(module, init, done, recurse=False):
 
 
 def load_whole(model, path):
-    """A file of whole weights into the sharded model: rank 0 maps it from disk, the others receive
-    their shards of each tensor; no GPU holds it whole."""
+    """A file of whole weights into the sharded model: rank 0 maps it, each rank gets its shards."""
     import torch.distributed as dist
     from torch.distributed.checkpoint import state_dict as sd
 

@@ -457,6 +457,25 @@ def test_a_layer_no_reset_parameters_sets_is_named():
         models.materialise(model, CPU, None, None)
 
 
+def test_tied_weights_are_refused_on_the_meta_device_and_kept_from_the_cpu():
+    """An output layer sharing the embedding's weights: to_empty() untied them (stage 05 at one process trained
+    two tensors), and the shared one took the head's initialisation, not the constructor's. Refused in one line;
+    built on the CPU (META = False) the tie holds, with the constructor's values."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    with torch.device("meta"):
+        model = Tied()
+    with pytest.raises(TypeError, match=r"^tied weights do not survive the meta device: set META = False in the task$"):
+        models.materialise(model, CPU, None, None)
+    built = models.materialise(Tied(), CPU, None, None)
+    assert built.head.weight is built.emb.weight
+
+
 def test_only_blocks_worth_a_gather_are_units_and_sharded_weights_step_by_foreach():
     """Stage 05's units: each costs hooks every step, so the smallest blocks, together at most 1/8 of the largest,
     stay in the root's (the Net: fc1 alone; WRN-16-4: its first convolution and two smallest blocks); and the
