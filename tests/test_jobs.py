@@ -281,6 +281,13 @@ def test_a_resume_after_the_metric_was_renamed_says_so():
         resume.same_columns(state, after.fields)
 
 
+def test_an_empty_data_set_is_named():
+    """Before: `its test set's first item fails that (IndexError: index 0 is out of bounds ...)`."""
+    pairs, empty = (torch.utils.data.TensorDataset(torch.zeros(n, 3), torch.zeros(n, dtype=torch.long)) for n in (2, 0))
+    with pytest.raises(SystemExit, match=re.escape("error: --task task.py: its test set is empty")):
+        preflight.check_datasets(SimpleNamespace(task="task.py", loader="batched"), object(), pairs, empty)
+
+
 def test_a_non_finite_score_is_never_logged(tmp_path):
     """A task's score() of inf (a relative error of a target of 0): the row and checkpoint were written with it."""
     sums = Epoch.read(torch.tensor([[1.0, 0, 8], [0, 0, 0], [1.0, float("inf"), 4]]))

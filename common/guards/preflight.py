@@ -189,6 +189,8 @@ def check_datasets(args, task, *datasets):
                  "Dataset (__len__ and __getitem__), e.g. one that reads the stream's items by index from files")  # fmt: skip
         if isinstance(found, data.Images):  # read whole batches, never probed an item at a time
             continue
+        if len(found) == 0:  # an evaluation of nothing would divide by zero; a training of nothing is no run
+            stop(f"error: --task {args.task}: its {name} set is empty (check the path it reads, and --limit)")
         try:
             x, y = Seeded(found, 0)[0]  # the run's own generators untouched
             floats = [t.dtype for t in pytree.tree_leaves(y) if torch.is_tensor(t) and t.is_floating_point()]
