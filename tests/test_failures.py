@@ -88,9 +88,13 @@ def test_weights_that_diverge_in_the_last_step_are_never_saved(tiny_data, tmp_pa
 
 @pytest.mark.slow
 def test_a_huge_learning_rate_stops_in_the_first_epoch(tiny_data, tmp_path):
+    """Before its first checkpoint: nothing is said to be kept, and the same folder takes the next try (it held
+    the dead run's manifest, which refused a fresh run and had no checkpoint to --resume)."""
     out = python(S01, *stage_args(tiny_data, tmp_path, "--lr", 1e30, "--log-interval", 1))
-    one_error(out, "not finite by epoch 1", "--lr")
+    one_error(out, "not finite by epoch 1", "nothing was saved yet: try a lower --lr")
     assert not (tmp_path / "checkpoint.pt").exists()
+    again = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1))
+    assert again.returncode == 0 and len(metrics(tmp_path)) == 1, again.stderr[-2000:]
 
 
 def test_a_non_finite_tensor_is_never_written(tmp_path):

@@ -4,13 +4,14 @@ files are never touched."""
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import S01, S03, S05, clean_env, metrics, one_error, python, run, stage_args, torchrun_cmd
 
 from common import checkpoint as lesson
-from common.guards import lock, ownership
+from common.guards import failure, lock, ownership, rails
 
 
 def small(script, data_dir, out, *extra, **env):
@@ -216,3 +217,53 @@ def test_hostile_folders_are_refused_in_one_line(tiny_data, tmp_path):
     (tmp_path / "a-file").write_text("the user's")
     one_error(small(S01, tiny_data, tmp_path / "a-file", "--epochs", 1), "a-file")
     assert (tmp_path / "a-file").read_text() == "the user's"
+
+
+def test_a_failure_keeps_its_traceback_only_where_the_run_owns_the_folder(tmp_path):
+    """A task that fails before the folder is the run's: its traceback was written through a link named
+    traceback-rank0.txt (a user's file truncated) and into another run's folder. It is switched in whole where the
+    folder holds no run's output (a link there replaced, never followed), and nowhere in another run's folder."""
+    victim, mine, theirs = tmp_path / "precious.txt", tmp_path / "mine", tmp_path / "theirs"
+    victim.write_text("the user's")
+    mine.mkdir()
+    (mine / "traceback-rank0.txt").symlink_to(victim)
+    theirs.mkdir()
+    (theirs / "checkpoint.pt").write_text("another run's")
+    guard = rails.Guard()
+    guard.lock = "taken"  # the run holds the folder's lock; resume() has not made it the run's
+    for folder, kept in ((mine, True), (theirs, False)):
+        guard.args = SimpleNamespace(task=None, output_dir=folder)
+        said = failure.fallback(RuntimeError("boom"), guard)
+        assert said.startswith("error: RuntimeError: boom") and ("traceback is in" in said) == kept, said
+    assert victim.read_text() == "the user's" and "RuntimeError: boom" in (mine / "traceback-rank0.txt").read_text()
+    assert sorted(os.listdir(theirs)) == ["checkpoint.pt"]
+
+
+def test_a_folder_a_run_left_before_its_first_checkpoint_is_taken_over(tmp_path):
+    """A run that diverged (or was killed) before its first checkpoint left its manifest and a traceback: a fresh
+    run there was refused (`holds the output of run ... (None): add --resume`), and --resume found no checkpoint.
+    With nothing to lose the folder is taken over; another run's output still refuses it, named without `(None)`."""
+    manifest = {"run": "dead", "writes": [*ownership.WRITES[False]], "launch": None}
+    ownership.write(tmp_path, manifest)
+    (tmp_path / "traceback-rank0.txt").write_text("Traceback ...")
+    ownership.check_fresh(tmp_path, ownership.read(tmp_path))
+    (tmp_path / "metrics.csv").write_text("epoch\n1\n")
+    with pytest.raises(SystemExit, match=rf"^error: {tmp_path} holds the output of run dead: add --resume"):
+        ownership.check_fresh(tmp_path, ownership.read(tmp_path))
+
+
+def test_save_model_replaces_only_a_model_the_run_exported(tmp_path):
+    """A model.pt that a run without --save-model never wrote (the user's own, put in the run's folder) was
+    replaced by the export of a resume with --save-model. The manifest lists model.pt once the run exports."""
+    ownership.claim(tmp_path, None, False, {}, export=False, env={})
+    run = ownership.read(tmp_path)["run"]
+    assert "model.pt" not in ownership.read(tmp_path)["writes"]
+    (tmp_path / "model.pt").write_text("the user's")
+    with pytest.raises(SystemExit, match=r"model\.pt is not this run's .*--save-model would replace it"):
+        ownership.claim(tmp_path, run, False, {}, export=True, env={})
+    ownership.claim(tmp_path, run, False, {}, export=False, env={})  # a resume without --save-model
+    (tmp_path / "model.pt").unlink()
+    ownership.claim(tmp_path, run, False, {}, export=True, env={})
+    assert "model.pt" in ownership.read(tmp_path)["writes"]
+    (tmp_path / "model.pt").write_text("exported")
+    ownership.claim(tmp_path, run, False, {}, export=True, env={})  # its own export: replaced by the next

@@ -4,13 +4,19 @@ non-finite epoch result or non-finite weights before the epoch's checkpoint. The
 survives, to resume with a lower --lr."""
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
 
 from common.guards.ending import stop
 
-ADVICE = "the run diverged; the checkpoint in {0} keeps the last good epoch: try a lower --lr (or --amp off)"
+
+def advice(output_dir):
+    """What is kept, and what to try: a run may diverge before its first checkpoint."""
+    saved = any(os.path.lexists(output_dir / name) for name in ("checkpoint.pt", "checkpoint"))
+    kept = f"the checkpoint in {output_dir} keeps the last good epoch" if saved else "nothing was saved yet"
+    return f"the run diverged; {kept}: try a lower --lr (or --amp off)"
 
 
 def finite(state):
@@ -32,7 +38,7 @@ def check_loss(epoch, batch, sums, output_dir):
     if dist.is_initialized():
         dist.all_reduce(bad)  # every rank stops at the same batch
     if bad.item():
-        stop(f"error: the training loss is not finite by epoch {epoch}, batch {batch}: " + ADVICE.format(output_dir))
+        stop(f"error: the training loss is not finite by epoch {epoch}, batch {batch}: " + advice(output_dir))
 
 
 def check_epoch(epoch, sums, output_dir):
@@ -40,7 +46,7 @@ def check_epoch(epoch, sums, output_dir):
     for name, part in sums._asdict().items():  # training, validation, test
         if not math.isfinite(part.loss):
             stop(f"error: epoch {epoch} ended with a non-finite {name} loss ({part.loss}): "
-                 + ADVICE.format(output_dir))  # fmt: skip
+                 + advice(output_dir))  # fmt: skip
         if not math.isfinite(part.score):  # the task's score(): e.g. a relative error of a target of 0
             stop(f"error: epoch {epoch} ended with a non-finite {name} score ({part.score}): the task's score() must "
                  f"sum finite values over a batch; the checkpoint in {output_dir} keeps the last epoch before")  # fmt: skip
@@ -56,4 +62,4 @@ def check_weights(states, what, output_dir, device=None):
         dist.all_reduce(flag)
         bad = bool(flag.item())
     if bad:
-        stop(f"error: {what} not finite: " + ADVICE.format(output_dir))
+        stop(f"error: {what} not finite: " + advice(output_dir))

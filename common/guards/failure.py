@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from common import distributed, environment
+from common.checkpoint import atomic
 from common.environment import is_rank0
-from common.guards import safeload, samples
+from common.guards import ownership, safeload, samples
 
 LIMIT = 300  # characters of a message in the line: a tensor printed into one would fill the log
 LESSON = Path(__file__).resolve().parents[1]  # common/
@@ -74,10 +75,12 @@ def summary(err):
 
 
 def keep(err, folder, rank):
-    """The full traceback in `folder`, as traceback-rank<rank>.txt: its path, or None where it cannot be kept."""
+    """The full traceback in `folder`, as traceback-rank<rank>.txt, switched in whole (a link there is replaced,
+    never followed): its path, or None where it cannot be kept."""
     path = Path(folder) / f"traceback-rank{rank}.txt"
     try:
-        path.write_text("".join(traceback.format_exception(type(err), err, err.__traceback__)))
+        with atomic(path, "w") as f:
+            f.write("".join(traceback.format_exception(type(err), err, err.__traceback__)))
     except OSError:  # a full disk, a folder gone: the line is still said
         return None
     return path
@@ -149,8 +152,9 @@ def clash(err):
 
 def fallback(err, guard):
     """rails.run()'s line: once the ranks have met each says its own (it may be alone); before, rank 0 for all."""
-    rank, owned = distributed.launcher().rank, guard.lock is not None or guard.watchdog is not None  # a claimed folder
-    args = guard.args or argparse.Namespace(task=None, output_dir=None)
+    rank, args = distributed.launcher().rank, guard.args or argparse.Namespace(task=None, output_dir=None)
+    locked = guard.lock is not None or guard.watchdog is not None  # the run took its folder: it exists
+    owned = locked and (guard.claimed or free(args.output_dir))  # its own, or one holding no run's output
     said = line(err, args.task, args.output_dir if owned else None, rank)
     if guard.watchdog is None and not dist.is_initialized():
         return said if is_rank0() else 1  # as once()
@@ -217,6 +221,14 @@ def explain(err, guard):
 def once(message):
     """A verdict every rank reaches alike: rank 0 says it, the others end with status 1."""
     return message if is_rank0() else 1
+
+
+def free(folder):
+    """Does `folder` hold no run's output (ownership.output()), as a folder a fresh run may take?"""
+    try:
+        return not ownership.output(folder)
+    except SystemExit:  # it cannot be listed
+        return False
 
 
 def free_mib(folder):

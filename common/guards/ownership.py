@@ -3,11 +3,12 @@
 The invariant: a run replaces, rotates or deletes only what the manifest of its folder lists, and only in a
 folder whose manifest names it. At its fresh start a run takes an id and writes <output-dir>/run-manifest.json:
 the id, the launch that runs it (a Slurm job and step, or a torchrun run and its agent) and what it writes there
-(checkpoint.pt, checkpoint-previous.pt, metrics.csv, model.pt; stage 05: its links checkpoint and
-checkpoint-previous and each epoch-N folder, listed before it is written). Before any rank writes, rank 0
-decides whose folder it is (claim()):
-  - a fresh run: a folder holding a manifest or any entry named as a run names its output (a checkpoint,
-    metrics.csv, model.pt, an epoch-N folder, a writer's temporary file, a dangling link) is refused;
+(checkpoint.pt, checkpoint-previous.pt, metrics.csv, model.pt once --save-model asks for it; stage 05: its links
+checkpoint and checkpoint-previous and each epoch-N folder, listed before it is written). Before any rank writes,
+rank 0 decides whose folder it is (claim()):
+  - a fresh run: a folder holding any entry named as a run names its output (a checkpoint, metrics.csv,
+    model.pt, an epoch-N folder, a writer's temporary file, a dangling link) is refused; a manifest and
+    tracebacks alone are what a run that saved nothing left: nothing to lose, the folder is taken over;
   - a restart (a Slurm requeue, a torchrun restart) is this run only where the manifest names this launch;
     else it is a fresh run: the restart of an attempt that was refused is refused again;
   - --resume PATH continues the run whose folder holds PATH: the output folder must be that run's or free.
@@ -34,6 +35,7 @@ WRITES = {  # what a run writes in its folder, by the kind of checkpoint it keep
 }
 NAMED = {*WRITES[False], *WRITES[True], "checkpoint.tmp", MANIFEST}
 EPOCH = re.compile(r"epoch-\d+(-step-\d+)?")  # stage 05's folders
+TRACEBACK = re.compile(r"traceback-rank\d+\.txt")  # a failed run's (failure.keep())
 ADVICE = "choose another --output-dir, or move it away"
 
 
@@ -53,7 +55,7 @@ def launch(env=os.environ):
 
 def named(name):
     """Is `name` one a run gives to what it writes?"""
-    return name in NAMED or bool(EPOCH.fullmatch(name) or TEMPORARY.fullmatch(name))
+    return name in NAMED or any(kind.fullmatch(name) for kind in (EPOCH, TEMPORARY, TRACEBACK))
 
 
 def entries(folder):
@@ -87,17 +89,30 @@ def continues(manifest, env=os.environ):
     return manifest is not None and launch(env) is not None and manifest.get("launch") == launch(env)
 
 
+def output(folder):
+    """What in `folder` is a run's output, which a fresh run must not replace: the names a run writes, but the
+    manifest and the tracebacks that a run that saved nothing leaves."""
+    return [name for name in entries(folder) if named(name) and name != MANIFEST and not TRACEBACK.fullmatch(name)]
+
+
+def whose(manifest):
+    """`run <id>`, and the launch that wrote it where one did (a Slurm job, a torchrun)."""
+    return f"run {manifest['run']}" + (f" ({manifest['launch']})" if manifest.get("launch") else "")
+
+
 def check_fresh(folder, manifest):
-    """A fresh run: the folder holds nothing a run writes, whichever run wrote it (or none, with its names)."""
+    """A fresh run: the folder holds nothing a run writes, whichever run wrote it (or none, with its names), but
+    what a run that saved nothing leaves (its manifest, its tracebacks): nothing to lose, and taken over."""
     names = entries(folder)
     for name in ("checkpoint.pt", "checkpoint"):
         if name in names:  # whole or sharded, of any stage: a fresh run would overwrite its metrics.csv
             raise SystemExit(f"error: {folder / name} holds the checkpoint of an earlier run: add --resume to continue "
                              "it (in the stage that wrote it), or choose another --output-dir")  # fmt: skip
-    if manifest:
-        raise SystemExit(f"error: {folder} holds the output of run {manifest['run']} ({manifest.get('launch')}): "
-                         f"add --resume to continue it, or {ADVICE}")  # fmt: skip
-    if found := [name for name in names if named(name)]:
+    found = output(folder)
+    if manifest and found:
+        raise SystemExit(f"error: {folder} holds the output of {whose(manifest)}: add --resume to continue it, or "
+                         f"{ADVICE}")  # fmt: skip
+    if found:
         raise SystemExit(f"error: {folder / found[0]} is not this run's, and a run writes that name: {ADVICE}")
 
 
@@ -113,7 +128,7 @@ def check_resume(folder, manifest, path):
         check_fresh(folder, None)
         return run
     if manifest["run"] != run:
-        raise SystemExit(f"error: {folder} holds the output of run {manifest['run']} ({manifest.get('launch')}), "
+        raise SystemExit(f"error: {folder} holds the output of {whose(manifest)}, "
                          f"and {path} is of {f'run {run}' if run else 'no run it names'}: resume into {source}, "
                          "or into an empty --output-dir")  # fmt: skip
     if stray := [n for n in entries(folder) if EPOCH.fullmatch(n) and n not in manifest["writes"]]:
@@ -121,10 +136,11 @@ def check_resume(folder, manifest, path):
     return run
 
 
-def claim(folder, run, sharded, record, env=os.environ):
+def claim(folder, run, sharded, record, export=False, env=os.environ):
     """Rank 0, once the folder is this run's: (re)write its manifest for run `run` (a new id if None), this
     launch and `record` (what defines the run: resume.mismatch()), then delete the temporary files this run's
-    writers left."""
+    writers left. model.pt is listed where the run will `export` one (--save-model): a model.pt in its folder
+    that it did not list is someone else's, which the export would replace."""
     if inside := next((p for p in folder.resolve().parents if os.path.lexists(p / MANIFEST)), None):
         raise SystemExit(f"error: --output-dir {folder} lies inside {inside}, the folder of another run, which may "
                          "delete its folders: choose a folder outside it")  # fmt: skip
@@ -132,7 +148,11 @@ def claim(folder, run, sharded, record, env=os.environ):
     if manifest is None or manifest["run"] != run:  # a fresh run, a resume into a new folder, or an adopted one
         kept = [n for n in entries(folder) if named(n) and not TEMPORARY.fullmatch(n)] if run is None else []
         manifest = {"run": run or uuid.uuid4().hex, "since": time.ctime(), "writes": kept}
-    writes = manifest["writes"] + [n for n in WRITES[sharded] if n not in manifest["writes"]]
+    if export and "model.pt" not in manifest["writes"] and os.path.lexists(folder / "model.pt"):
+        raise SystemExit(f"error: {folder / 'model.pt'} is not this run's (it has not exported one), and "
+                         f"--save-model would replace it: leave out --save-model, or move it away")  # fmt: skip
+    listed = [n for n in WRITES[sharded] if n != "model.pt" or export]
+    writes = manifest["writes"] + [n for n in listed if n not in manifest["writes"]]
     write(folder, manifest | {"launch": launch(env), "writes": writes, "record": record})
     sweep(folder)
 

@@ -55,6 +55,7 @@ class Guard:
         self.args, self.lock, self.watchdog, self.preemption = None, None, None, None
         self.states, self.sharded, self.epoch_done = None, False, None
         self.doing, self.position = None, None  # a stage 05 checkpoint read or written: for a failure's one line
+        self.claimed = False  # the folder is this run's (resume()): a failure keeps its traceback there
         self.start_at = (0, 0)  # (epoch, steps) where this run started: resumed part-way, steps > 0
         self.data = None  # the training set's fingerprint
 
@@ -101,6 +102,7 @@ class Guard:
         parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
         record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters}
         state = resume.state_to_resume(self.args, path, sharded, record)
+        self.claimed = True
         resume.same_columns(state, states["log"].fields)  # the task's metric renamed since: its rows do not fit
         if state is not None and state["folder"]:  # a failure while every rank reads its shards names the folder
             self.doing = f"read {state['folder']}"

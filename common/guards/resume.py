@@ -65,7 +65,7 @@ def state_to_resume(args, path, sharded, record):
     if is_rank0():
         try:
             box[0], run = find(args, path, SHARDED if sharded else WHOLE, restarted, record["data"])
-            ownership.claim(args.output_dir, run, sharded, record)
+            ownership.claim(args.output_dir, run, sharded, record, args.save_model)
         except SystemExit as verdict:  # for every rank: they end together, rank 0 says why
             box[1] = verdict.code
     if dist.is_initialized():
