@@ -34,12 +34,16 @@ def table(output):
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_make_doctor_passes_on_this_machine(tmp_path):
+    """Its report replaces a link named doctor.json, never writing through it (a user's file was overwritten)."""
+    (tmp_path / "doctor.json").symlink_to(tmp_path.parent / f"{tmp_path.name}-victim.txt")
+    (tmp_path.parent / f"{tmp_path.name}-victim.txt").write_text("the user's")
     out = subprocess.run(["make", "--no-print-directory", "doctor", f"ARGS=--output-dir {tmp_path}"], cwd=REPO,
                          env=clean_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     rows = table(out.stdout)
     assert list(rows) == CHECKS and not [r for r in rows.values() if r[0] == "FAIL"], out.stdout
     assert "2 arrived" in rows["ranks"][1] and "exact in float32, bfloat16, float16, int64" in rows["all-reduce"][1]
+    assert (tmp_path.parent / f"{tmp_path.name}-victim.txt").read_text() == "the user's"
     report = json.loads((tmp_path / "doctor.json").read_text())
     assert [c["check"] for c in report["checks"]] == CHECKS and [r["rank"] for r in report["ranks"]] == [0, 1]
     assert "Traceback" not in out.stderr and not list(tmp_path.glob(".doctor-*"))  # the ranks' files are gone

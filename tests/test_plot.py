@@ -2,8 +2,10 @@
 tells runs apart; written by hand, and of real runs of stage 01."""
 
 import csv
+import errno
 import importlib
 import importlib.util
+import os
 import sys
 
 import pytest
@@ -142,8 +144,22 @@ def test_a_damaged_metrics_file_is_one_line_for_both_tools(tmp_path, text, named
         ("1,,3,4,5\n", "line 2: no world_size"),
         ("1,1,3,100,5\n2,1,3,0,5\n", "line 3: images_per_s 0 is not a rate"),  # the base of every speed-up
         ("1,1,3,nan,5\n", "line 2: images_per_s nan is not a rate"),
+        ("1,1,-1,4,5\n", "line 2: epoch_seconds -1 is not a duration"),  # a time to 99 % of -1 s
+        ("1.5,1,3,4,5\n", "line 2: epoch 1.5 is not an epoch"),
+        ("1,1e40,3,4,5\n", "line 2: world_size 1e+40 is not a number of processes"),
+        ("1,1,3,4,nan\n", "line 2: test_accuracy nan is not a value a run logs"),
     ],
-    ids=["a huge field", "world size 0", "no world size", "0 images/s", "nan images/s"],
+    ids=[
+        "a huge field",
+        "world size 0",
+        "no world size",
+        "0 images/s",
+        "nan images/s",
+        "-1 s",
+        "epoch 1.5",
+        "world size 1e40",
+        "nan accuracy",
+    ],
 )
 def test_a_cell_no_stage_writes_is_one_line_for_both_tools(tmp_path, rows, named):
     """What a division or Python's csv module would stop on with a traceback: the file named, and its line."""
@@ -179,3 +195,34 @@ def test_a_metric_direction_that_is_neither_higher_nor_lower_is_refused(tmp_path
     (folder / "metrics.csv").write_text(text)
     with pytest.raises(SystemExit, match=r"line 2: better is 'sideways', neither higher nor lower"):
         load_plot().load(folder)
+
+
+def test_an_output_never_replaces_a_runs_file_nor_follows_a_link(tmp_path, capsys):
+    """`--out run/metrics.csv` replaced the run's metrics with Markdown; a FIFO as --out blocked for ever; --out and
+    --plot on one file lost one of them; a link as the output had its target overwritten; a write that failed (a
+    full disk) left half an image and a traceback. Each is one line; the old file stays whole."""
+    run = write_metrics(tmp_path / "run", 1)
+    os.mkfifo(tmp_path / "fifo.md")
+    sys.path.insert(0, str(PLOT.parent))  # scaling.py imports plot.py from beside it, as when run as a script
+    scaling = importlib.import_module("scaling")
+    for argv, said in [(["--out", run / "metrics.csv"], "a run writes files of that name"),
+                       (["--out", tmp_path / "fifo.md"], "is not a regular file"),
+                       (["--out", tmp_path / "a.png", "--plot", tmp_path / "a.png"], "one would replace the other")]:  # fmt: skip
+        with pytest.raises(SystemExit) as stop:
+            scaling.main([str(run), *map(str, argv)])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and said in err and err.count("\n") == 1, err
+    victim = tmp_path / "victim.md"
+    victim.write_text("the user's")
+    (tmp_path / "link.md").symlink_to(victim)
+    scaling.main([str(run), "--out", str(tmp_path / "link.md")])
+    assert victim.read_text() == "the user's" and "| world size |" in (tmp_path / "link.md").read_text()
+
+    def full(f):
+        f.write(b"half an image")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(SystemExit, match=r"^error: could not write .*link\.md: No space left on device: nothing"):
+        load_plot().save(tmp_path / "link.md", full)
+    assert "| world size |" in (tmp_path / "link.md").read_text() and sorted(os.listdir(tmp_path)) == [
+        "fifo.md", "link.md", "run", "victim.md"]  # fmt: skip

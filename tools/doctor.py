@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from common import cli, distributed  # noqa: E402
+from common.checkpoint import atomic  # noqa: E402
 from common.environment import cpus_per_rank  # noqa: E402
 from common.guards import check, failure, flightrecorder, options, preemption, preflight, rails, versions  # noqa: E402
 
@@ -161,7 +162,8 @@ def file_facts(args, task, training, rank, world_size):
     there (on a shared folder, all of them), and the free space."""
     try:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        (args.output_dir / f".doctor-{rank}").write_text(socket.gethostname())
+        probe = os.open(args.output_dir / f".doctor-{rank}", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW)
+        os.close(probe)  # a link there is not followed: "cannot write" it
         problem, disk = None, os.statvfs(args.output_dir)
     except OSError as err:
         problem = f"cannot write {err.filename} ({err.strerror})"
@@ -542,7 +544,8 @@ def main(guard):
             print(f"{status:<4}  {check:<18} {detail}" + (f"  ->  fix: {fix}" if fix else ""), flush=True)
         report = {"checks": [dict(check=c, status=s, detail=d, fix=f) for c, s, d, f in rows], "ranks": everyone}
         try:
-            (args.output_dir / "doctor.json").write_text(json.dumps(report, indent=1))
+            with atomic(args.output_dir / "doctor.json", "w") as f:  # a link there replaced, never followed
+                json.dump(report, f, indent=1)
         except OSError as err:
             print(
                 f"error: cannot write {args.output_dir}/doctor.json ({err.strerror}): the table above is the report",

@@ -20,6 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from common.checkpoint import atomic
+from common.guards import options, ownership
 from common.guards.bounded import Refused, text
 from common.guards.check import Parser
 
@@ -38,12 +40,17 @@ COLUMNS = {"epoch", "world_size", "epoch_seconds", "images_per_s"}  # what the t
 
 def output(formats=None):
     """An argparse type: a file to write, in a folder that exists (a typo in it is refused, not created), and,
-    given `formats`, with a suffix that names one of them."""
+    given `formats`, with a suffix that names one of them; never a file a run writes (its metrics.csv, its
+    checkpoint), nor one that is no regular file (a FIFO would block the write)."""
 
     def check(text):
         path = Path(text)
         if path.is_dir():
             raise argparse.ArgumentTypeError(f"{path} is a folder: name a file in it")
+        if ownership.named(path.name):  # as the stages' outputs are called: a run's file, or one it would write
+            raise argparse.ArgumentTypeError(f"{path}: a run writes files of that name: name another file")
+        if path.exists() and not path.is_file():
+            raise argparse.ArgumentTypeError(f"{path} is not a regular file (a FIFO, a device): name a file")
         if not path.parent.is_dir():
             raise argparse.ArgumentTypeError(f"no folder {path.parent} for {path}: create it (mkdir -p {path.parent}) "
                                              "or name a file in a folder that exists")  # fmt: skip
@@ -53,6 +60,16 @@ def output(formats=None):
         return path
 
     return check
+
+
+def save(path, write):
+    """`write(file)` into `path` whole or not at all: a temporary file beside it, switched in once complete (a link
+    at `path` is replaced, never followed); one line where it fails (a full disk), the old file kept."""
+    try:
+        with atomic(path) as f:
+            write(f)
+    except OSError as err:
+        sys.exit(f"error: could not write {path}: {err.strerror}: nothing was replaced")
 
 
 def load(path):
@@ -97,15 +114,24 @@ def metric(fieldnames):
     return next((f[5:] for f in fieldnames if f.startswith("test_") and f != "test_loss"), "accuracy")
 
 
+CELLS = {  # what a stage writes in each column the tools read: its range, whether whole, and what it is
+    "epoch": ("[1, 1e9]", True, "an epoch"), "world_size": ("[1, 1e7]", True, "a number of processes"),
+    "nodes": ("[1, 1e7]", True, "a number of nodes"), "epoch_seconds": ("(0, inf)", False, "a duration"),
+    "images_per_s": ("(0, inf)", False, "a rate"),  # the divisor of speed-ups
+}  # fmt: skip
+
+
 def checked(row, name):
-    """`row`, if it holds what every stage writes: the columns read, a whole world size from 1, a rate above 0
-    (the divisor of speed-ups); else a ValueError naming the cell."""
+    """`row`, if it holds what every stage writes: the columns read, each cell of CELLS in its range, a finite
+    test metric; else a ValueError naming the cell."""
     if empty := sorted(k for k in COLUMNS | {f"test_{name}"} if row[k] is None):
         raise ValueError(f"no {', '.join(empty)}")
-    if not (row["world_size"] >= 1 and row["world_size"].is_integer()):
-        raise ValueError(f"world_size {row['world_size']:g} is not a number of processes")
-    if not 0 < row["images_per_s"] < math.inf:
-        raise ValueError(f"images_per_s {row['images_per_s']:g} is not a rate")
+    for column, (interval, whole, what) in CELLS.items():
+        value = row.get(column)
+        if value is not None and (options.outside(value, interval) or whole and not value.is_integer()):
+            raise ValueError(f"{column} {value:g} is not {what}")
+    if not math.isfinite(row[f"test_{name}"]):
+        raise ValueError(f"test_{name} {row[f'test_{name}']:g} is not a value a run logs")
     return row
 
 
@@ -172,7 +198,7 @@ def main(argv=None):
         sys.exit("error: tools/plot.py needs matplotlib: pip install matplotlib")
     folders, runs = zip(*sorted(map(load, args.runs), key=order), strict=True)
     fig = figure(folders, runs)
-    fig.savefig(args.output, dpi=100)
+    save(args.output, lambda f: fig.savefig(f, format=args.output.suffix[1:].lower(), dpi=100))
     print(f"{args.output}: {len(runs)} runs")
     return fig  # for the tests
 

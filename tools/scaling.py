@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from plot import FORMATS, Figure, labels, load, output  # tools/plot.py, beside this file
+from plot import FORMATS, Figure, labels, load, output, save  # tools/plot.py, beside this file
 
 from common import data, models
 from common.guards import check, options, ownership
@@ -171,7 +171,7 @@ def main(argv=None):
     p.add_argument(
         "--target",
         "--target-accuracy",
-        type=float,
+        type=options.number(float, "(-inf, inf)"),
         help="the metric's value for the time-to column, reached at or above it where higher is better, at or below where lower is (default: 99, for accuracy in %%)",
     )
     p.add_argument("--out", type=output(), help="also write the Markdown to this file, in a folder that exists")
@@ -179,8 +179,11 @@ def main(argv=None):
                    help="draw images/s against world size into this image, in a folder that exists; its suffix names the format (needs matplotlib)")  # fmt: skip
     p.add_argument("--bandwidth", type=options.number(float, "(0, inf)"), metavar="GBps",
                    help="GB/s of the all-reduce links: adds the rows on paper")  # fmt: skip
-    p.add_argument("--params", type=int, help="the model's parameters (default: as the run's checkpoint records them)")
+    p.add_argument("--params", type=options.number(int, "[1, inf)"),
+                   help="the model's parameters (default: as the run's checkpoint records them)")  # fmt: skip
     args = p.parse_args(argv)
+    if args.out and args.plot and args.out.resolve() == args.plot.resolve():
+        p.error(f"--out and --plot both name {args.out}: one would replace the other")
     if args.plot and Figure is None:
         sys.exit("error: --plot needs matplotlib: pip install matplotlib")
     parts = [part for path in args.runs for part in by_world_size(*load(path))]
@@ -195,9 +198,9 @@ def main(argv=None):
     text, paper = report(names, runs, args)
     print(text, end="")
     if args.out:
-        args.out.write_text(text)
+        save(args.out, lambda f: f.write(text.encode()))
     if args.plot:
-        figure(runs, paper).savefig(args.plot, dpi=100)
+        save(args.plot, lambda f: figure(runs, paper).savefig(f, format=args.plot.suffix[1:].lower(), dpi=100))
 
 
 if __name__ == "__main__":
