@@ -192,6 +192,22 @@ def test_module_checks_arguments_fast_without_torch():
     assert run([sys.executable, "-c", code], timeout=30).returncode == 0
 
 
+@pytest.mark.parametrize(
+    "bad, said",
+    [({"SLURM_JOB_NODELIST": "node[a-b]"}, "cannot read the Slurm hostlist 'node[a-b]'"),
+     ({"SLURM_PROCID": "x"}, "SLURM_PROCID='x' is not an integer"),
+     ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not an integer in [1, 65535]")],
+    ids=["a hostlist", "a rank", "a port"],
+)  # fmt: skip
+def test_the_job_scripts_check_refuses_a_bad_launcher_variable_in_one_line(bad, said):
+    """A usage error asks whether this is rank 0, which reads the launcher's variables: an unreadable hostlist was
+    a traceback, a rank of `x` an exit 2 with no line at all, and a bad port passed."""
+    srun = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1",
+            "SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "n1"}  # fmt: skip
+    out = run([sys.executable, "-m", "common.guards.check", "--epochs", "0"], env=clean_env(**(srun | bad)), timeout=30)
+    assert out.returncode == 1 and out.stderr.startswith(f"error: {said}") and out.stderr.count("\n") == 1, out.stderr
+
+
 @pytest.mark.slow
 def test_check_validates_a_stages_own_options_from_any_folder(tmp_path):
     """`train.py --check ARGS`, the pre-check before torchrun: stage 05 accepts its own flags, stage 03

@@ -26,7 +26,15 @@ from common.guards import check, preflight
     ],
 )
 def test_expand_hostlist(hostlist, hosts):
-    assert expand_hostlist(hostlist) == hosts
+    assert list(expand_hostlist(hostlist)) == hosts
+
+
+def test_the_first_host_of_any_hostlist_comes_at_once():
+    """The ranks meet at the first host: a list of ten million (a typo's range) was expanded whole, for minutes
+    and gigabytes, at every reading of the launcher's variables."""
+    env = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1",
+           "SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "n[1-10000000]"}  # fmt: skip
+    assert next(expand_hostlist("n[1-10000000]")) == "n1" and launcher(env).addr == "n1"  # lazily, host by host
 
 
 def test_an_unreadable_hostlist_is_an_error():

@@ -45,8 +45,21 @@ def integer(name, default=REQUIRED, env=os.environ, low=0, high=None):
 
 
 def check_environment(env=os.environ):
-    """Every launcher variable the lesson reads (common/distributed.py launcher(), common/environment.py), before
-    it reads them; and a launch that has none although the job has several tasks."""
+    """Every launcher variable the lesson reads (check_launcher()); and a launch that has none although the job has
+    several tasks."""
+    check_launcher(env)
+    launched = "RANK" in env or ("SLURM_PROCID" in env and "SLURM_STEP_ID" in env)  # torchrun, srun
+    if not launched and integer("SLURM_NTASKS", 1, env=env) > 1:
+        raise SystemExit(
+            f"error: this job has SLURM_NTASKS={env['SLURM_NTASKS']} but this process is not one of its "
+            "tasks (it runs in the batch script or an salloc shell): launch train.py with `srun python "
+            "train.py`, or with torchrun"
+        )
+
+
+def check_launcher(env=os.environ):
+    """Every launcher variable the lesson reads (common/environment.py launcher() and its neighbours), before it
+    reads them: the job scripts' check too, which runs in the batch shell."""
     for name in ("SLURM_CPUS_PER_TASK", "LOCAL_WORLD_SIZE", "SLURM_STEP_NUM_NODES"):
         integer(name, None, env=env, low=1)
     if "RANK" in env:  # torchrun, or by hand
@@ -61,12 +74,6 @@ def check_environment(env=os.environ):
         check_hostlist(env["SLURM_JOB_NODELIST"])
         integer("SLURM_PROCID", env=env), integer("SLURM_LOCALID", env=env), integer("SLURM_NTASKS", env=env, low=1)
         integer("MASTER_PORT", None, env=env, low=1, high=65535) or integer("SLURM_JOB_ID", env=env)
-    elif integer("SLURM_NTASKS", 1, env=env) > 1:
-        raise SystemExit(
-            f"error: this job has SLURM_NTASKS={env['SLURM_NTASKS']} but this process is not one of its "
-            "tasks (it runs in the batch script or an salloc shell): launch train.py with `srun python "
-            "train.py`, or with torchrun"
-        )
 
 
 def check_hostlist(hostlist):
@@ -87,7 +94,8 @@ def check_rendezvous(launch, timeout):
     try:
         ip = socket.getaddrinfo(launch.addr, launch.port, type=socket.SOCK_STREAM)[0][4][0]
     except socket.gaierror as err:
-        raise SystemExit(f"error: MASTER_ADDR {launch.addr} does not resolve on {host} ({err.strerror}): set it to "
+        addr = launch.addr if launch.addr.strip() == launch.addr else repr(launch.addr)  # a blank shown
+        raise SystemExit(f"error: MASTER_ADDR {addr} does not resolve on {host} ({err.strerror}): set it to "
                          "rank 0's host name or address") from None  # fmt: skip
     # an srun task off the first node, rank 0's, that finds a loopback address would wait for itself (under
     # torchrun, torchrun sets MASTER_ADDR)
@@ -212,6 +220,7 @@ def plain(value):
 
 if __name__ == "__main__":
     versions.require(Path("train.py"))  # job scripts run in the stage's folder
+    check_launcher()  # before a usage error's rank-0 test reads them
     try:
         check_args(parse_args(sys.argv[1:])[0], warn=False)
     except (OSError, SyntaxError) as err:  # reading the options: the task file

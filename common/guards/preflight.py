@@ -35,7 +35,8 @@ def check_device(args, local_rank):
 def check_launch(launch, args):
     rank, local_rank, world_size = launch.rank, launch.local_rank, launch.world_size
     if not (0 <= rank < world_size and 0 <= local_rank <= rank):
-        raise SystemExit(f"error: inconsistent launch: rank {rank}, local rank {local_rank}, world size {world_size}")
+        raise SystemExit(f"error: inconsistent launch: rank {rank}, local rank {local_rank}, world size {world_size}: "
+                         "the launcher sets them (rank < world size, local rank <= rank): set by hand, correct them")  # fmt: skip
     if args.batch_size % world_size:  # every rank alike, so rank 0 alone says it; a resume keeps --batch-size
         # up to 1024 ranks: a divisor search over a typo's 10**12 would keep every rank busy for minutes
         sizes = ", ".join(str(n) for n in range(1, min(args.batch_size, 1024) + 1) if args.batch_size % n == 0)
