@@ -67,6 +67,14 @@ def test_prepare_checks_and_unpacks_the_vendored_files(tmp_path):
         prepare_data.prepare(tmp_path)
 
 
+def test_prepare_into_another_folder_takes_the_vendored_mnist_offline(monkeypatch, tmp_path):
+    """`make data DATA_DIR=/scratch/...`: MNIST was downloaded (offline: six lines of mirrors' errors) though the
+    repository holds it."""
+    monkeypatch.setattr(prepare_data, "download", lambda *args: pytest.fail("no download: the repository has it"))
+    prepare_data.prepare(tmp_path / "scratch")
+    assert len(data.dataset(tmp_path / "scratch", "mnist", train=True)) == 60_000
+
+
 def test_a_truncated_download_is_named_and_leaves_no_part_file(tmp_path):
     raw = tmp_path / "MNIST" / "raw"
     raw.mkdir(parents=True)

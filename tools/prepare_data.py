@@ -6,7 +6,6 @@ compute nodes are often offline, and several ranks must not write into one folde
     python tools/prepare_data.py [DATA_DIR] [NAME]
 """
 
-import argparse
 import gzip
 import hashlib
 import shutil
@@ -16,6 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ beside tools/, without an install
 from common.data import FILES, SETS  # noqa: E402
+from common.guards.check import Parser  # noqa: E402
+
+VENDORED = Path(__file__).resolve().parent.parent / "data"  # the repository's data/: MNIST's .gz files
 
 
 def download(name, data_dir, train):
@@ -24,15 +26,17 @@ def download(name, data_dir, train):
     try:
         getattr(datasets, SETS[name].download)(data_dir, train=train, download=True)
     except (OSError, RuntimeError) as err:  # no network: torchvision's URLError, or its last mirror's RuntimeError
+        why = str(err).splitlines()[0] if str(err).strip() else type(err).__name__  # a mirror's list: its first
         raise SystemExit(
-            f"error: cannot download {name} ({err}): run `make data DATASET={name}` on a machine with internet "
+            f"error: cannot download {name} ({why}): run `make data DATASET={name}` on a machine with internet "
             f"access, or copy its {SETS[name].folder}/ into {data_dir}"
         ) from err
 
 
 def prepare(data_dir, name="mnist"):
-    """Make `name` ready in data_dir. MNIST: unpack the vendored .gz files after checking them, downloading
-    only if absent; the others: torchvision's download, which checks them."""
+    """Make `name` ready in data_dir. MNIST: unpack the vendored .gz files after checking them (copied from the
+    repository's data/ into another DATA_DIR), downloading only if absent; the others: torchvision's download,
+    which checks them."""
     folder = Path(data_dir) / SETS[name].folder
     if name == "synthetic":
         print("synthetic is made in memory: nothing to prepare")
@@ -42,6 +46,12 @@ def prepare(data_dir, name="mnist"):
         download(name, data_dir, train=False)
         print(f"{name} ready in {folder}")
         return
+    vendored = VENDORED / SETS[name].folder
+    if not all((folder / f"{file}.gz").is_file() or (folder / file).is_file() for file in FILES):
+        folder.mkdir(parents=True, exist_ok=True)
+        for file in FILES:  # the repository's own copy first: no network needed
+            if (vendored / f"{file}.gz").is_file() and not (folder / file).is_file():
+                shutil.copyfile(vendored / f"{file}.gz", folder / f"{file}.gz")
     if not all((folder / f"{file}.gz").is_file() or (folder / file).is_file() for file in FILES):
         download(name, data_dir, train=True)
         download(name, data_dir, train=False)
@@ -65,9 +75,8 @@ def prepare(data_dir, name="mnist"):
 
 
 if __name__ == "__main__":
-    cli = argparse.ArgumentParser(description="Prepare a data set in DATA_DIR (make data DATASET=NAME).")
-    default = Path(__file__).resolve().parent.parent / "data"
-    cli.add_argument("data_dir", nargs="?", type=Path, default=default, metavar="DATA_DIR",
+    cli = Parser(description="Prepare a data set in DATA_DIR (make data DATASET=NAME).")  # usage errors: one line
+    cli.add_argument("data_dir", nargs="?", type=Path, default=VENDORED, metavar="DATA_DIR",
                      help="the stages' --data-dir (default: the repository's data/)")  # fmt: skip
     cli.add_argument("name", nargs="?", choices=list(SETS), default="mnist", metavar="NAME",
                      help=f"one of {', '.join(SETS)} (default: mnist)")  # fmt: skip
