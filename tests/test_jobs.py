@@ -274,6 +274,8 @@ def test_a_resume_after_the_metric_was_renamed_says_so():
     before, after = (Log(Path("."), 1, metric=Metric(name, "lower")) for name in ("mae", "l1"))
     state = {"log": {"rows": [dict.fromkeys(before.fields, 0.0)]}}
     resume.same_columns(state, before.fields)  # the same task: nothing to say
+    older = {"log": {"rows": [dict.fromkeys(set(before.fields) - {"compile_seconds"}, 0.0)]}}
+    resume.same_columns(older, before.fields)  # a row of a version that had fewer columns: they stay empty
     resume.same_columns(None, after.fields)  # a fresh run
     with pytest.raises(
         SystemExit, match=re.escape("hold test_mae, val_mae, where this run's task logs test_l1, val_l1")

@@ -82,9 +82,10 @@ def state_to_resume(args, path, sharded, record):
 
 def same_columns(state, fields):
     """The rows of metrics.csv that the checkpoint `state` holds fit this run's columns (`fields`, metrics.Log's):
-    they do not where the task's metric was renamed since (mae, then l1); one line, on every rank alike."""
+    they do not where the task's metric was renamed since (mae, then l1); one line, on every rank alike. A row of
+    an older version may lack a column, left empty."""
     rows = (state or {}).get("log", {}).get("rows")
-    if rows and set(rows[0]) != set(fields):
+    if rows and set(rows[0]) - set(fields):
         stop(f"error: the checkpoint's rows of metrics.csv hold {', '.join(sorted(set(rows[0]) - set(fields)))}, "
              f"where this run's task logs {', '.join(sorted(set(fields) - set(rows[0])))}: resume with the task's "
              "metric as it was trained, or use another --output-dir")  # fmt: skip
