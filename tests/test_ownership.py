@@ -247,6 +247,10 @@ def test_a_folder_a_run_left_before_its_first_checkpoint_is_taken_over(tmp_path)
     ownership.write(tmp_path, manifest)
     (tmp_path / "traceback-rank0.txt").write_text("Traceback ...")
     ownership.check_fresh(tmp_path, ownership.read(tmp_path))
+    other = tmp_path / "other"  # --resume other/checkpoint.pt into it: that run continues here
+    ownership.write(other, {"run": "other", "writes": [*ownership.WRITES[False]], "launch": None})
+    (other / "checkpoint.pt").write_text("a checkpoint")
+    assert ownership.check_resume(tmp_path, ownership.read(tmp_path), other / "checkpoint.pt") == "other"
     (tmp_path / "metrics.csv").write_text("epoch\n1\n")
     with pytest.raises(SystemExit, match=rf"^error: {tmp_path} holds the output of run dead: add --resume"):
         ownership.check_fresh(tmp_path, ownership.read(tmp_path))

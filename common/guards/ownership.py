@@ -124,7 +124,7 @@ def check_resume(folder, manifest, path):
     if theirs is None and source == folder.resolve():
         return None  # this folder's own checkpoint, written before manifests: the folder's run is adopted
     run = theirs and theirs["run"]
-    if manifest is None:
+    if manifest is None or not output(folder):  # free, or what a run that saved nothing left
         check_fresh(folder, None)
         return run
     if manifest["run"] != run:
