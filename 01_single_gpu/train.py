@@ -109,8 +109,7 @@ def main(guard):
     distributed.banner(args, rank, local_rank, world_size, device, train_loader)
 
     model = task.model(args).to(device)
-    # --compile: kernels fused in place (the checkpoints' names stay), the step one CUDA graph
-    graph = optim.compiled(model, device, args) if args.compile else None  # on one GPU
+    graph = graphs.compiled(model, device, args) if args.compile else None  # fused, one CUDA graph
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)

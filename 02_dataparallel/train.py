@@ -111,8 +111,7 @@ def main(guard):
     if device.type == "cuda" and torch.cuda.device_count() > 1:
         # one process, every visible GPU: each batch split across them, gradients summed on GPU 0
         model = nn.DataParallel(model)
-    # --compile: kernels fused in place (the checkpoints' names stay), the step one CUDA graph
-    graph = optim.compiled(model, device, args) if args.compile else None  # on one GPU
+    graph = graphs.compiled(model, device, args) if args.compile else None  # fused, one CUDA graph
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)

@@ -122,8 +122,7 @@ def main(guard):
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # gradients are averaged across ranks during backward(), overlapped with it
         model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
-    # --compile: kernels fused in place (the checkpoints' names stay), the step one CUDA graph
-    graph = optim.compiled(model, device, args) if args.compile else None  # on one GPU
+    graph = graphs.compiled(model, device, args) if args.compile else None  # fused, one CUDA graph
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     scaler = amp.scaler(device, args)

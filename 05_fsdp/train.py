@@ -117,8 +117,8 @@ def main(guard):
     optim.memory(model, args, world_size, mesh)
     for block in units if args.checkpoint_activations else []:  # keep its input; rerun in backward
         recompute(block)
-    # --compile: kernels fused in place (the checkpoints' names stay), the step one CUDA graph
-    graph = optim.compiled(list(units), device, args) if args.compile else None  # per unit
+    for unit in units if args.compile else []:  # --compile: kernels fused per unit, in place
+        unit.compile()  # no CUDA graph: FSDP2's gathers and reduce-scatters run between the units
     block_policy, norm_policy, root_policy = amp.policies(device, args)  # --amp: bf16 over fp32
     if dist.is_initialized():  # a plain `python train.py` has no process group: nothing to wrap
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
@@ -135,7 +135,7 @@ def main(guard):
 
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits
     metric = metrics.Metric.of(task)  # how good: the task's metric and score(), else accuracy
-    step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score, graph)
+    step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score)
     log = metrics.Log(args.output_dir, world_size, args.compile, metric)
     states = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log)
     resume = checkpoint.latest(args, checkpoint.SHARDED)  # --resume's, or after a requeue

@@ -1,4 +1,5 @@
-"""--compile on one GPU: the whole training step, forward, backward and update, as one CUDA graph.
+"""--compile (compiled()): fused kernels; on one GPU, the whole training step, forward, backward
+and update, as one CUDA graph.
 
 At batch 64 a step of the MNIST Net is some 60 small kernels, each launched from Python: the GPU
 waits for the host (2.0 ms a step on an H200; 0.56 ms replayed as one graph, 0.45 ms with compiled
@@ -11,13 +12,38 @@ recorded, so:
 - recording needs a few eager steps first (cuDNN's choice of kernels, the optimizer's state):
   they are undone, weights, optimizer state and random generator put back in place, so the run
   trains on the batches, and from the state, it would have without.
+
+A graph holds only work on one GPU: not DDP's all-reduce hooks, which fire between the backward's
+parts (pytorch/pytorch#128218, #140395), nor DataParallel's thread per GPU, nor --amp's autocast,
+whose cache of cast weights outlives a step; stage 05 compiles each FSDP2 unit and records nothing
+(its gathers and reduce-scatters run between the units). No step reads a tensor on the host, but on
+--log-interval steps.
 """
 
 import contextlib
 
 import torch
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from common.distributed import print0
 
 WARM_UP = 3  # eager steps on a side stream before recording, as torch.cuda.graph asks
+NO_GRAPHS = {  # what a CUDA graph cannot hold, by the model's wrapper (the module's docstring)
+    DistributedDataParallel: "DDP's all-reduce hooks cannot be captured",
+    DataParallel: "DataParallel's thread per GPU cannot be captured",
+}
+
+
+def compiled(model, device, args):
+    """--compile: torch.compile the model in place (its state dict keeps its names); says once if
+    the step is also one CUDA graph, else why not. Returns the StepGraph to record, or None."""
+    why = NO_GRAPHS.get(type(model))
+    why = "--amp's autocast cannot be recorded" if args.amp else why
+    why = "CUDA graphs need a GPU" if device.type != "cuda" else why
+    graph = f"no CUDA graph: {why}" if why else "the step one CUDA graph"
+    print0(f"compile: fused kernels, {graph}")
+    model.compile()
+    return None if why else StepGraph()
 
 
 def run(train_step, step, x, y, args):

@@ -6,14 +6,6 @@ grows, as it does with the number of GPUs at a fixed batch per GPU, --lr-scaling
 follows: `linear` (k times the batch, k times the rate: Goyal et al. 2017, for SGD, best with a few
 epochs of warm-up), `sqrt` (the gradient noise shrinks with the square root of the batch: a safer
 rule for adaptive optimizers such as Adam or Adadelta), or `none`.
-
---compile (compiled()): at batch 64 a step is bound by kernel launches and host work, not by the
-GPU's arithmetic. torch.compile fuses kernels but still launches them one by one; on one GPU the
-whole step is recorded once and replayed as one CUDA graph (common/graphs.py). A graph holds only
-work on one GPU: not DDP's all-reduce hooks, which fire between the backward's parts
-(pytorch/pytorch#128218, #140395), nor FSDP2's gathers and reduce-scatters around each unit, nor
-DataParallel's thread per GPU; nor --amp's autocast, whose cache of cast weights outlives a step.
-No step reads a tensor on the host, except on --log-interval steps.
 """
 
 import sys
@@ -22,9 +14,8 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from common import data, graphs
+from common import data
 from common.cli import learning_rate
 from common.distributed import print0
 
@@ -42,26 +33,6 @@ def optimizer(args, parameters):
     if args.optimizer == "rmsprop":
         return torch.optim.RMSprop(parameters, momentum=args.momentum, **options)
     return torch.optim.SGD(parameters, momentum=args.momentum, **options)
-
-
-NO_GRAPHS = (  # what a CUDA graph cannot hold, by the model's wrapper (the module's docstring)
-    (list, "per FSDP2 unit: the gathers and reduce-scatters between them cannot be captured"),
-    (DistributedDataParallel, "DDP's all-reduce hooks cannot be captured"),
-    (DataParallel, "DataParallel's thread per GPU cannot be captured"),
-)
-
-
-def compiled(modules, device, args):
-    """--compile: torch.compile the model, or stage 05's units (a list), in place; says once whether
-    the step is also one CUDA graph. Returns the graph to record (optim.Step's), or None."""
-    why = next((why for kind, why in NO_GRAPHS if isinstance(modules, kind)), None)
-    why = "--amp's autocast cannot be recorded" if args.amp else why
-    why = "CUDA graphs need a GPU" if device.type != "cuda" else why
-    graph = f"no CUDA graph: {why}" if why else "the step one CUDA graph"
-    print0(f"compile: fused kernels, {graph}")
-    for module in modules if isinstance(modules, list) else [modules]:
-        module.compile()  # in place: the state dict keeps its names
-    return None if why else graphs.StepGraph()
 
 
 def state_tensors(args):
@@ -105,7 +76,7 @@ class Step(NamedTuple):
     scaler: torch.amp.GradScaler  # amp.scaler()
     loss_fn: Callable  # the task's loss(output, target)
     score: Callable  # the task's metric summed over a batch (metrics.Metric)
-    graph: graphs.StepGraph | None = None  # --compile on one GPU: the step recorded (compiled())
+    graph: object = None  # --compile on one GPU: the step recorded (graphs.compiled())
 
 
 def backward(model, x, y, loss_fn, scaler, micro_batches):

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import data, graphs, models, optim
+from common import data, graphs, models
 from common.metrics import Sums
 from common.models import Net
 
@@ -31,15 +31,15 @@ def both(rank, world_size, port, data_dir, name, result):
     for compiled in (False, True):
         model = model_without_dropout()
         if name == "05_fsdp":
-            if compiled:  # as stage 05 does: compile per block, then shard
-                optim.compiled(list(models.blocks(model)), CPU, ARGS)
+            for block in models.blocks(model) if compiled else []:  # as stage 05 does: compile per block,
+                block.compile()  # then shard
             for block in models.blocks(model):
                 fully_shard(block)
             fully_shard(model)
         else:
             model = DDP(model) if world_size > 1 else model
             if compiled:
-                optim.compiled(model, CPU, ARGS)
+                graphs.compiled(model, CPU, ARGS)
         args = type(ARGS)(**vars(ARGS), grad_accum=1)  # stage 05's train() reads it
         sums = stage(name).train(step(model, args), loader, 1, Sums.zeros(CPU), args, RUN)
         for total in (sums.loss, sums.samples) if world_size > 1 else ():
@@ -102,25 +102,23 @@ def test_compile_without_a_cpp_compiler_is_one_line(tiny_data, tmp_path):
 
 def test_compile_chooses_cuda_graphs_where_they_go(monkeypatch, capsys):
     """The whole step one CUDA graph (a StepGraph to record) for a plain model on a GPU; none on a CPU,
-    under --amp, or around what a graph cannot hold: DDP's all-reduce hooks, stage 05's FSDP2 units,
-    DataParallel's threads. The choice is said once, with its reason; every unit is compiled."""
+    under --amp, or around what a graph cannot hold: DDP's all-reduce hooks, DataParallel's threads. The
+    choice is said once, with its reason; the model is compiled in place. (Stage 05 compiles each unit itself
+    and records no graph.)"""
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda module, **options: compiled.append(module))
     linear, gpu = torch.nn.Linear(2, 2), torch.device("cuda")  # compiling is lazy: no GPU is touched
     fp32, bf16 = type(ARGS)(**{**vars(ARGS), "amp": False}), type(ARGS)(**{**vars(ARGS), "amp": True})
-    assert optim.compiled(linear, CPU, fp32) is None and compiled == [linear]
+    assert graphs.compiled(linear, CPU, fp32) is None and compiled == [linear]
     assert capsys.readouterr().out == "compile: fused kernels, no CUDA graph: CUDA graphs need a GPU\n"
-    assert isinstance(optim.compiled(linear, gpu, fp32), graphs.StepGraph)
+    assert isinstance(graphs.compiled(linear, gpu, fp32), graphs.StepGraph)
     assert capsys.readouterr().out == "compile: fused kernels, the step one CUDA graph\n"
-    assert optim.compiled(linear, gpu, bf16) is None and "--amp" in capsys.readouterr().out
-    units = [torch.nn.Linear(2, 2) for _ in range(3)]
-    assert optim.compiled(units, gpu, fp32) is None and compiled[-3:] == units and len(compiled) == 6
-    assert capsys.readouterr().out.count("FSDP2") == 1  # once for all the units
-    assert optim.compiled(torch.nn.DataParallel(linear), gpu, fp32) is None
+    assert graphs.compiled(linear, gpu, bf16) is None and "--amp" in capsys.readouterr().out
+    assert graphs.compiled(torch.nn.DataParallel(linear), gpu, fp32) is None
     assert "DataParallel" in capsys.readouterr().out
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        assert optim.compiled(DDP(linear), gpu, fp32) is None
+        assert graphs.compiled(DDP(linear), gpu, fp32) is None
     finally:
         dist.destroy_process_group()
     assert "no CUDA graph: DDP's all-reduce hooks cannot be captured" in capsys.readouterr().out
@@ -137,7 +135,7 @@ def test_no_host_sync_between_log_steps(name, compiled, monkeypatch):
     batches = [(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))) for _ in range(7)]
     model = model_without_dropout()
     if compiled:
-        optim.compiled(model, CPU, ARGS)
+        graphs.compiled(model, CPU, ARGS)
     args = type(ARGS)(**{**vars(ARGS), "log_interval": 3, "grad_accum": 1})  # steps 0, 3 and 6 log
     train = stage(name).train
     if compiled:  # the compiler reads tensors while it compiles: once, before the steps counted
