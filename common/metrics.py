@@ -96,17 +96,16 @@ def elapsed(start, device):
 
 
 class Log:
-    """The rows of metrics.csv (all-reduced: alike on every rank; rank 0 writes) and epoch lines."""
+    """The rows of metrics.csv and the epoch lines, from sums all-reduced: alike on every rank; rank
+    0 writes. `cut`: an epoch resumed part-way, its seconds and training sums before the stop."""
 
     def __init__(self, output_dir, world_size, compiled=False, metric=None):
         self.path, self.world_size = output_dir / "metrics.csv", world_size
         self.metric = metric or Metric()
         self.fields = [field.replace("accuracy", self.metric.name) for field in FIELDS]
         self.nodes = max(world_size // ranks_per_node(world_size), 1)
-        self.rows, self.clock = [], (0, 0.0)  # (epoch, start) of the epoch in progress
-        self.cut = {"epoch": 0}  # an epoch resumed part-way: its seconds and training sums before
-        self.compiles = []  # --compile: when torch.compile started and ended, in turn
-        if compiled:  # torch._dynamo takes a second and a half to import: only where it compiles
+        self.rows, self.clock, self.cut, self.compiles = [], (0, 0.0), {"epoch": 0}, []
+        if compiled:  # when torch.compile starts and ends, in turn (torch._dynamo imports in 1.5 s)
             from torch._dynamo import callback
 
             callback.on_compile_start(lambda *_: self.compiles.append(time.perf_counter()))
@@ -134,10 +133,13 @@ class Log:
     def start(self, epoch):
         self.clock = (epoch, time.perf_counter())
 
+    def before(self, epoch):
+        return self.cut["seconds"] if self.cut["epoch"] == epoch else 0
+
     def seconds(self, device):
         """The time of the epoch in progress, its part before an interruption included."""
         epoch, start = self.clock
-        return elapsed(start, device) + (self.cut["seconds"] if self.cut["epoch"] == epoch else 0)
+        return elapsed(start, device) + self.before(epoch)
 
     def write(self):
         if is_rank0():
@@ -147,42 +149,39 @@ class Log:
                 writer.writerows(self.rows)
 
     def epoch(self, epoch, lr, seconds, sums):
-        """`sums`: the epoch's Epoch, summed over all ranks."""
-        training, val, test = sums  # training: from so_far() on
-        name, value, seen = self.metric.name, self.metric.value, training.samples
-        peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_initialized() else ""
+        """`sums`: the epoch's Epoch, summed over all ranks; its training from so_far() on."""
+        (training, val, test), name, value = sums, self.metric.name, self.metric.value
+        seen, speed, peak = training.samples, training.samples / seconds, ""
+        if torch.cuda.is_initialized():  # each epoch's own peak
+            peak = torch.cuda.max_memory_allocated() / 2**20
+            torch.cuda.reset_peak_memory_stats()
         # the compiler's seconds in training, inside `seconds` (an evaluation compiles after it)
-        end = self.clock[1] + seconds - (self.cut["seconds"] if self.cut["epoch"] == epoch else 0)
-        spans = zip(self.compiles[::2], self.compiles[1::2], strict=False)  # each start, its end
-        compiled = sum(min(stop, end) - start for start, stop in spans if start < end)
+        end = self.clock[1] + seconds - self.before(epoch)
+        spans, self.compiles = zip(self.compiles[::2], self.compiles[1::2], strict=False), []
         row = {
             "epoch": epoch, "lr": lr, "train_loss": training.loss / seen,
             "val_loss": val.loss / val.samples if val.samples else "",
             f"val_{name}": value(val.score, val.samples) if val.samples else "",
             "test_loss": test.loss / test.samples, f"test_{name}": value(test.score, test.samples),
-            "epoch_seconds": seconds, "images_per_s": seen / seconds,
-            "images_per_s_per_process": seen / seconds / self.world_size,
+            "epoch_seconds": seconds, "images_per_s": speed,
+            "images_per_s_per_process": speed / self.world_size,
             "world_size": self.world_size, "nodes": self.nodes, "peak_memory_mib": peak,
-            "compile_seconds": compiled, "better": self.metric.better,
+            "compile_seconds": sum(min(b, end) - a for a, b in spans if a < end),
+            "better": self.metric.better,
         }  # fmt: skip
         self.rows.append(row)
-        self.compiles = []
-        if torch.cuda.is_initialized():
-            torch.cuda.reset_peak_memory_stats()  # each epoch's own peak
+        self.write()
         tested = self.shown(row, "test")
         if name == "accuracy":  # as pytorch/examples prints it
             tested = f"accuracy {int(test.score)}/{int(test.samples)} ({tested})"
         line = [f"epoch {epoch:3d}", f"lr {lr:.4f}", f"train loss {row['train_loss']:.4f}"]
         if val.samples:
             line.append(f"val loss {row['val_loss']:.4f} ({self.shown(row, 'val')})")
-        speed = f"{seen / seconds:.0f} img/s ({seen / seconds / self.world_size:.0f} per process)"
-        line += [f"test loss {row['test_loss']:.4f}", tested, f"{seconds:.2f} s", speed]
-        if peak != "":
-            line.append(f"peak {peak:.0f} MiB")
-        if row["compile_seconds"]:
-            line.append(f"compile {row['compile_seconds']:.1f} s")
+        line += [f"test loss {row['test_loss']:.4f}", tested, f"{seconds:.2f} s"]
+        line.append(f"{speed:.0f} img/s ({speed / self.world_size:.0f} per process)")
+        line += [f"peak {peak:.0f} MiB"] if peak != "" else []
+        line += [f"compile {row['compile_seconds']:.1f} s"] if row["compile_seconds"] else []
         print0(" | ".join(line))
-        self.write()
 
     def shown(self, row, split):
         """The metric of `split` in a row, as the lines show it: `95.12%`, `mae 0.1234`."""
