@@ -132,19 +132,6 @@ def point(link, name):
     os.replace(tmp, link)
 
 
-def epochs(output_dir):
-    """The sharded checkpoint folders in output_dir, newest first: epoch-N (the end of epoch N) and
-    epoch-N-step-S (S steps into it)."""
-
-    def position(folder):
-        epoch, _, step = folder.name.removeprefix("epoch-").partition("-step-")
-        if not (epoch + step).isdigit():
-            return (-1, 0)
-        return (int(epoch), int(step) if step else float("inf"))
-
-    return sorted(output_dir.glob("epoch-*"), key=position, reverse=True)
-
-
 def latest(args, name=WHOLE):
     """The checkpoint to continue, or None: --resume PATH, or --output-dir's (--resume, restart)."""
     own = args.output_dir / name

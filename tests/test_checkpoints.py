@@ -78,7 +78,7 @@ def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(tiny_dat
 def test_a_damaged_shard_or_missing_metadata_is_named_by_file(tiny_data, tmp_path):
     """Stage 05 keeps its last two sharded checkpoints (one process: the shards of one rank)."""
     assert small(S05, tiny_data, tmp_path, "--epochs", 2).returncode == 0
-    assert [f.name for f in lesson.epochs(tmp_path)] == ["epoch-2", "epoch-1"]
+    assert [f.name for f in resume.epochs(tmp_path)] == ["epoch-2", "epoch-1"]
     shard = next((tmp_path / "epoch-2").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     out = small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume")
@@ -89,7 +89,7 @@ def test_a_damaged_shard_or_missing_metadata_is_named_by_file(tiny_data, tmp_pat
     )
     out = small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume", tmp_path / "epoch-1")
     assert out.returncode == 0, out.stderr
-    assert [f.name for f in lesson.epochs(tmp_path)] == ["epoch-3", "epoch-2"]
+    assert [f.name for f in resume.epochs(tmp_path)] == ["epoch-3", "epoch-2"]
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import shutil
 import torch.distributed as dist
 
 from common import checkpoint
-from common.checkpoint import SHARDED, WHOLE, epochs, read
+from common.checkpoint import SHARDED, WHOLE, read
 from common.distributed import print0
 from common.environment import is_rank0, restarts
 from common.guards import ownership
@@ -25,6 +25,19 @@ from common.guards.preflight import defining, same
 from common.guards.safeload import Planted, damage
 
 PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
+
+
+def epochs(output_dir):
+    """Stage 05's checkpoint folders in output_dir, newest first: epoch-N (the end of epoch N) and epoch-N-step-S
+    (S steps into it)."""
+
+    def position(folder):
+        epoch, _, step = folder.name.removeprefix("epoch-").partition("-step-")
+        if not (epoch + step).isdigit():
+            return (-1, 0)
+        return (int(epoch), int(step) if step else float("inf"))
+
+    return sorted(output_dir.glob("epoch-*"), key=position, reverse=True)
 
 
 def keep_previous(output_dir):
