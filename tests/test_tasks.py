@@ -25,6 +25,7 @@ from helpers import (
 )
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
 
+from common.guards import check
 from common.tasks import sequences
 
 TASK = REPO / "common" / "tasks" / "sequences.py"
@@ -137,6 +138,19 @@ def test_a_wrong_task_file_is_one_line_naming_it(case, tmp_path):
     one_error(
         out, f"--task {task}", BAD.get(case, (None, "Is a directory" if case == "a folder" else "No such file"))[1]
     )
+
+
+@pytest.mark.parametrize("returned", ["True", "['--hidden']"])
+def test_a_task_check_that_returns_no_words_is_named(returned, tmp_path, capsys):
+    """check(args) returns what is wrong, in words, or None: one that returns True (meaning "fine") or a list was
+    printed as "error: True"; now the line says what check() returned and what it should."""
+    task = tmp_path / "my_task.py"
+    task.write_text(HEAD + MODEL + DATA + f"def check(args):\n    return {returned}\n")
+    with pytest.raises(SystemExit) as stop:
+        check.parse_args(["--task", str(task)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert f"error: the task's check(args) returned {returned}: it returns what is wrong" in err, err
 
 
 @pytest.mark.slow

@@ -158,6 +158,15 @@ def usage(message):
     raise SystemExit(refuse(message))
 
 
+def said(err):
+    """A cli.UsageError's words. A task's check(args) returns what is wrong, in words, or None: anything else it
+    returned (True, for "the options are fine") is named, not printed as the error."""
+    message = err.args[0] if err.args else ""
+    if isinstance(message, str):
+        return message
+    return f"the task's check(args) returned {message!r}: it returns what is wrong with the options, in words, or None"
+
+
 class Parser(cli.Parser):
     """The tools' parser: a usage error is one line (usage()), not the lesson's exception."""
 
@@ -171,7 +180,7 @@ def parse_args(argv=None, groups=()):
     try:
         args, task = cli.parse_args(argv, groups)
     except cli.UsageError as err:
-        usage(str(err))
+        usage(said(err))
     if problem := options.out_of_range(args):
         usage(problem)
     return args, task

@@ -207,7 +207,7 @@ def run(main):
     except signals.SavedStop as stop:  # a stop every rank agreed on and saved for
         code = stop.code
     except cli.UsageError as err:  # the parser's, or the task's check()
-        code = check.refuse(str(err))
+        code = check.refuse(check.said(err))
     except SystemExit as stop:  # the end of a run, a verdict every rank reached, a usage error, or the task's own
         code = stop.code if isinstance(stop.code, int | None) else failure.exit_line(stop.code)
     except BaseException as err:  # the lesson's refusal (every rank met it) is its line as it is; each
