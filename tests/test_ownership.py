@@ -242,10 +242,12 @@ def test_a_failure_keeps_its_traceback_only_where_the_run_owns_the_folder(tmp_pa
 def test_a_folder_a_run_left_before_its_first_checkpoint_is_taken_over(tmp_path):
     """A run that diverged (or was killed) before its first checkpoint left its manifest and a traceback: a fresh
     run there was refused (`holds the output of run ... (None): add --resume`), and --resume found no checkpoint.
-    With nothing to lose the folder is taken over; another run's output still refuses it, named without `(None)`."""
+    With nothing to lose (a temporary file of a writer killed mid-write is never whole) the folder is taken over;
+    another run's output still refuses it, named without `(None)`."""
     manifest = {"run": "dead", "writes": [*ownership.WRITES[False]], "launch": None}
     ownership.write(tmp_path, manifest)
     (tmp_path / "traceback-rank0.txt").write_text("Traceback ...")
+    (tmp_path / "checkpoint.pt.tmp4242").write_bytes(b"PK")  # its writer killed mid-write: never whole, swept
     ownership.check_fresh(tmp_path, ownership.read(tmp_path))
     other = tmp_path / "other"  # --resume other/checkpoint.pt into it: that run continues here
     ownership.write(other, {"run": "other", "writes": [*ownership.WRITES[False]], "launch": None})
@@ -254,6 +256,23 @@ def test_a_folder_a_run_left_before_its_first_checkpoint_is_taken_over(tmp_path)
     (tmp_path / "metrics.csv").write_text("epoch\n1\n")
     with pytest.raises(SystemExit, match=rf"^error: {tmp_path} holds the output of run dead: add --resume"):
         ownership.check_fresh(tmp_path, ownership.read(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_run_killed_in_its_first_checkpoint_write_starts_again_with_resume(tiny_data, tmp_path):
+    """Killed while writing its first checkpoint: metrics.csv holds epoch 1, checkpoint.pt is a temporary file.
+    The same command is refused (the rows are that run's output: `add --resume`), and --resume said there was no
+    checkpoint to resume from: nothing but deleting files by hand got out. Now --resume starts that run again
+    from epoch 1, as the same run, with the options it recorded (another --lr is refused), and sweeps the file."""
+    assert python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1)).returncode == 0
+    (tmp_path / "checkpoint.pt").rename(tmp_path / "checkpoint.pt.tmp4242")  # what the killed write left
+    run = ownership.read(tmp_path)["run"]
+    one_error(python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1)), f"holds the output of run {run}")
+    one_error(python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1, "--resume", "--lr", 0.5)), "--lr 1.0")
+    out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1, "--resume"))
+    assert out.returncode == 0 and f"run {run} saved no checkpoint: it starts again from epoch 1" in out.stdout
+    assert ownership.read(tmp_path)["run"] == run and len(metrics(tmp_path)) == 1
+    assert sorted(n for n in os.listdir(tmp_path) if ".tmp" in n) == [] and (tmp_path / "checkpoint.pt").is_file()
 
 
 def test_save_model_replaces_only_a_model_the_run_exported(tmp_path):

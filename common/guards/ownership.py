@@ -91,8 +91,10 @@ def continues(manifest, env=os.environ):
 
 def output(folder):
     """What in `folder` is a run's output, which a fresh run must not replace: the names a run writes, but the
-    manifest and the tracebacks that a run that saved nothing leaves."""
-    return [name for name in entries(folder) if named(name) and name != MANIFEST and not TRACEBACK.fullmatch(name)]
+    manifest and the tracebacks that a run that saved nothing leaves, and the temporary files of writers killed
+    mid-write (with the folder locked, no live writer's: never whole, and swept by claim())."""
+    leftovers = (TRACEBACK, TEMPORARY)
+    return [n for n in entries(folder) if named(n) and n != MANIFEST and not any(k.fullmatch(n) for k in leftovers)]
 
 
 def whose(manifest):

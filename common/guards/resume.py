@@ -40,6 +40,24 @@ def epochs(output_dir):
     return sorted(output_dir.glob("epoch-*"), key=position, reverse=True)
 
 
+def again(args, manifest, fingerprint):
+    """A fresh run into the folder of a run that saved no checkpoint (stopped or killed before its first, or in
+    its first write) but logged rows: with the options and data it recorded, it is that run started again, and
+    writes its rows anew (returns its id); else one line, as for another run's output."""
+    who = ownership.whose(manifest)
+    if problem := mismatch(manifest["record"], {"epoch": 1, "step": 0}, args, fingerprint, "run it again"):
+        raise SystemExit(f"error: {args.output_dir} holds the metrics of {who}, which saved no checkpoint and "
+                         f"{problem}")  # fmt: skip
+    print0(f"{who} saved no checkpoint: it starts again from epoch 1")
+    return manifest["run"]
+
+
+def saved(output_dir):
+    """Does output_dir hold a checkpoint of either kind, or a part of one (a stage 05 folder)?"""
+    names = (WHOLE, SHARDED, PREVIOUS, f"{SHARDED}-previous")
+    return any(os.path.lexists(output_dir / n) for n in names) or bool(epochs(output_dir))
+
+
 def keep_previous(output_dir):
     """Rank 0, before checkpoint.pt is replaced: the one it replaces stays as checkpoint-previous.pt (a hard
     link, switched in atomically; a copy on a filesystem without hard links)."""
@@ -71,8 +89,9 @@ class Unusable(Exception):
 def state_to_resume(args, path, sharded, record):
     """Every rank: whether this run may continue the checkpoint at `path` the lesson chose (checkpoint.latest();
     None: start afresh in its folder); where it may not, every rank ends with rank 0's reason. Returns the state
-    rank 0 checked (None afresh), handed to all. Rank 0 has made the folder this run's (ownership.claim()), its manifest recording `record` (the
-    options that define the run, its data's fingerprint, the model's size), before anyone writes there."""
+    rank 0 checked (None afresh), handed to all. Rank 0 has made the folder this run's (ownership.claim()), its
+    manifest recording `record` (the options that define the run, its data's fingerprint, the model's size), before
+    anyone writes there."""
     restarted = checkpoint.restarted()  # on every rank alike
     box = [None, None]
     if is_rank0():
@@ -115,13 +134,18 @@ def find(args, path, name, restarted, fingerprint):
     if args.resume is None and restarted and path is None:  # restarted before its first checkpoint
         return None, manifest["run"]
     if args.resume is None and not restarted:  # afresh, whatever the folder holds
+        if manifest and manifest.get("record") and ownership.output(args.output_dir) and not saved(args.output_dir):
+            return None, again(args, manifest, fingerprint)
         ownership.check_fresh(args.output_dir, manifest)
         return None, None
     own = args.output_dir / name
     if not path.exists():
         other = args.output_dir / (WHOLE if name == SHARDED else SHARDED)
         held = f" (it holds {other.name}, of {'stages 01-04' if other == args.output_dir / WHOLE else 'stage 05'})"
-        raise SystemExit(f"error: no {path.name} in {path.parent} to resume from{held if other.exists() else ''}")
+        held = held if other.exists() else ""
+        if path == own and manifest and not saved(args.output_dir):
+            held = f": {ownership.whose(manifest)} saved none; the same command without --resume starts it again"
+        raise SystemExit(f"error: no {path.name} in {path.parent} to resume from{held}")
     try:
         state = load(path)
     except (Unusable, Planted) as problem:
@@ -141,17 +165,17 @@ def find(args, path, name, restarted, fingerprint):
     return state, ownership.check_resume(args.output_dir, manifest, path)
 
 
-def mismatch(run, state, args, fingerprint):
+def mismatch(run, state, args, fingerprint, again="resume"):
     """Why this run cannot continue the one a checkpoint's `state` holds, or None. `run`: what the manifest of
     its folder records of it (a checkpoint of an older version: what it holds itself). A run from before an
     option (or the data's fingerprint) was recorded does not record it: what it records must match."""
     now, flags = defining(args), run.get("flags", {})
     differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in flags.items() if not same(now.get(k), v)]
     if differ:
-        return f"was written with {', '.join(differ)}: resume with the same options, or use another --output-dir"
+        return f"was written with {', '.join(differ)}: {again} with the same options, or use another --output-dir"
     if run.get("data", fingerprint) != fingerprint:  # <samples>-<hash> (preflight.fingerprint)
         return (f"was trained on other data: its training set was {run['data']}, here {fingerprint} in --data-dir "
-                f"{args.data_dir}: resume on the data it was trained on, or use another --output-dir")  # fmt: skip
+                f"{args.data_dir}: {again} on the data it was trained on, or use another --output-dir")  # fmt: skip
     epoch, step = state["epoch"], state["step"]
     if args.epochs < epoch:  # "done", and --save-model would export more epochs than asked for, or a part of one
         return (f"holds epoch {epoch}{f', step {step}' if step else ''}, past --epochs {args.epochs}: nothing to "
