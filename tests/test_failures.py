@@ -128,14 +128,18 @@ def test_divergence_on_one_rank_stops_every_rank_at_the_same_batch(tiny_data, tm
 
 @pytest.mark.slow
 def test_a_second_run_into_the_same_folder_exits_at_once_naming_the_first(tiny_data, tmp_path):
-    # the first run's steps sleep 1 s each (a slow node): alive for 30 s or more, on almost no CPU
-    slow = clean_env(PYTHONPATH=INJECT, FAULT_RANK=0, FAULT_SLEEP=1)
-    first = start(S01, *stage_args(tiny_data, tmp_path, "--epochs", 8), env=slow)
+    # the first run, stopped (SIGSTOP) once it holds the lock: alive, on no CPU, until the second has ended
+    first = start(S01, *stage_args(tiny_data, tmp_path, "--epochs", 8))
     lock = tmp_path / ".lock"
     wait_for(lambda: lock.exists() and lock.read_text(), proc=first)
-    second = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 4))
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 4))  # a wait for the lock: timed out
+        alive = first.poll() is None
+    finally:
+        first.send_signal(signal.SIGCONT)
     one_error(second, "is in use by another run", f"pid {first.pid}", socket.gethostname())
-    assert second.seconds < 15 and first.poll() is None  # refused while the first runs
+    assert second.seconds < 15 and alive  # refused while the first runs
     assert first.wait(120) == 0
     kept(tmp_path, 8)
 
