@@ -43,6 +43,7 @@ from helpers import (
     start,
     torchrun,
     torchrun_cmd,
+    trained,
     wait_for,
     write_idx_subset,
 )  # fmt: skip
@@ -265,8 +266,8 @@ def test_an_unwritable_output_folder_fails_before_the_data_is_read(where, tmp_pa
 
 
 @pytest.mark.slow
-def test_a_resume_with_a_changed_defining_option_is_refused_naming_both_values(tiny_data, tmp_path):
-    assert python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1)).returncode == 0
+def test_a_resume_with_a_changed_defining_option_is_refused_naming_both_values(uninterrupted, tiny_data, tmp_path):
+    trained(uninterrupted, tmp_path, S01, "--epochs", 1)  # the run of one epoch, shared
     out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--resume", "--scheduler", "cosine",
                                   "--weight-decay", 0.1))  # fmt: skip
     one_error(out, "--scheduler step (now cosine)", "--weight-decay 0.0 (now 0.1)")
@@ -292,11 +293,11 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tiny_data, tmp_p
 
 
 @pytest.mark.slow
-def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(tiny_data, tmp_path):
+def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(uninterrupted, tiny_data, tmp_path):
     """The checkpoint records what it was trained on (common.data.fingerprint): a resume on more images, or
     on shifted labels, ran to the end without a word. A checkpoint from before it was recorded resumes."""
     out, more, shifted = tmp_path / "out", tmp_path / "more", tmp_path / "shifted"
-    assert python(S01, *stage_args(tiny_data, out, "--epochs", 1)).returncode == 0
+    trained(uninterrupted, out, S01, "--epochs", 1)  # the run of one epoch, shared (on the same images)
     for folder in (more, shifted):
         shutil.copytree(tiny_data / "MNIST", folder / "MNIST")
     for kind in ("images-idx3", "labels-idx1"):  # 32 images more
