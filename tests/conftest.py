@@ -71,7 +71,8 @@ def uninterrupted(tiny_data, tmp_path_factory):
     stop, kill or fault, by `python` or by torchrun with `launch` ranks. Each is trained once in a pytest run,
     whichever worker asks first (the others wait for it), and shared: the tests that stop, kill or cut short the
     same run compare their resumed one against it, and only read it. The data's folder is a free option (not in
-    the checkpoint): each worker's tiny_data holds the same images."""
+    the checkpoint): each worker's tiny_data holds the same images. What the run printed is beside the folder,
+    in <folder>.stdout."""
 
     def folder(launch, script, *options):
         key = "\0".join(map(str, (launch, script, *options)))
@@ -83,6 +84,7 @@ def uninterrupted(tiny_data, tmp_path_factory):
                 args = stage_args(tiny_data, out, *options)
                 run = python(script, *args) if launch == "python" else torchrun(launch, script, *args)
                 assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+                Path(f"{out}.stdout").write_text(run.stdout)
                 Path(f"{out}.done").touch()
         return out
 

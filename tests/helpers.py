@@ -5,6 +5,7 @@ the real file format."""
 import csv
 import gzip
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -243,6 +244,13 @@ def python(script, *args, timeout=120, **env):
     out = run([sys.executable, str(script), *map(str, args)], env=clean_env(**env), timeout=timeout)
     out.seconds = time.monotonic() - start
     return out
+
+
+def trained(uninterrupted, folder, script, *options):
+    """In `folder`, a copy (links as links) of the run of `python script` with `options` on tiny_data, trained once
+    per pytest run and shared (conftest.py `uninterrupted`): the test's own, to damage or continue, as if it had
+    trained it there itself."""
+    shutil.copytree(uninterrupted("python", script, *options), folder, symlinks=True, dirs_exist_ok=True)
 
 
 def checkpoint(folder, name="checkpoint.pt"):

@@ -32,6 +32,7 @@ from helpers import (
     stage_args,
     start,
     torchrun,
+    trained,
     wait_for,
 )  # fmt: skip
 
@@ -56,8 +57,8 @@ def test_a_file_resume_names_outside_the_run_is_never_advised_for_deletion(tiny_
 
 
 @pytest.mark.slow
-def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(tiny_data, tmp_path):
-    assert small(S01, tiny_data, tmp_path, "--epochs", 2).returncode == 0
+def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(uninterrupted, tiny_data, tmp_path):
+    trained(uninterrupted, tmp_path, S01, "--limit", 64, "--epochs", 2)  # small()'s run, shared
     previous = tmp_path / resume.PREVIOUS
     assert checkpoint(tmp_path, resume.PREVIOUS)["epoch"] == 1  # the epoch before checkpoint.pt's
     latest = tmp_path / "checkpoint.pt"
@@ -75,9 +76,9 @@ def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(tiny_dat
 
 
 @pytest.mark.slow  # the whole-checkpoint case above runs in make test
-def test_a_damaged_shard_or_missing_metadata_is_named_by_file(tiny_data, tmp_path):
+def test_a_damaged_shard_or_missing_metadata_is_named_by_file(uninterrupted, tiny_data, tmp_path):
     """Stage 05 keeps its last two sharded checkpoints (one process: the shards of one rank)."""
-    assert small(S05, tiny_data, tmp_path, "--epochs", 2).returncode == 0
+    trained(uninterrupted, tmp_path, S05, "--limit", 64, "--epochs", 2)  # small()'s run, shared
     assert [f.name for f in resume.epochs(tmp_path)] == ["epoch-2", "epoch-1"]
     shard = next((tmp_path / "epoch-2").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
@@ -127,10 +128,10 @@ def test_a_checkpoint_that_is_not_a_regular_file_is_refused_before_it_is_opened(
 
 
 @pytest.mark.slow
-def test_a_resume_past_its_epochs_is_refused(tiny_data, tmp_path):
+def test_a_resume_past_its_epochs_is_refused(uninterrupted, tiny_data, tmp_path):
     """A checkpoint of epoch 2 resumed with --epochs 1 printed "done" and exported the weights of more epochs than
     asked for, or of an epoch cut short: refused, naming both and the --epochs that continues it."""
-    assert small(S01, tiny_data, tmp_path, "--epochs", 2).returncode == 0
+    trained(uninterrupted, tmp_path, S01, "--limit", 64, "--epochs", 2)  # small()'s run, shared
     state = checkpoint(tmp_path)
     torch.save(state | {"step": 1}, tmp_path / "checkpoint.pt")  # as if saved one step into epoch 2
     out = small(S01, tiny_data, tmp_path, "--epochs", 1, "--resume", "--save-model")
@@ -320,13 +321,13 @@ def test_a_sharded_checkpoints_metadata_is_read_running_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_planted_sharded_checkpoint_is_refused_and_runs_nothing(tiny_data, tmp_path):
+def test_a_planted_sharded_checkpoint_is_refused_and_runs_nothing(uninterrupted, tiny_data, tmp_path):
     """Each kind of plant() in stage 05's latest checkpoint: one line naming the file, the complete checkpoint
     before it to resume from, and nothing run (a shard's tensor: the folder, in the load). That one then
     resumes with no unrestricted unpickling at all (tests/inject NO_UNPICKLE: pickle.load(s) and
     torch.load(weights_only=False) raise)."""
     out, marker = tmp_path / "out", tmp_path / "pwned"
-    assert python(S05, *stage_args(tiny_data, out, "--limit", 64, "--epochs", 2)).returncode == 0
+    trained(uninterrupted, out, S05, "--limit", 64, "--epochs", 2)  # the run of 2 epochs, shared
     shutil.copytree(out / "epoch-2", tmp_path / "kept")
     for kind in ("metadata", "wrapping", "bytes item", "state.pt", "tensor item"):
         shutil.rmtree(out / "epoch-2")
@@ -394,9 +395,9 @@ def test_checkpoints_move_between_stages(uninterrupted, tiny_data, tmp_path):
 
 # a checkpoint that does not match the model or the flags
 @pytest.mark.slow
-def test_mismatched_checkpoint_is_an_error_that_says_so(tiny_data, tmp_path):
+def test_mismatched_checkpoint_is_an_error_that_says_so(uninterrupted, tiny_data, tmp_path):
     run = tmp_path / "run"  # its folder holds no other run's: "x" beside it, not inside it (ownership)
-    assert python(S01, *stage_args(tiny_data, run, "--epochs", 1)).returncode == 0
+    trained(uninterrupted, run, S01, "--epochs", 1)  # the run of one epoch, shared
     out = python(S01, *stage_args(tiny_data, run, "--epochs", 2, "--lr", 0.5, "--resume"))
     assert out.returncode != 0 and "--lr 1.0" in out.stderr
     state = checkpoint(run)

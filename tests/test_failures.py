@@ -43,6 +43,7 @@ from helpers import (
     start,
     torchrun,
     torchrun_cmd,
+    trained,
     wait_for,
     write_idx_subset,
 )  # fmt: skip
@@ -128,14 +129,18 @@ def test_divergence_on_one_rank_stops_every_rank_at_the_same_batch(tiny_data, tm
 
 @pytest.mark.slow
 def test_a_second_run_into_the_same_folder_exits_at_once_naming_the_first(tiny_data, tmp_path):
-    # the first run's steps sleep 1 s each (a slow node): alive for 30 s or more, on almost no CPU
-    slow = clean_env(PYTHONPATH=INJECT, FAULT_RANK=0, FAULT_SLEEP=1)
-    first = start(S01, *stage_args(tiny_data, tmp_path, "--epochs", 8), env=slow)
+    # the first run, stopped (SIGSTOP) once it holds the lock: alive, on no CPU, until the second has ended
+    first = start(S01, *stage_args(tiny_data, tmp_path, "--epochs", 8))
     lock = tmp_path / ".lock"
     wait_for(lambda: lock.exists() and lock.read_text(), proc=first)
-    second = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 4))
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 4))  # a wait for the lock: timed out
+        alive = first.poll() is None
+    finally:
+        first.send_signal(signal.SIGCONT)
     one_error(second, "is in use by another run", f"pid {first.pid}", socket.gethostname())
-    assert second.seconds < 15 and first.poll() is None  # refused while the first runs
+    assert second.seconds < 15 and alive  # refused while the first runs
     assert first.wait(120) == 0
     kept(tmp_path, 8)
 
@@ -261,8 +266,8 @@ def test_an_unwritable_output_folder_fails_before_the_data_is_read(where, tmp_pa
 
 
 @pytest.mark.slow
-def test_a_resume_with_a_changed_defining_option_is_refused_naming_both_values(tiny_data, tmp_path):
-    assert python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1)).returncode == 0
+def test_a_resume_with_a_changed_defining_option_is_refused_naming_both_values(uninterrupted, tiny_data, tmp_path):
+    trained(uninterrupted, tmp_path, S01, "--epochs", 1)  # the run of one epoch, shared
     out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--resume", "--scheduler", "cosine",
                                   "--weight-decay", 0.1))  # fmt: skip
     one_error(out, "--scheduler step (now cosine)", "--weight-decay 0.0 (now 0.1)")
@@ -288,11 +293,11 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tiny_data, tmp_p
 
 
 @pytest.mark.slow
-def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(tiny_data, tmp_path):
+def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(uninterrupted, tiny_data, tmp_path):
     """The checkpoint records what it was trained on (common.data.fingerprint): a resume on more images, or
     on shifted labels, ran to the end without a word. A checkpoint from before it was recorded resumes."""
     out, more, shifted = tmp_path / "out", tmp_path / "more", tmp_path / "shifted"
-    assert python(S01, *stage_args(tiny_data, out, "--epochs", 1)).returncode == 0
+    trained(uninterrupted, out, S01, "--epochs", 1)  # the run of one epoch, shared (on the same images)
     for folder in (more, shifted):
         shutil.copytree(tiny_data / "MNIST", folder / "MNIST")
     for kind in ("images-idx3", "labels-idx1"):  # 32 images more

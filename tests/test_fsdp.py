@@ -5,6 +5,7 @@ import os
 import shutil
 import socket
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -58,19 +59,19 @@ def assert_close_weights(a, b):
 
 
 @pytest.mark.slow
-def test_stage05_exports_stage01s_model(tiny_data, tmp_path):
+def test_stage05_exports_stage01s_model(uninterrupted, tiny_data):
     """World size 2: the run of every stage, sharded checkpoints, the memory line, and a model.pt that stage
     01's Net loads strictly and evaluates to the accuracy of the last epoch."""
-    out = torchrun(2, S05, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--save-model"))
-    assert out.returncode == 0, out.stderr
-    rows = check_run(out.stdout, tmp_path, world_size=2)
+    run = uninterrupted(2, S05, "--epochs", 3, "--save-model")  # conftest.py: the killed rank's test's too
+    stdout = Path(f"{run}.stdout").read_text()
+    rows = check_run(stdout, run, world_size=2, epochs=3)
     assert (
         "= 18.3 MiB under DDP, 9.2 MiB under FSDP at world size 2, 9.2 MiB with this mesh | peak device memory: "
-        "not measured on the CPU" in out.stdout
+        "not measured on the CPU" in stdout
     )
-    assert os.readlink(tmp_path / "checkpoint") == "epoch-2" and (tmp_path / "epoch-1" / "state.pt").exists()
+    assert os.readlink(run / "checkpoint") == "epoch-3" and (run / "epoch-2" / "state.pt").exists()
     model = models.Net()
-    model.load_state_dict(checkpoint(tmp_path, "model.pt"), strict=True)
+    model.load_state_dict(checkpoint(run, "model.pt"), strict=True)
     loader = data.loader(data.dataset(tiny_data, "mnist", train=False), range(TEST_SIZE), 1000, ARGS, CPU)
     correct = stage("01_single_gpu").evaluate(step(model), loader, TEST_SIZE, RUN).score
     assert 100 * correct.item() / TEST_SIZE == pytest.approx(float(rows[-1]["test_accuracy"]))
@@ -178,15 +179,13 @@ def test_resume_at_other_world_sizes_continues_the_same_run(tiny_data, tmp_path)
 
 
 @pytest.mark.slow
-def test_stage05_killed_rank_restarts_and_resumes_under_torchrun(tiny_data, tmp_path):
-    assert torchrun(2, S05, *stage_args(tiny_data, tmp_path / "whole", "--epochs", 3, "--save-model")).returncode == 0
+def test_stage05_killed_rank_restarts_and_resumes_under_torchrun(uninterrupted, tiny_data, tmp_path):
+    whole = uninterrupted(2, S05, "--epochs", 3, "--save-model")  # conftest.py: test_stage05_exports_stage01s_model's
     killed = tmp_path / "killed"
     kill_rank_1_after_a_checkpoint(
         S05, stage_args(tiny_data, killed, "--epochs", 3, "--save-model"), killed / "checkpoint"
     )
-    torch.testing.assert_close(
-        checkpoint(killed, "model.pt"), checkpoint(tmp_path / "whole", "model.pt"), rtol=0, atol=0
-    )
+    torch.testing.assert_close(checkpoint(killed, "model.pt"), checkpoint(whole, "model.pt"), rtol=0, atol=0)
 
 
 @pytest.mark.slow

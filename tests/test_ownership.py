@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import S01, S03, S05, clean_env, metrics, one_error, python, run, stage_args, torchrun_cmd
+from helpers import S01, S03, S05, clean_env, metrics, one_error, python, run, stage_args, torchrun_cmd, trained
 
 from common import checkpoint as lesson
 from common.guards import failure, lock, ownership, rails
@@ -124,10 +124,10 @@ def test_a_restart_of_another_launch_is_refused_and_its_own_resumes(tiny_data, t
 
 
 @pytest.mark.slow
-def test_a_torchrun_restart_of_a_refused_run_is_refused_again(tiny_data, tmp_path):
+def test_a_torchrun_restart_of_a_refused_run_is_refused_again(uninterrupted, tiny_data, tmp_path):
     """torchrun --max-restarts (as the job scripts use): the first attempt is refused (the folder holds an
     earlier run), and its restart took itself for a resume and overwrote that run."""
-    assert small(S01, tiny_data, tmp_path, "--epochs", 1).returncode == 0
+    trained(uninterrupted, tmp_path, S01, "--limit", 64, "--epochs", 1)  # small()'s run, shared
     before = contents(tmp_path)
     cmd = torchrun_cmd(1, S03, *stage_args(tiny_data, tmp_path, "--limit", 64, "--epochs", 2), restarts=1)
     out = run(cmd, env=clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), timeout=180)
@@ -136,12 +136,12 @@ def test_a_torchrun_restart_of_a_refused_run_is_refused_again(tiny_data, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_resume_into_another_runs_folder_is_refused(tiny_data, tmp_path):
+def test_a_resume_into_another_runs_folder_is_refused(uninterrupted, tiny_data, tmp_path):
     """--resume A --output-dir B overwrote the run in B; into an empty folder it continues A's run there, and
     that folder is then A's run's: a requeue of it resumes from its own newest checkpoint."""
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    for folder in (a, b):
-        assert small(S01, tiny_data, folder, "--epochs", 1).returncode == 0
+    trained(uninterrupted, a, S01, "--limit", 64, "--epochs", 1)  # small()'s run, shared; b is a run of its own
+    assert small(S01, tiny_data, b, "--epochs", 1).returncode == 0
     before = contents(b)
     one_error(small(S01, tiny_data, b, "--epochs", 2, "--resume", a / "checkpoint.pt"), f"{b} holds the output of run")
     assert outside_lock(b) == outside_lock_of(before)
@@ -174,7 +174,7 @@ def test_any_output_of_another_run_is_refused_by_a_fresh_run(tiny_data, tmp_path
 
 
 @pytest.mark.slow
-def test_stage05_refuses_a_folder_with_stale_or_foreign_epoch_folders(tiny_data, tmp_path):
+def test_stage05_refuses_a_folder_with_stale_or_foreign_epoch_folders(uninterrupted, tiny_data, tmp_path):
     """A fresh stage 05 run beside stale epoch-8 and epoch-9 folders deleted the checkpoint it had just written
     (a requeue then restarted at epoch 1 and overwrote metrics.csv); a resumed one refuses an epoch folder its
     manifest does not list, which its rotation could otherwise take."""
@@ -185,7 +185,7 @@ def test_stage05_refuses_a_folder_with_stale_or_foreign_epoch_folders(tiny_data,
     one_error(small(S05, tiny_data, tmp_path, "--epochs", 2), "epoch-8 is not this run's")
     assert outside_lock(tmp_path) == before
     own = tmp_path / "own"
-    assert small(S05, tiny_data, own, "--epochs", 2).returncode == 0
+    trained(uninterrupted, own, S05, "--limit", 64, "--epochs", 2)  # small()'s run, shared
     (own / "epoch-5").mkdir()
     one_error(small(S05, tiny_data, own, "--epochs", 3, "--resume"), f"{own / 'epoch-5'} is not this run's")
     (own / "epoch-5").rmdir()

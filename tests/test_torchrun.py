@@ -83,7 +83,7 @@ def test_a_restart_torch_does_not_count_still_resumes(tiny_data, tmp_path):
     still meet again, and resume, rather than wait out --dist-timeout under two restart counts."""
     env = clean_env(PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_SLEEP=1.5, RUN_MARKER=tmp_path.name)
     agents = nodes(
-        S04, *stage_args(tiny_data, tmp_path / "o", "--epochs", 3, "--dist-timeout", 60), restarts=1, env=env
+        S04, *stage_args(tiny_data, tmp_path / "o", "--epochs", 2, "--dist-timeout", 60), restarts=1, env=env
     )
     wait_for((tmp_path / "o" / "checkpoint.pt").exists, proc=agents[0])
     start = time.monotonic()
