@@ -8,7 +8,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import S01, S03, S05, clean_env, metrics, one_error, python, run, stage_args, torchrun_cmd, trained
+from helpers import (
+    S01,
+    S03,
+    S05,
+    checkpoint,
+    clean_env,
+    metrics,
+    one_error,
+    python,
+    run,
+    stage_args,
+    torchrun_cmd,
+    trained,
+)
 
 from common import checkpoint as lesson
 from common.guards import failure, lock, ownership, rails
@@ -259,20 +272,22 @@ def test_a_folder_a_run_left_before_its_first_checkpoint_is_taken_over(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_run_killed_in_its_first_checkpoint_write_starts_again_with_resume(tiny_data, tmp_path):
-    """Killed while writing its first checkpoint: metrics.csv holds epoch 1, checkpoint.pt is a temporary file.
-    The same command is refused (the rows are that run's output: `add --resume`), and --resume said there was no
-    checkpoint to resume from: nothing but deleting files by hand got out. Now --resume starts that run again
-    from epoch 1, as the same run, with the options it recorded (another --lr is refused), and sweeps the file."""
-    assert python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1)).returncode == 0
+def test_a_run_killed_in_its_first_checkpoint_write_starts_again(uninterrupted, tiny_data, tmp_path):
+    """Killed while writing its first checkpoint, a run leaves metrics.csv with epoch 1's row and a temporary
+    checkpoint.pt.tmp<pid>: the same command was refused (`holds the output of run ...: add --resume`), and
+    --resume found no checkpoint: only deleting files by hand got out. Now the same command starts that run again
+    (its id, its temporary file swept); --resume says so; other options are refused (its rows are not theirs)."""
+    trained(uninterrupted, tmp_path, S01, "--epochs", 1)  # the run of one epoch, shared
     (tmp_path / "checkpoint.pt").rename(tmp_path / "checkpoint.pt.tmp4242")  # what the killed write left
     run = ownership.read(tmp_path)["run"]
-    one_error(python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1)), f"holds the output of run {run}")
-    one_error(python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1, "--resume", "--lr", 0.5)), "--lr 1.0")
-    out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1, "--resume"))
+    one_error(python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1, "--resume")),
+              f"run {run} saved none; the same command without --resume starts it again")  # fmt: skip
+    one_error(python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1, "--lr", 0.5)),
+              f"holds the metrics of run {run}, which saved no checkpoint", "--lr 1.0 (now 0.5)")  # fmt: skip
+    out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1))
     assert out.returncode == 0 and f"run {run} saved no checkpoint: it starts again from epoch 1" in out.stdout
-    assert ownership.read(tmp_path)["run"] == run and len(metrics(tmp_path)) == 1
-    assert sorted(n for n in os.listdir(tmp_path) if ".tmp" in n) == [] and (tmp_path / "checkpoint.pt").is_file()
+    assert ownership.read(tmp_path)["run"] == run and len(metrics(tmp_path)) == 1 and checkpoint(tmp_path)
+    assert not [name for name in os.listdir(tmp_path) if ".tmp" in name]
 
 
 def test_save_model_replaces_only_a_model_the_run_exported(tmp_path):
