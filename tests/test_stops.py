@@ -5,6 +5,7 @@ programs a DataLoader worker starts get the default signal handling back."""
 import json
 import os
 import signal
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -21,6 +22,7 @@ from helpers import (
     clean_env,
     metrics,
     python,
+    run,
     shared,
     srun_start,
     stage_args,
@@ -232,6 +234,27 @@ def test_a_stop_while_torch_is_imported_is_the_same_one_line(signum, tiny_data, 
                                    "step: nothing was saved and nothing is lost; start the run again as it was "
                                    "started"], output  # fmt: skip
     assert not (tmp_path / "out").exists()
+
+
+TRIP = """
+import importlib.abc, os, runpy, signal, sys
+class Trip(importlib.abc.MetaPathFinder):  # SIGINT to itself as the first module after the stage's first line loads
+    def find_spec(self, name, path=None, target=None):
+        if name == "importlib.metadata":
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, Trip())
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_stop_just_after_the_stages_first_line_is_the_same_one_line(tmp_path):
+    """Ctrl-C a few tens of milliseconds into a run, as the torch-version check imports importlib.metadata: that
+    import came before the stop's handlers, and the stop was a KeyboardInterrupt traceback out of it. The
+    handlers now come first: the start-up line and 130, as while torch is imported."""
+    out = run([sys.executable, "-c", TRIP, str(S01), "--output-dir", tmp_path / "out"])
+    assert out.returncode == 130 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("stopped by SIGINT during start-up, before the first step"), out.stderr
 
 
 @pytest.mark.slow

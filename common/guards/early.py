@@ -2,10 +2,13 @@
 torch older than the stage runs on (versions.py) and a stop during those seconds (signals.py: Ctrl-C, a scancel
 just after the start) end the run in one line instead of a traceback out of an import."""
 
-from common.guards import signals, versions
+from common.guards import signals
 
 
 def start(script):
-    """Until rails.run(): a stop ends the process in the line of a stop at start-up; then the torch check."""
+    """Until rails.run(): a stop ends the process in the line of a stop at start-up; then the torch check, whose
+    import (importlib.metadata: tens of milliseconds) comes after the handlers, not in a window without them."""
     signals.end_at_once()
+    from common.guards import versions
+
     versions.require(script)
