@@ -109,9 +109,8 @@ def test_stage01_stopped_mid_epoch_resumes_bit_identical(signum, uninterrupted, 
 
 
 @pytest.mark.slow
-def test_stage03_under_torchrun_stopped_by_sigterm_resumes_bit_identical(tiny_data, tmp_path):
-    whole, cut = tmp_path / "whole", tmp_path / "cut"
-    assert torchrun(2, S03, *args(tiny_data, whole)).returncode == 0
+def test_stage03_under_torchrun_stopped_by_sigterm_resumes_bit_identical(uninterrupted, tiny_data, tmp_path):
+    whole, cut = uninterrupted(2, S03, "--epochs", 2, "--batch-size", BATCH), tmp_path / "cut"  # conftest.py: shared
     proc = start(S03, *args(tiny_data, cut), nproc=2, env=clean_env(**SLOW))
     output, seconds = signal_mid_epoch_2(proc, cut, signal.SIGTERM)  # to torchrun, which passes it on
     assert proc.returncode != 0 and seconds < 35, output
@@ -207,6 +206,29 @@ def test_a_second_signal_during_the_save_changes_nothing(uninterrupted, tiny_dat
     step = saved_mid_epoch(cut, output, 128 + signal.SIGTERM, proc)
     resumed = python(S01, *args(tiny_data, cut, "--resume"))
     assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout
+    assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])
+
+
+@pytest.mark.slow
+def test_torchrun_ended_by_a_third_ctrl_c_during_a_save_loses_nothing(uninterrupted, tiny_data, tmp_path):
+    """Ctrl-C pressed three times while a checkpoint is written (a slow file system): torchrun's agent ends at once
+    at the third (torch's own handling), its store with it. Each worker, seeing its torchrun gone, ended in the
+    middle of the save: the checkpoint lost, its temporary file left. Now the save is finished first, the run says
+    where it saved, and resumes as it would have run."""
+    cut = tmp_path / "cut"
+    proc = start(S03, *args(tiny_data, cut), nproc=2, env=clean_env(**SLOW, FAULT_SLOW_SAVE=3))
+    wait_for_epoch(cut, 1, proc)
+    wait_for(lambda: (cut / "checkpoint.pt").exists(), 30, proc)  # epoch 1's save (3 s) is done
+    time.sleep(0.6)  # two steps into epoch 2
+    for _ in range(3):  # the first passed on to the ranks, which save for 3 s; the third ends torchrun
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+    output = proc.communicate(timeout=60)[0]
+    step = saved_mid_epoch(cut, output, proc.returncode, proc)
+    assert not [name for name in os.listdir(cut) if ".tmp" in name], os.listdir(cut)
+    resumed = torchrun(2, S03, *args(tiny_data, cut, "--resume"))
+    assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
+    whole = uninterrupted(2, S03, "--epochs", 2, "--batch-size", BATCH)
     assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])
 
 

@@ -118,6 +118,8 @@ class Guard:
             self.preemption.saved(time.monotonic() - self.epoch_done)
             self.epoch_done = None
         self.doing, count = None, epoch * 2**32 + step  # a step count that grows across epochs
+        if self.watchdog:
+            self.watchdog.saving.clear()  # the epoch's checkpoint is whole
         if batch % args.log_interval == 0:
             divergence.check_loss(epoch, step - 1, sums, args.output_dir)
         self.stop_or_save(epoch, step, sums, count)
@@ -174,8 +176,11 @@ class Guard:
         self.epoch_done = time.monotonic()
 
     def writing(self, name):
-        """Before a checkpoint is written: stage 05's folder `name` is listed in the run's manifest first."""
+        """Before a checkpoint is written: stage 05's folder `name` is listed in the run's manifest first. Until the
+        next step, torchrun's end (a third Ctrl-C ends it at once) waits for the save: watchdog.orphaned()."""
         self.doing = f"write {self.args.output_dir / name}"
+        if self.watchdog:
+            self.watchdog.saving.set()
         if self.sharded and is_rank0():
             ownership.writes(self.args.output_dir, name)
 

@@ -68,6 +68,7 @@ class Watchdog:
         self.serves = launch.rank == 0 and not self.agent
         self.store, self.served, self.beat, self.listeners = None, None, None, []
         self.stopping, self.ready, self.saying = threading.Event(), threading.Event(), threading.Lock()
+        self.saving = threading.Event()  # from a checkpoint's write to the next step (rails.Guard.writing())
 
     def watch(self):
         """Start the thread that follows the rendezvous setup() makes next, then beats."""
@@ -108,7 +109,8 @@ class Watchdog:
         beaten = 0
         while not self.stopping.is_set():
             if parent and os.getppid() != parent:
-                fail(f"error: rank {self.rank}: torchrun (pid {parent}) has ended: this worker ends too")
+                self.orphaned(parent)
+                return
             if self.phase == "form" and dist.is_initialized():
                 # rank 0's store is the process group's, closed with it (distributed.cleanup()): held here until
                 # every rank has left (leave()), as a heartbeat sent to a closed store prints a C++ stack trace
@@ -127,6 +129,20 @@ class Watchdog:
                         return
                     beaten = float("inf")  # no more beats
             self.stopping.wait(HEARTBEAT if self.phase == "run" else 0.05)
+
+    def orphaned(self, parent):
+        """torchrun has ended: this worker ends too. A checkpoint being written is finished first (a third Ctrl-C
+        ends torchrun at once, mid-save, and a rank that died with the save would lose what it saves): the run then
+        ends by itself, saying where it saved; here only where it does not within seconds, or the save outlasts
+        --dist-timeout."""
+        end = time.monotonic() + self.timeout
+        if self.saving.is_set():
+            while self.saving.is_set() and time.monotonic() < end and not self.stopping.wait(0.1):
+                pass
+            if self.stopping.wait(10):
+                return
+        if not self.stopping.is_set():
+            fail(f"error: rank {self.rank}: torchrun (pid {parent}) has ended: this worker ends too")
 
     def waited(self, end):
         """Between two looks at the rendezvous: the verdict past `end`; the thread ends with leave()."""
