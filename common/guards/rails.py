@@ -177,7 +177,7 @@ class Guard:
 
     def writing(self, name):
         """Before a checkpoint is written: stage 05's folder `name` is listed in the run's manifest first. Until the
-        next step, torchrun's end (a third Ctrl-C ends it at once) waits for the save: watchdog.orphaned()."""
+        next step, torchrun's end (a third Ctrl-C ends it at once) waits for the save (watchdog.heartbeat())."""
         self.doing = f"write {self.args.output_dir / name}"
         if self.watchdog:
             self.watchdog.saving.set()

@@ -68,7 +68,7 @@ class Watchdog:
         self.serves = launch.rank == 0 and not self.agent
         self.store, self.served, self.beat, self.listeners = None, None, None, []
         self.stopping, self.ready, self.saying = threading.Event(), threading.Event(), threading.Lock()
-        self.saving = threading.Event()  # from a checkpoint's write to the next step (rails.Guard.writing())
+        self.saving = threading.Event()  # a checkpoint's write until the next step (rails.Guard.writing())
 
     def watch(self):
         """Start the thread that follows the rendezvous setup() makes next, then beats."""
@@ -108,9 +108,8 @@ class Watchdog:
         parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         beaten = 0
         while not self.stopping.is_set():
-            if parent and os.getppid() != parent:
-                self.orphaned(parent)
-                return
+            if parent and os.getppid() != parent and not self.saving.is_set():  # a save in progress finishes first
+                fail(f"error: rank {self.rank}: torchrun (pid {parent}) has ended: this worker ends too")
             if self.phase == "form" and dist.is_initialized():
                 # rank 0's store is the process group's, closed with it (distributed.cleanup()): held here until
                 # every rank has left (leave()), as a heartbeat sent to a closed store prints a C++ stack trace
@@ -129,20 +128,6 @@ class Watchdog:
                         return
                     beaten = float("inf")  # no more beats
             self.stopping.wait(HEARTBEAT if self.phase == "run" else 0.05)
-
-    def orphaned(self, parent):
-        """torchrun has ended: this worker ends too. A checkpoint being written is finished first (a third Ctrl-C
-        ends torchrun at once, mid-save, and a rank that died with the save would lose what it saves): the run then
-        ends by itself, saying where it saved; here only where it does not within seconds, or the save outlasts
-        --dist-timeout."""
-        end = time.monotonic() + self.timeout
-        if self.saving.is_set():
-            while self.saving.is_set() and time.monotonic() < end and not self.stopping.wait(0.1):
-                pass
-            if self.stopping.wait(10):
-                return
-        if not self.stopping.is_set():
-            fail(f"error: rank {self.rank}: torchrun (pid {parent}) has ended: this worker ends too")
 
     def waited(self, end):
         """Between two looks at the rendezvous: the verdict past `end`; the thread ends with leave()."""
@@ -246,10 +231,9 @@ class Watchdog:
                 f"[{type(error).__name__}: {str(error).splitlines()[0][:160]}]")  # fmt: skip
 
     def leave(self, together=True):
-        """Stop the heartbeat, then, where every rank ends `together`, wait for all to leave if this one serves the
-        store (rank 0, unless torchrun's agent does; it holds the store past the process group's end for this): a
-        heartbeat sent to a closed store prints a C++ stack trace after the summary. After a failure the others may
-        never come: no wait."""
+        """Stop the heartbeat; where every rank ends `together` and this one serves the store (rank 0, unless
+        torchrun's agent does), wait for all to leave: a heartbeat sent to a closed store prints a C++ stack trace
+        after the summary. After a failure the others may never come: no wait."""
         if not self.beat:
             return
         self.stopping.set()
