@@ -24,7 +24,7 @@ from helpers import (
 )
 
 from common import checkpoint as lesson
-from common.guards import failure, lock, ownership, rails
+from common.guards import failure, lock, ownership, rails, resume
 
 
 def small(script, data_dir, out, *extra, **env):
@@ -262,6 +262,12 @@ def test_a_folder_a_run_left_before_its_first_checkpoint_is_taken_over(tmp_path)
     (tmp_path / "traceback-rank0.txt").write_text("Traceback ...")
     (tmp_path / "checkpoint.pt.tmp4242").write_bytes(b"PK")  # its writer killed mid-write: never whole, swept
     ownership.check_fresh(tmp_path, ownership.read(tmp_path))
+    (tmp_path / "epoch-1").mkdir()  # stage 05's first save killed half-way: no link names it, nothing to resume
+    assert not resume.saved(tmp_path)
+    (tmp_path / "checkpoint").symlink_to("epoch-1")
+    assert resume.saved(tmp_path)
+    (tmp_path / "checkpoint").unlink()
+    (tmp_path / "epoch-1").rmdir()
     other = tmp_path / "other"  # --resume other/checkpoint.pt into it: that run continues here
     ownership.write(other, {"run": "other", "writes": [*ownership.WRITES[False]], "launch": None})
     (other / "checkpoint.pt").write_text("a checkpoint")

@@ -53,9 +53,9 @@ def again(args, manifest, fingerprint):
 
 
 def saved(output_dir):
-    """Does output_dir hold a checkpoint of either kind, or a part of one (a stage 05 folder)?"""
-    names = (WHOLE, SHARDED, PREVIOUS, f"{SHARDED}-previous")
-    return any(os.path.lexists(output_dir / n) for n in names) or bool(epochs(output_dir))
+    """Does output_dir hold a checkpoint a resume reads: whole, or a stage 05 folder its links name (one no link
+    names was left by a save killed half-way)?"""
+    return any(os.path.lexists(output_dir / n) for n in (WHOLE, SHARDED, PREVIOUS, f"{SHARDED}-previous"))
 
 
 def keep_previous(output_dir):
