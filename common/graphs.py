@@ -37,7 +37,7 @@ NO_GRAPHS = {  # what a CUDA graph cannot hold, by the model's wrapper (the modu
 def compiled(model, device, args):
     """--compile: torch.compile the model in place (its state dict keeps its names); says once if
     the step is also one CUDA graph, else why not. Returns the StepGraph to record, or None."""
-    why = NO_GRAPHS.get(type(model))
+    why = next((why for kind, why in NO_GRAPHS.items() if isinstance(model, kind)), None)
     why = "--amp's autocast cannot be recorded" if args.amp else why
     why = "CUDA graphs need a GPU" if device.type != "cuda" else why
     graph = f"no CUDA graph: {why}" if why else "the step one CUDA graph"

@@ -165,17 +165,17 @@ def find(args, path, name, restarted, fingerprint):
     return state, ownership.check_resume(args.output_dir, manifest, path)
 
 
-def mismatch(run, state, args, fingerprint, again="resume"):
+def mismatch(run, state, args, fingerprint, verb="resume"):
     """Why this run cannot continue the one a checkpoint's `state` holds, or None. `run`: what the manifest of
     its folder records of it (a checkpoint of an older version: what it holds itself). A run from before an
     option (or the data's fingerprint) was recorded does not record it: what it records must match."""
     now, flags = defining(args), run.get("flags", {})
     differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in flags.items() if not same(now.get(k), v)]
     if differ:
-        return f"was written with {', '.join(differ)}: {again} with the same options, or use another --output-dir"
+        return f"was written with {', '.join(differ)}: {verb} with the same options, or use another --output-dir"
     if run.get("data", fingerprint) != fingerprint:  # <samples>-<hash> (preflight.fingerprint)
         return (f"was trained on other data: its training set was {run['data']}, here {fingerprint} in --data-dir "
-                f"{args.data_dir}: {again} on the data it was trained on, or use another --output-dir")  # fmt: skip
+                f"{args.data_dir}: {verb} on the data it was trained on, or use another --output-dir")  # fmt: skip
     epoch, step = state["epoch"], state["step"]
     if args.epochs < epoch:  # "done", and --save-model would export more epochs than asked for, or a part of one
         return (f"holds epoch {epoch}{f', step {step}' if step else ''}, past --epochs {args.epochs}: nothing to "
