@@ -4,6 +4,7 @@ one line before torchrun starts (and restarts) workers. The job scripts run unde
 made the ranks' heartbeats hit rank 0's closed store: a C++ stack trace per rank after the summary."""
 
 import os
+import re
 import signal
 import time
 
@@ -56,6 +57,18 @@ def test_job_script_run_ends_with_its_summary(tiny_data, tmp_path):
     assert not out.stderr.strip() and seconds < 60, (out.stderr, seconds)
 
 
+# torchrun's own race, now and then (pytorch/pytorch#69197): the agent serving the c10d rendezvous store ends
+# first, and the other agent, closing the rendezvous, warns from C++ (its frames) and from Python.
+RACE = re.compile(r"\[W\d{4} .*\[c10d\] |Exception raised from |frame #\d+: |.* has failed to shutdown the rendezvous ")
+
+
+def without_torchruns_race(output):
+    """The output of an agent without the lines of torchrun's race; any other line stays."""
+    if " has failed to shutdown the rendezvous " not in output:
+        return output
+    return "".join(line for line in output.splitlines(keepends=True) if line.strip() and not RACE.match(line))
+
+
 def test_two_torchruns_end_with_the_summary(tiny_data, tmp_path):
     """Two torchruns meeting in a c10d rendezvous, as on two nodes: nothing from either after the summary."""
     start = time.monotonic()
@@ -64,6 +77,7 @@ def test_two_torchruns_end_with_the_summary(tiny_data, tmp_path):
     seconds = time.monotonic() - start
     assert [agent.returncode for agent in agents] == [0, 0] and seconds < 60, outputs
     quiet, summary = sorted(outputs, key=lambda output: "done:" in output)  # rank 0's agent prints the run
+    summary, quiet = map(without_torchruns_race, (summary, quiet))
     assert summary.strip().splitlines()[-1].startswith("done: 1 epochs") and quiet == "", outputs
 
 

@@ -1,6 +1,9 @@
 """Guard rail: a stage's first line, before it imports torch, which takes seconds and fails on an old one. Both a
 torch older than the stage runs on (versions.py) and a stop during those seconds (signals.py: Ctrl-C, a scancel
-just after the start) end the run in one line instead of a traceback out of an import."""
+just after the start) end the run in one line instead of a traceback out of an import. And those seconds are
+fewer: the collector runs less often while torch and its compiler create their millions of objects."""
+
+import gc
 
 from common.guards import signals
 
@@ -9,6 +12,7 @@ def start(script):
     """Until rails.run(): a stop ends the process in the line of a stop at start-up; then the torch check, whose
     import (importlib.metadata: tens of milliseconds) comes after the handlers, not in a window without them."""
     signals.end_at_once()
+    gc.set_threshold(20_000, 10, 10)  # not every 700 new objects: a stage starts 14 % sooner (BENCHMARKS.md)
     from common.guards import versions
 
     versions.require(script)
