@@ -12,7 +12,7 @@ def start(script):
     """Until rails.run(): a stop ends the process in the line of a stop at start-up; then the torch check, whose
     import (importlib.metadata: tens of milliseconds) comes after the handlers, not in a window without them."""
     signals.end_at_once()
-    gc.set_threshold(20_000, 10, 10)  # not every 700 new objects: a stage starts 14 % sooner (BENCHMARKS.md)
+    gc.set_threshold(20_000, 10, 10)  # not every 700 new objects: 10 % less start-up (BENCHMARKS.md)
     from common.guards import versions
 
     versions.require(script)
