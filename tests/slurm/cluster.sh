@@ -229,8 +229,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# A requeued job is held back for the credential lifetime + 1 s (default 120 s; below 5 is refused).
-AuthInfo=cred_expire=30
+# A requeued job is held back for the credential lifetime + 1 s (default 120 s; below 5 is refused): 10 s
+# still covers a step's launch on this machine under load, and each requeue test waits 11 s, not 31.
+AuthInfo=cred_expire=10
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
