@@ -163,8 +163,9 @@ def test_preempted_job_requeues_and_resumes_at_the_same_sample(slurm_cluster, ti
     """USR1 to the batch script, as Slurm sends it before a time limit (--signal=B:USR1@90): the step saves
     mid-epoch, the job requeues itself, comes back with the same id and output folder, resumes at the step
     where it stopped and completes with the weights of a job that was never stopped."""
+    # never stopped: without SLOW's sleeps
     job_id = slurm_cluster.submit(REPO / "01_single_gpu/job.slurm", "--data-dir", tiny_data, "--epochs", 3,
-                                  "--batch-size", 32, "--output-dir", tmp_path / "whole", env=SLOW)  # fmt: skip
+                                  "--batch-size", 32, "--output-dir", tmp_path / "whole")  # fmt: skip
     log = Path(slurm_cluster.job_info(job_id)["StdOut"])
     assert slurm_cluster.wait(job_id, timeout=240)["JobState"] == "COMPLETED", log.read_text()
     log.unlink()
