@@ -164,3 +164,36 @@ def test_a_resume_with_another_task_or_task_option_is_refused_naming_it(change, 
         out = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--batch-size", BATCH, "--resume"))
         named = "--task sequences.py (now images.py)"
     one_error(out, "checkpoint.pt was written with", named)
+
+
+GC_TASK = """import gc
+
+import torch.nn.functional as F
+
+from common.tasks.images import *  # noqa: F403
+from common.tasks import images
+
+FOLDER = []  # the output folder, for loss()
+
+
+def model(args):
+    FOLDER.append(args.output_dir)
+    (args.output_dir / "gc-at-start-up").write_text(str(gc.get_threshold()[0]))
+    return images.model(args)
+
+
+def loss(output, target):
+    (FOLDER[0] / "gc-in-training").write_text(str(gc.get_threshold()[0]))
+    return F.cross_entropy(output, target)
+"""
+
+
+@pytest.mark.slow
+def test_the_collector_runs_seldom_at_start_up_only(tiny_data, tmp_path):
+    """The imports run with the collector every 20,000 new objects (common/guards/early.py); the training at
+    Python's 700 again: a task's cyclic garbage holding a step's tensors is freed within steps, not hundreds."""
+    out = tmp_path / "out"
+    (tmp_path / "task.py").write_text(GC_TASK)
+    done = python(S01, *stage_args(tiny_data, out, "--task", tmp_path / "task.py", "--epochs", 1))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [(out / name).read_text() for name in ("gc-at-start-up", "gc-in-training")] == ["20000", "700"]

@@ -1,7 +1,8 @@
 """Guard rail: a stage's first line, before it imports torch, which takes seconds and fails on an old one. Both a
 torch older than the stage runs on (versions.py) and a stop during those seconds (signals.py: Ctrl-C, a scancel
 just after the start) end the run in one line instead of a traceback out of an import. And those seconds are
-fewer: the collector runs less often while torch and its compiler create their millions of objects."""
+fewer: the collector runs less often while torch and its compiler create their millions of objects, until
+Guard.resume() (started()): in training, cyclic garbage holding a step's tensors is freed within a few steps."""
 
 import gc
 
@@ -16,3 +17,8 @@ def start(script):
     from common.guards import versions
 
     versions.require(script)
+
+
+def started():
+    """Start-up is over (the imports, the model, its optimizer): the collector at Python's default again."""
+    gc.set_threshold(700, 10, 10)

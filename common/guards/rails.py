@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from common import checkpoint, cli, distributed
 from common.environment import is_rank0
-from common.guards import check, divergence, failure, lock, ownership, preflight, randomness, resume, signals
+from common.guards import check, divergence, early, failure, lock, ownership, preflight, randomness, resume, signals
 from common.guards.ending import end
 from common.guards.preemption import Preemption
 from common.guards.watchdog import Watchdog
@@ -93,6 +93,7 @@ class Guard:
         with its reason in one line where not. From here on SIGTERM and SIGUSR1 stop the run at a step all ranks
         agree on, and end_of_step() saves it. `states`: the lesson's, watched, for the saves on a stop."""
         self.states, self.sharded = states, sharded
+        early.started()
         if sharded and dist.is_initialized():
             preflight.check_shared(self.args.output_dir)
         self.preemption = Preemption(self.watchdog, self.args.dist_timeout)
