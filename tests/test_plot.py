@@ -203,6 +203,28 @@ def test_a_metric_direction_that_is_neither_higher_nor_lower_is_refused(tmp_path
         load_plot().load(folder)
 
 
+@pytest.mark.parametrize("first", ["accuracy", "mae"])
+def test_runs_of_different_metrics_are_one_line_for_both_tools(tmp_path, first):
+    """A task's mae beside MNIST's accuracy: the plot labelled both "test accuracy (%)" and the table timed the mae
+    run to "99 %", reached at once since lower is better (or, with the mae run first, refused the accuracy run's
+    99). Whichever comes first, one line naming each run's metric; nothing written."""
+    pytest.importorskip("matplotlib")  # the plot's check of -o comes first
+    accuracy = write_metrics(tmp_path / "accuracy", 1)
+    mae = write_metrics(tmp_path / "mae", 2)
+    text = (mae / "metrics.csv").read_text().replace("_accuracy", "_mae").replace(",higher", ",lower")
+    (mae / "metrics.csv").write_text(text)
+    runs = [str(accuracy), str(mae)] if first == "accuracy" else [str(mae), str(accuracy)]
+    sys.path.insert(0, str(PLOT.parent))  # scaling.py imports plot.py from beside it, as when run as a script
+    scaling = importlib.import_module("scaling")
+    for main, out in ((load_plot().main, "-o"), (scaling.main, "--out")):
+        with pytest.raises(SystemExit) as stop:
+            main([*runs, out, str(tmp_path / "out.png")])
+        message = str(stop.value.code)
+        assert message.startswith("error: these runs measure different things (") and "\n" not in message, message
+        assert f"{accuracy}: accuracy, higher is better" in message and f"{mae}: mae, lower is better" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["accuracy", "mae"]
+
+
 def test_an_output_never_replaces_a_runs_file_nor_follows_a_link(tmp_path, capsys):
     """`--out run/metrics.csv` replaced the run's metrics with Markdown; a FIFO as --out blocked for ever; --out and
     --plot on one file lost one of them; a link as the output had its target overwritten; a write that failed (a

@@ -135,6 +135,17 @@ def checked(row, name):
     return row
 
 
+def one_metric(folders, runs):
+    """The runs, if all measure one metric in one direction: a plot's axis and a table's time to a target are
+    of one thing; else one line naming what each run measures (a task's mae beside MNIST's accuracy)."""
+    kinds = [sorted({(r["metric"], r["better"]) for r in rows}) for rows in runs]
+    if len({kind for found in kinds for kind in found}) > 1:
+        said = "; ".join(f"{folder}: {', '.join(f'{m}, {b} is better' for m, b in found)}"
+                         for folder, found in zip(folders, kinds, strict=True))  # fmt: skip
+        sys.exit(f"error: these runs measure different things ({said}): compare the runs of one metric")
+    return runs
+
+
 def labels(folders):
     """Folder names; with their parent's name as well where two are alike (runs/<stage>/<job id>)."""
     names = [f.name for f in folders]
@@ -197,6 +208,7 @@ def main(argv=None):
     if Figure is None:
         sys.exit("error: tools/plot.py needs matplotlib: pip install matplotlib")
     folders, runs = zip(*sorted(map(load, args.runs), key=order), strict=True)
+    one_metric(folders, runs)
     fig = figure(folders, runs)
     save(args.output, lambda f: fig.savefig(f, format=args.output.suffix[1:].lower(), dpi=100))
     print(f"{args.output}: {len(runs)} runs")

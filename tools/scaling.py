@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from plot import FORMATS, Figure, labels, load, output, save  # tools/plot.py, beside this file
+from plot import FORMATS, Figure, labels, load, one_metric, output, save  # tools/plot.py, beside this file
 
 from common import data, models
 from common.guards import check, options, ownership
@@ -188,6 +188,7 @@ def main(argv=None):
         sys.exit("error: --plot needs matplotlib: pip install matplotlib")
     parts = [part for path in args.runs for part in by_world_size(*load(path))]
     loaded = sorted(parts, key=lambda run: run[1][0]["world_size"])  # as numbers: 2 before 16
+    one_metric(*zip(*[(folder, rows) for folder, rows, _ in loaded], strict=True))
     args.metric = loaded[0][1][0]["metric"]
     if args.target is None and args.metric != "accuracy":
         sys.exit(f"error: these runs measure {args.metric}: give the value to reach with --target")
