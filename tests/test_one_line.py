@@ -2,6 +2,8 @@
 launcher() and common/guards/rails.py's run(). What each test proves is in tests/FAILURES.md."""
 
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -9,7 +11,20 @@ from types import SimpleNamespace
 import numpy
 import pytest
 import torch
-from helpers import REPO, S01, S03, free_port, metrics, one_error, python, run, srun_like, stage_args
+from helpers import (
+    REPO,
+    S01,
+    S03,
+    clean_env,
+    free_port,
+    metrics,
+    one_error,
+    python,
+    run,
+    srun_like,
+    stage_args,
+    wait_for,
+)
 
 from common import checkpoint, cli, data, models
 from common.environment import is_rank0, launcher
@@ -282,3 +297,53 @@ def test_explaining_that_fails_still_ends_in_one_line(monkeypatch):
         raise ValueError("bad")
     except ValueError as err:
         assert failure.settle(err, rails.Guard()).startswith(f"error: ValueError: bad (at {__file__}:")
+
+
+TOOLS = {  # each with its arguments and the stop it is sent
+    "plot": (["runs-that-are-not-there"], signal.SIGINT), "scaling": (["runs-that-are-not-there"], signal.SIGINT),
+    "plan": (SMALL_PLAN, signal.SIGINT), "prepare_data": ([".", "mnist"], signal.SIGTERM),
+}  # fmt: skip
+
+
+def test_a_stop_while_a_tool_imports_torch_is_one_line(tmp_path):
+    """Ctrl-C in the seconds `make plot` (scaling, plan, data) takes to import torch was a KeyboardInterrupt
+    traceback out of torch's imports; SIGTERM ended with no line. Now one line each and 128 + the signal."""
+    tools = {}
+    for name, (args, signum) in TOOLS.items():
+        proc = subprocess.Popen([sys.executable, str(REPO / "tools" / f"{name}.py"), *args], env=clean_env(),
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        tools[name] = proc, signum
+    for proc, signum in tools.values():
+        wait_for(lambda proc=proc: "libtorch_cpu" in Path(f"/proc/{proc.pid}/maps").read_text(), 60, proc)
+        proc.send_signal(signum)
+        proc.send_signal(signum)  # pressed twice: the first counts
+    for name, (proc, signum) in tools.items():
+        stdout, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signum and stdout == "", (name, proc.returncode, stdout, stderr)
+        assert stderr == f"stopped by {signal.Signals(signum).name}: no file is left half-written\n", (name, stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # prepare_data made nothing yet
+
+
+BREAK = """
+import csv, runpy, sys
+csv.DictReader = None  # a failure none of the tool's checks knows
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_an_error_no_check_of_a_tool_names_is_one_line(tmp_path):
+    """Whatever a tool meets that none of its checks knows: one line, its place in the tool, the traceback kept in
+    the temporary folder (TMPDIR), not printed."""
+    run_folder = tmp_path / "run"
+    run_folder.mkdir()
+    (run_folder / "metrics.csv").write_text("epoch,world_size,epoch_seconds,images_per_s,test_accuracy\n1,1,2,3,4\n")
+    out = run([sys.executable, "-c", BREAK, str(REPO / "tools/plot.py"), str(run_folder)],
+              env=clean_env(TMPDIR=tmp_path))  # fmt: skip
+    kept = tmp_path / f"traceback-plot-{out.stderr.split('traceback-plot-')[-1].split('.txt')[0]}.txt"
+    assert out.returncode == 1 and out.stdout == "" and out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith("error: TypeError: 'NoneType' object is not callable (at "), out.stderr
+    assert "tools/plot.py:" in out.stderr and out.stderr.endswith(
+        f"; the traceback is in {kept}: plot met what none of its checks knows\n"
+    ), out.stderr
+    assert "Traceback (most recent call last)" in kept.read_text() and "csv.DictReader" in kept.read_text()

@@ -24,6 +24,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
+from common.guards import early  # noqa: E402
+
+if __name__ == "__main__":  # guard: Ctrl-C in torch's import, or an error no check here names, is one line
+    early.tool()
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
@@ -213,7 +218,7 @@ def main(argv=None):
         fix = "a smaller --width or --depth" if builtin(args) else f"smaller options of {args.task}"
         sys.exit(f"error: this model cannot be counted ({str(err).splitlines()[0]}): {fix}")
     except failure.REFUSALS as err:
-        if not failure.refusal(err):  # the task's own error: its traceback says where
+        if not failure.refusal(err):  # the task's own error: one line with its place (early.tool())
             raise
         sys.exit(failure.refusal(err))  # the lesson's (--depth 15): a line that names the fix
     model_bytes = shard_bytes(measured[0], 1)

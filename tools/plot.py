@@ -20,10 +20,15 @@ import statistics
 import sys
 from pathlib import Path
 
-from common.checkpoint import atomic
-from common.guards import options, ownership
-from common.guards.bounded import Refused, text
-from common.guards.check import Parser
+from common.guards import early
+
+if __name__ == "__main__":  # guard: Ctrl-C in torch's import, or an error no check here names, is one line
+    early.tool()
+
+from common.checkpoint import atomic  # noqa: E402
+from common.guards import options, ownership  # noqa: E402
+from common.guards.bounded import Refused, text  # noqa: E402
+from common.guards.check import Parser  # noqa: E402
 
 try:
     from matplotlib.figure import Figure  # without pyplot: no display, no global state

@@ -14,6 +14,12 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ beside tools/, without an install
+from common.guards import early  # noqa: E402
+
+if __name__ == "__main__":  # guard: Ctrl-C in torch's import, or an error no check here names, is one line
+    early.tool()
+
+from common.checkpoint import atomic  # noqa: E402
 from common.data import FILES, SETS  # noqa: E402
 from common.guards.check import Parser  # noqa: E402
 
@@ -51,7 +57,8 @@ def prepare(data_dir, name="mnist"):
         folder.mkdir(parents=True, exist_ok=True)
         for file in FILES:  # the repository's own copy first: no network needed
             if (vendored / f"{file}.gz").is_file() and not (folder / file).is_file():
-                shutil.copyfile(vendored / f"{file}.gz", folder / f"{file}.gz")
+                with open(vendored / f"{file}.gz", "rb") as src, atomic(folder / f"{file}.gz") as dst:
+                    shutil.copyfileobj(src, dst)  # whole or not at all: a stop mid-copy leaves no half .gz
     if not all((folder / f"{file}.gz").is_file() or (folder / file).is_file() for file in FILES):
         download(name, data_dir, train=True)
         download(name, data_dir, train=False)
@@ -61,12 +68,13 @@ def prepare(data_dir, name="mnist"):
             try:
                 with gzip.open(folder / f"{file}.gz") as src, open(part, "wb") as dst:
                     shutil.copyfileobj(src, dst)
+                part.replace(folder / file)
             except (OSError, EOFError, zlib.error) as err:  # a download cut short, or not gzip at all
-                part.unlink(missing_ok=True)
                 raise SystemExit(
                     f"error: {folder / file}.gz is damaged ({err}): delete it and run `make data` again"
                 ) from None
-            part.replace(folder / file)
+            finally:  # a stop too: no .part is left behind
+                part.unlink(missing_ok=True)
         if hashlib.sha256((folder / file).read_bytes()).hexdigest() != sha256:
             raise SystemExit(
                 f"error: {folder / file} is corrupt (sha256 mismatch): delete it and run `make data` again"

@@ -17,12 +17,17 @@ import sys
 import warnings
 from pathlib import Path
 
-import torch
-from plot import FORMATS, Figure, labels, load, one_metric, output, save  # tools/plot.py, beside this file
+from common.guards import early
 
-from common import data, models
-from common.guards import check, options, ownership
-from common.guards.bounded import Refused, torch_file
+if __name__ == "__main__":  # guard: Ctrl-C in torch's import, or an error no check here names, is one line
+    early.tool()
+
+import torch  # noqa: E402
+from plot import FORMATS, Figure, labels, load, one_metric, output, save  # noqa: E402  (tools/plot.py)
+
+from common import data, models  # noqa: E402
+from common.guards import check, options, ownership  # noqa: E402
+from common.guards.bounded import Refused, torch_file  # noqa: E402
 
 NOTE = (
     "images/s: the median of the epochs after the first, which includes warm-up (a one-epoch run: that epoch)."

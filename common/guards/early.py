@@ -5,6 +5,7 @@ fewer: the collector runs less often while torch and its compiler create their m
 Guard.resume() (started()): in training, cyclic garbage holding a step's tensors is freed within a few steps."""
 
 import gc
+import sys
 
 from common.guards import signals
 
@@ -22,3 +23,18 @@ def start(script):
 def started():
     """Start-up is over (the imports, the model, its optimizer): the collector at Python's default again."""
     gc.set_threshold(700, 10, 10)
+
+
+def tool():
+    """A tool's first line (tools/), as start() is a stage's: a stop (Ctrl-C in torch's import) ends it in one line
+    with 128 + the signal's number, an error none of its checks names in one line with its place: never a
+    traceback. A tool writes each file whole or not at all (checkpoint.atomic): neither leaves half of one."""
+    signals.end_tool()
+    sys.excepthook = one_line
+
+
+def one_line(kind, err, tb):
+    """sys.excepthook: the one line of failure.tool_line(), its traceback kept in a file it names."""
+    from common.guards import failure  # torch, imported by the time a tool fails: not before it has to
+
+    print(failure.tool_line(err.with_traceback(tb)), file=sys.stderr, flush=True)

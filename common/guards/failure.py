@@ -16,7 +16,9 @@ import linecache
 import os
 import re
 import shutil
+import sys
 import sysconfig
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -74,10 +76,9 @@ def summary(err):
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
-def keep(err, folder, rank):
-    """The full traceback in `folder`, as traceback-rank<rank>.txt, switched in whole (a link there is replaced,
-    never followed): its path, or None where it cannot be kept."""
-    path = Path(folder) / f"traceback-rank{rank}.txt"
+def keep(err, path):
+    """The full traceback in the file `path`, switched in whole (a link there is replaced, never followed): `path`,
+    or None where it cannot be kept."""
     try:
         with atomic(path, "w") as f:
             f.write("".join(traceback.format_exception(type(err), err, err.__traceback__)))
@@ -89,11 +90,23 @@ def keep(err, folder, rank):
 def line(err, task, folder, rank):
     """The one line for `err`: what, where in the user's code, and where its traceback is kept (in `folder`,
     None before the run owns one)."""
+    kept = keep(err, Path(folder) / f"traceback-rank{rank}.txt") if folder is not None else None
+    return f"error: {said(err, task, kept)}: fix it and run again (with --resume once a checkpoint is saved)"
+
+
+def tool_line(err):
+    """A tool's one line for an error none of its checks names (early.tool()): what, where, and its traceback,
+    kept in the temporary folder."""
+    tool = Path(sys.argv[0]).stem
+    kept = keep(err, Path(tempfile.gettempdir()) / f"traceback-{tool}-{os.getpid()}.txt")
+    return f"error: {said(err, None, kept)}: {tool} met what none of its checks knows"
+
+
+def said(err, task, kept):
+    """What `err` is, where in the user's code it was raised, and the file its traceback is kept in (or None)."""
     where = place(err, task)
     at = f" (at {where[0]}:{where[1]}, in {where[2]})" if where else ""
-    kept = keep(err, folder, rank) if folder is not None else None
-    traceback_in = f"; the traceback is in {kept}" if kept else ""
-    return f"error: {summary(err)}{at}{traceback_in}: fix it and run again (with --resume once a checkpoint is saved)"
+    return f"{summary(err)}{at}{f'; the traceback is in {kept}' if kept else ''}"
 
 
 def exit_line(text):

@@ -68,6 +68,19 @@ def exit_stopped(signum, frame):
     sys.exit(say(Stopped(signum)))
 
 
+def end_tool():
+    """A tool's (early.tool()): a stop ends it wherever it is, in one line; the status is 128 + its number."""
+    for signum in STOPS:
+        signal.signal(signum, exit_tool)
+
+
+def exit_tool(signum, frame):
+    for later in STOPS:  # the first stop counts
+        signal.signal(later, signal.SIG_IGN)
+    print(f"stopped by {signal.Signals(signum).name}: no file is left half-written", file=sys.stderr, flush=True)
+    sys.exit(128 + signum)
+
+
 def say(stopped):
     """The exit status of a run stopped at start-up; rank 0 says why (every rank of a launch gets the signal)."""
     if is_rank0():
