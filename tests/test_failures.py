@@ -584,7 +584,11 @@ def test_two_jobs_on_one_node_run_side_by_side(tiny_data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("flag, message", [(("--batch-size", 64), "--batch-size 64"), (("--epochs", 0), "--epochs")])
 def test_bad_numbers_fail_before_any_process_group(flag, message, tiny_data, tmp_path):
+    """Refused by every rank before the rendezvous: no rank waits --dist-timeout (300 s) for another. The bound is
+    the start of three ranks importing torch on a machine the suite keeps busy (6 to 17 s alone), not that wait."""
     began = time.monotonic()
     out = torchrun(3, S03, *stage_args(tiny_data, tmp_path, *flag))
-    assert out.returncode != 0 and message in out.stderr and time.monotonic() - began < 30
-    assert "init_process_group" not in out.stderr
+    seconds = time.monotonic() - began
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+    assert "init_process_group" not in out.stderr, out.stderr
+    assert seconds < 60, (seconds, out.stderr)
