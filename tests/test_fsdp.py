@@ -50,12 +50,17 @@ from common.tasks import sequences
 STEPS = 4
 # what each claim is checked to: the same sums in another order (fp32 on CPU, a few steps of Adadelta at lr 1)
 TOLERANCE = dict(rtol=0, atol=1e-5)
+# runs at other world sizes, after three epochs: each rank's batch is another size, which the CPU's convolution
+# kernels sum in another order, and a max-pooling tie that order breaks otherwise moves weights by a step's share.
+# Measured on an AVX-512 EPYC, plain runs of 3 epochs: 1 and 2 ranks 1.6e-5 apart, 2 and 4 ranks 2.9e-5 (1.5e-5
+# after 2 epochs, 4e-8 after 1); one training image of the 256 blanked: 3e-3 (conv2) to 4e-2 (fc2)
+WORLD_SIZES = dict(rtol=0, atol=1e-4)
 
 
-def assert_close_weights(a, b):
+def assert_close_weights(a, b, tolerance=TOLERANCE):
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], **TOLERANCE, msg=name)
+        torch.testing.assert_close(a[name], b[name], **tolerance, msg=name)
 
 
 @pytest.mark.slow
@@ -163,7 +168,8 @@ def test_grad_accum_beyond_the_per_rank_batch_warns_once(tiny_data, tmp_path):
 
 @pytest.mark.slow
 def test_resume_at_other_world_sizes_continues_the_same_run(tiny_data, tmp_path):
-    """Saved at 4 ranks, resumed at 2, then at 1: the weights of a run that stayed at 2. Dropout is off
+    """Saved at 4 ranks, resumed at 2, then at 1: the weights of a run that stayed at 2, as close as two runs at
+    two world sizes are (WORLD_SIZES). Dropout is off
     (tests/inject NO_DROPOUT): each rank draws its own masks, which alone would tell the world sizes apart.
     No rank unpickles anything but through the guard rails' restricted unpickler (common/guards/safeload.py) or torch.load(weights_only=True)
     (tests/inject NO_UNPICKLE)."""
@@ -175,7 +181,8 @@ def test_resume_at_other_world_sizes_continues_the_same_run(tiny_data, tmp_path)
         assert epochs == 1 or f"resumed after epoch {epochs - 1}" in out.stdout
     out = torchrun(2, S05, *stage_args(tiny_data, tmp_path / "stayed", "--epochs", 3, "--save-model"), env=env)
     assert out.returncode == 0, out.stderr
-    assert_close_weights(checkpoint(tmp_path / "resized", "model.pt"), checkpoint(tmp_path / "stayed", "model.pt"))
+    resized, stayed = checkpoint(tmp_path / "resized", "model.pt"), checkpoint(tmp_path / "stayed", "model.pt")
+    assert_close_weights(resized, stayed, WORLD_SIZES)  # a sample skipped or seen twice: 30x that and more
 
 
 @pytest.mark.slow
