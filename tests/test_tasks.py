@@ -4,6 +4,8 @@ bit-identical, stage 05 resumed at another world size, with and without --amp), 
 ends the run with one line naming it."""
 
 import argparse
+import os
+import pickle
 import re
 import signal
 
@@ -19,13 +21,14 @@ from helpers import (
     clean_env,
     one_error,
     python,
+    srun_like,
     stage_args,
     start,
     torchrun,
 )
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
 
-from common.guards import check
+from common.guards import check, samples
 from common.tasks import sequences
 
 TASK = REPO / "common" / "tasks" / "sequences.py"
@@ -197,3 +200,59 @@ def test_the_collector_runs_seldom_at_start_up_only(tiny_data, tmp_path):
     done = python(S01, *stage_args(tiny_data, out, "--task", tmp_path / "task.py", "--epochs", 1))
     assert done.returncode == 0, done.stderr[-2000:]
     assert [(out / name).read_text() for name in ("gc-at-start-up", "gc-in-training")] == ["20000", "700"]
+
+
+def weights_file(kind, folder):
+    """A task's file of whole weights, as a hostile user leaves it."""
+    path = folder / "whole.pt"
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    elif kind != "missing":
+        torch.save(sequences.Transformer(16, 16, 32, 2, 2).state_dict(), path)
+        whole = path.read_bytes()
+        path.write_bytes({"cut short": whole[: len(whole) // 2], "whole": whole}.get(kind, pickle.dumps([1, 2])))
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind, named",
+    [("a FIFO", "is not a regular file (a FIFO"), ("missing", "does not exist"),
+     ("cut short", "is damaged or no file torch.save wrote (is not a complete zip archive"),
+     ("a plain pickle", "is damaged or no file torch.save wrote (is not in torch.save's zip format)"), ("whole", None)],
+)  # fmt: skip
+def test_a_weights_file_is_checked_before_stage_05_reads_it(kind, named, tmp_path):
+    """The task's weights(args), which stage 05's rank 0 loads: a FIFO blocked it for ever, a file cut short was
+    torch's "central directory" error naming no file. Checked from its headers; stages 01-04 do not read it."""
+    path = weights_file(kind, tmp_path)
+    task = argparse.Namespace(weights=lambda args: str(path))  # a str, as a task may return
+    stage05 = argparse.Namespace(task=tmp_path / "task.py", full_shard=False)
+    samples.check_weights(argparse.Namespace(task=tmp_path / "task.py"), task)  # stages 01-04: not read
+    if named is None:
+        samples.check_weights(stage05, task)
+        return
+    with pytest.raises(SystemExit) as stop:
+        samples.check_weights(stage05, task)
+    said = stop.value.code
+    assert said.startswith(f"error: --task {tmp_path / 'task.py'}: its weights(args) file {path} {named}"), said
+    assert said.endswith(": give a torch.save'd state dict of the task's model") and "\n" not in said, said
+
+
+WEIGHTED = """
+from common.tasks.images import add_arguments, check, datasets, model  # MNIST, from a file of whole weights
+
+def weights(args):
+    return {path!r}
+"""
+
+
+@pytest.mark.slow
+def test_stage_05_with_a_weights_file_that_would_block_ends_in_one_line(tiny_data, tmp_path):
+    """Two ranks, the task's weights(args) a FIFO: rank 0 blocked reading it for ever, rank 1 waited for its shards
+    until --dist-timeout. Now rank 0's line ends both, in the seconds a start takes."""
+    (tmp_path / "task.py").write_text(WEIGHTED.format(path=str(weights_file("a FIFO", tmp_path))))
+    args = stage_args(tiny_data, tmp_path / "out", "--task", tmp_path / "task.py", "--epochs", 1)
+    codes, outputs = srun_like(2, S05, *args, timeout=90)
+    said = f"error: --task {tmp_path / 'task.py'}: its weights(args) file {tmp_path / 'whole.pt'} is not a regular file"
+    errors = [[line for line in out.splitlines() if line.startswith("error:")] for out in outputs]
+    assert codes == [1, 1] and len(errors[0]) == 1 and errors[0][0].startswith(said) and errors[1] == [], outputs
+    assert "Traceback" not in "".join(outputs), outputs

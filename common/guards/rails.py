@@ -22,7 +22,19 @@ import torch.distributed as dist
 
 from common import checkpoint, cli, distributed
 from common.environment import is_rank0
-from common.guards import check, divergence, early, failure, lock, ownership, preflight, randomness, resume, signals
+from common.guards import (
+    check,
+    divergence,
+    early,
+    failure,
+    lock,
+    ownership,
+    preflight,
+    randomness,
+    resume,
+    samples,
+    signals,
+)
 from common.guards.ending import end
 from common.guards.preemption import Preemption
 from common.guards.watchdog import Watchdog
@@ -85,6 +97,7 @@ class Guard:
     def agree(self, train_set, val_set, test_set, task):
         """Every rank trains the same run on the same data; the run's manifest records what it is trained on."""
         preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
+        samples.check_weights(self.args, task)  # stage 05's file of whole weights, before it is trusted
         self.data = preflight.fingerprint(train_set)
 
     def resume(self, path, states, sharded=False):

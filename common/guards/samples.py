@@ -1,13 +1,18 @@
 """Guard rail: a task's samples and batches, named in one line where they do not fit: a collate() that fails
-(with the shapes it was given), a batch that is no (input, label) pair, a label the model has no output for."""
+(with the shapes it was given), a batch that is no (input, label) pair, a label the model has no output for; and
+its file of whole weights, checked before stage 05 loads it."""
 
 import re
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils.data import default_collate
 
 from common.data import count
+from common.environment import is_rank0
+from common.guards.bounded import Refused, torch_file
 from common.guards.ending import stop
 
 
@@ -27,6 +32,30 @@ def check_metric(args, task):
     if metric is not None and metric[0] in ("loss", ""):  # metrics.csv: test_<name> beside test_loss
         stop(f"error: --task {args.task}: a metric named {metric[0]!r} would take the loss's columns in metrics.csv "
              '(test_loss): name it after what score() sums, e.g. `metric = ("mae", "lower")`')  # fmt: skip
+
+
+def check_weights(args, task):
+    """The task's `weights(args)` file, which rank 0 alone reads (models.load_whole()): checked there against what
+    it declares, headers only, before it is trusted; a FIFO blocked rank 0 for ever, a file cut short was torch's
+    "central directory" error naming no file. Every rank ends with rank 0's verdict. Stage 05 alone has
+    --full-shard, and reads the file."""
+    if not (hasattr(args, "full_shard") and getattr(task, "weights", None)):
+        return
+    path, problem = is_rank0() and task.weights(args), None
+    path = path and Path(path)
+    if path and not path.is_file():
+        problem = "does not exist" if not path.exists() else "is not a regular file (a FIFO, a socket or a device)"
+    elif path:
+        try:
+            torch_file(path)
+        except (Refused, OSError) as err:
+            problem = f"is damaged or no file torch.save wrote ({str(err).removeprefix(str(path)).lstrip(': ')})"
+    box = [problem and f"error: --task {args.task}: its weights(args) file {path} {problem}: give a torch.save'd "
+                       "state dict of the task's model"]  # fmt: skip
+    if dist.is_initialized():
+        dist.broadcast_object_list(box)
+    if box[0]:
+        stop(box[0])
 
 
 def check_collate(args, task, name, samples):
