@@ -208,9 +208,11 @@ def weights_file(kind, folder):
     if kind == "a FIFO":
         os.mkfifo(path)
     elif kind != "missing":
-        torch.save(sequences.Transformer(16, 16, 32, 2, 2).state_dict(), path)
+        state = sequences.Transformer(16, 16, 32, 2, 2).state_dict()
+        torch.save({"epoch": 1, "model": state} if kind == "a training checkpoint" else state, path)
         whole = path.read_bytes()
-        path.write_bytes({"cut short": whole[: len(whole) // 2], "whole": whole}.get(kind, pickle.dumps([1, 2])))
+        mangled = {"cut short": whole[: len(whole) // 2], "a plain pickle": pickle.dumps([1, 2])}
+        path.write_bytes(mangled.get(kind, whole))
     return path
 
 
@@ -218,7 +220,8 @@ def weights_file(kind, folder):
     "kind, named",
     [("a FIFO", "is not a regular file (a FIFO"), ("missing", "does not exist"),
      ("cut short", "is damaged or no file torch.save wrote (is not a complete zip archive"),
-     ("a plain pickle", "is damaged or no file torch.save wrote (is not in torch.save's zip format)"), ("whole", None)],
+     ("a plain pickle", "is damaged or no file torch.save wrote (is not in torch.save's zip format)"),
+     ("a training checkpoint", "holds no state dict, names of tensors (a training checkpoint?"), ("whole", None)],
 )  # fmt: skip
 def test_a_weights_file_is_checked_before_stage_05_reads_it(kind, named, tmp_path):
     """The task's weights(args), which stage 05's rank 0 loads: a FIFO blocked it for ever, a file cut short was

@@ -48,8 +48,14 @@ def check_weights(args, task):
     elif path:
         try:
             torch_file(path)
+            found = torch.load(path, map_location="cpu", mmap=True, weights_only=True)  # mapped: no copy read
         except (Refused, OSError) as err:
             problem = f"is damaged or no file torch.save wrote ({str(err).removeprefix(str(path)).lstrip(': ')})"
+        except Exception as err:  # a pickle weights_only refuses: it may be planted
+            problem = f"cannot be loaded with weights_only=True ({type(err).__name__})"
+        else:
+            if not (isinstance(found, dict) and found and all(torch.is_tensor(v) for v in found.values())):
+                problem = "holds no state dict, names of tensors (a training checkpoint? --save-model writes one)"
     box = [problem and f"error: --task {args.task}: its weights(args) file {path} {problem}: give a torch.save'd "
                        "state dict of the task's model"]  # fmt: skip
     if dist.is_initialized():
