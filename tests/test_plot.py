@@ -203,6 +203,16 @@ def test_a_metric_direction_that_is_neither_higher_nor_lower_is_refused(tmp_path
         load_plot().load(folder)
 
 
+def test_a_metrics_file_a_spreadsheet_saved_reads_as_the_run_wrote_it(tmp_path):
+    """Saved again as "CSV UTF-8" by a spreadsheet, a metrics.csv starts with a byte order mark: its first column
+    was "\ufeffepoch", and both tools (load(), which scaling.py shares) refused it as a file with no epoch column."""
+    folder = write_metrics(tmp_path / "run", 1)
+    written = load_plot().load(folder)[1]
+    (folder / "metrics.csv").write_bytes(b"\xef\xbb\xbf" + (folder / "metrics.csv").read_bytes())
+    saved_again = load_plot().load(folder)[1]
+    assert saved_again == written and saved_again[0]["epoch"] == 1
+
+
 @pytest.mark.parametrize("first", ["accuracy", "mae"])
 def test_runs_of_different_metrics_are_one_line_for_both_tools(tmp_path, first):
     """A task's mae beside MNIST's accuracy: the plot labelled both "test accuracy (%)" and the table timed the mae

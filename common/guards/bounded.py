@@ -78,7 +78,7 @@ def text(path, limit=16 * 2**20):
         raw = f.read(limit + 1)  # within the limit, whatever the file has grown to since
     if max(size, len(raw)) > limit:
         raise Refused(f"{path} is larger than {limit // 2**20} MiB, far more than a run writes")
-    return raw.decode()
+    return raw.decode("utf-8-sig")  # a byte order mark, as a spreadsheet saves UTF-8, is none of the text
 
 
 def torch_file(path, start=0, length=None):
