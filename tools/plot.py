@@ -141,14 +141,13 @@ def checked(row, name):
 
 
 def one_metric(folders, runs):
-    """The runs, if all measure one metric in one direction: a plot's axis and a table's time to a target are
-    of one thing; else one line naming what each run measures (a task's mae beside MNIST's accuracy)."""
+    """Nothing, if the runs all measure one metric in one direction: a plot's axis and a table's time to a target
+    are of one thing; else one line naming what each run measures (a task's mae beside MNIST's accuracy)."""
     kinds = [sorted({(r["metric"], r["better"]) for r in rows}) for rows in runs]
     if len({kind for found in kinds for kind in found}) > 1:
         said = "; ".join(f"{folder}: {', '.join(f'{m}, {b} is better' for m, b in found)}"
                          for folder, found in zip(folders, kinds, strict=True))  # fmt: skip
         sys.exit(f"error: these runs measure different things ({said}): compare the runs of one metric")
-    return runs
 
 
 def labels(folders):

@@ -91,7 +91,7 @@ def line(err, task, folder, rank):
     """The one line for `err`: what, where in the user's code, and where its traceback is kept (in `folder`,
     None before the run owns one)."""
     kept = keep(err, Path(folder) / f"traceback-rank{rank}.txt") if folder is not None else None
-    return f"error: {said(err, task, kept)}: fix it and run again (with --resume once a checkpoint is saved)"
+    return f"error: {described(err, task, kept)}: fix it and run again (with --resume once a checkpoint is saved)"
 
 
 def tool_line(err):
@@ -99,10 +99,10 @@ def tool_line(err):
     kept in the temporary folder."""
     tool = Path(sys.argv[0]).stem
     kept = keep(err, Path(tempfile.gettempdir()) / f"traceback-{tool}-{os.getpid()}.txt")
-    return f"error: {said(err, None, kept)}: {tool} met what none of its checks knows"
+    return f"error: {described(err, None, kept)}: {tool} met what none of its checks knows"
 
 
-def said(err, task, kept):
+def described(err, task, kept):
     """What `err` is, where in the user's code it was raised, and the file its traceback is kept in (or None)."""
     where = place(err, task)
     at = f" (at {where[0]}:{where[1]}, in {where[2]})" if where else ""
