@@ -340,7 +340,7 @@ def test_an_error_no_check_of_a_tool_names_is_one_line(tmp_path):
     (run_folder / "metrics.csv").write_text("epoch,world_size,epoch_seconds,images_per_s,test_accuracy\n1,1,2,3,4\n")
     out = run([sys.executable, "-c", BREAK, str(REPO / "tools/plot.py"), str(run_folder)],
               env=clean_env(TMPDIR=tmp_path))  # fmt: skip
-    kept = tmp_path / f"traceback-plot-{out.stderr.split('traceback-plot-')[-1].split('.txt')[0]}.txt"
+    kept = next(tmp_path.glob("traceback-plot-*.txt"), None)  # traceback-<tool>-<pid>.txt
     assert out.returncode == 1 and out.stdout == "" and out.stderr.count("\n") == 1, out.stderr
     assert out.stderr.startswith("error: TypeError: 'NoneType' object is not callable (at "), out.stderr
     assert "tools/plot.py:" in out.stderr and out.stderr.endswith(
