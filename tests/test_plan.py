@@ -200,7 +200,8 @@ def test_every_allocation_of_part_of_a_node_or_whole_nodes_is_tried(capsys):
     sizes = [int(line.split("|")[1]) for line in out.splitlines() if line[:2] == "| " and line[2].isdigit()]
     assert sorted(set(sizes)) == [1, 2, 3, 6, 9, 12]  # part of one node, or whole nodes
     assert "the smallest allocation that fits: 3 GPUs" in out
-    assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=3\n#SBATCH --gres=gpu:3" in out
+    assert "DDP (03_ddp_single_node/job.slurm)" in out  # one task, torchrun, starts the 3 ranks
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=1\n#SBATCH --gres=gpu:3" in out
 
 
 def doctor_json(path, slowest):
@@ -265,3 +266,21 @@ def test_the_host_memory_each_rank_needs(capsys):
         f"host memory per rank for the weights: DDP {whole:.1f} MiB (the whole model, built on the CPU); "
         f"FSDP and HSDP {fc1:.1f} MiB (its largest layer), rank 0 {whole:.1f} MiB with --save-model"
     ) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("world_size, name, stage", [
+    (1, "DDP", "03_ddp_single_node"), (4, "DDP", "03_ddp_single_node"), (8, "DDP", "04_ddp_multi_node"),
+    (2, "FSDP", "05_fsdp"), (8, "HSDP", "05_fsdp"),
+])  # fmt: skip
+def test_the_sbatch_lines_fit_the_job_script_they_name(world_size, name, stage, capsys):
+    """Pasted into the job script the plan names, its lines start a rank per GPU: 03's one task is torchrun, which
+    starts them (two tasks were two torchruns); 04's and 05's srun starts one per task."""
+    plan.recommend(plan.parse(["--gpus-per-node", "4"]), (world_size, name))
+    out = capsys.readouterr().out
+    assert f"({stage}/job.slurm)" in out
+    lines = dict(line.split("=") for line in out.splitlines() if line.startswith("#SBATCH"))
+    nodes, tasks, gpus = int(lines["#SBATCH --nodes"]), int(lines["#SBATCH --ntasks-per-node"]), lines["#SBATCH --gres"]
+    gpus = int(gpus.split(":")[1])
+    script = (REPO / stage / "job.slurm").read_text()
+    torchrun = "srun torchrun" in script  # one task a node, which starts --nproc_per_node=$SLURM_GPUS_ON_NODE ranks
+    assert nodes * gpus == world_size and tasks == (1 if torchrun else gpus)

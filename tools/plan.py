@@ -271,9 +271,8 @@ def recommend(args, best):
     print(
         f"\nthe smallest allocation that fits: {world_size} GPU{'s' * (world_size > 1)}, {name} ({stage}/job.slurm):\n"
     )
-    print(
-        f"#SBATCH --nodes={world_size // per_node}\n#SBATCH --ntasks-per-node={per_node}\n#SBATCH --gres=gpu:{per_node}"
-    )
+    tasks = 1 if stage == "03_ddp_single_node" else per_node  # 03's one task is torchrun: a rank per GPU
+    print(f"#SBATCH --nodes={world_size // per_node}\n#SBATCH --ntasks-per-node={tasks}\n#SBATCH --gres=gpu:{per_node}")
 
 
 if __name__ == "__main__":
