@@ -83,7 +83,7 @@ clean:  ## deletes runs/ (every run's metrics and checkpoints), the stages' Slur
 	rm -rf runs .pytest_cache */__pycache__ */*.out */*.gpu.csv plot.png scaling.md scaling.png data/MNIST/raw/*-ubyte
 
 # One GPU, one call, priority first (BUDGET=480 s): what the stages promise on a GPU against its targets; on a CPU it
-# runs QUICK=1, a few thousand images, to check the script (bench/gpu/README.md)
+# runs QUICK=1, 640 images a run, to check the script (bench/gpu/README.md)
 bench: $(VENV) $(DATA)  ## the GPU table: one GPU, about 8 minutes, bench-results/gpu/table.md (bench/gpu/README.md)
 	PY=$(PYTHON) bash bench/gpu/measure.sh
 

@@ -1,4 +1,4 @@
-"""Benchmark the stages on this machine: `make bench` (or python bench/bench.py), on its GPUs or its CPU.
+"""Benchmark the stages on this machine: `make benchmarks` (or python bench/bench.py), on its GPUs or its CPU.
 
 Every configuration runs the real train.py for a fixed number of epochs and is read back from its
 metrics.csv. Reported per configuration (the median over its repeats): the median epoch time of the

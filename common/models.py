@@ -1,6 +1,6 @@
 """The models (--model), built by `build` for a data set's channels, classes and image size; it
 finds each by its name in MODELS, so a reader who follows it to one model reads that one alone. Each
-returns log-probabilities, as the stages train with F.nll_loss.
+returns log-probabilities: the stages' cross-entropy on them is F.nll_loss.
 
   net         pytorch/examples' mnist/main.py CNN, but for the channels and classes: 28x28 only
   cnn         a small VGG-style CNN that ends in global average pooling, so any image size fits

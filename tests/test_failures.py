@@ -294,7 +294,7 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tiny_data, tmp_p
 
 @pytest.mark.slow
 def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(uninterrupted, tiny_data, tmp_path):
-    """The checkpoint records what it was trained on (common.data.fingerprint): a resume on more images, or
+    """The run's manifest records what it was trained on (preflight.fingerprint()): a resume on more images, or
     on shifted labels, ran to the end without a word. A checkpoint from before it was recorded resumes."""
     out, more, shifted = tmp_path / "out", tmp_path / "more", tmp_path / "shifted"
     trained(uninterrupted, out, S01, "--epochs", 1)  # the run of one epoch, shared (on the same images)

@@ -100,8 +100,8 @@ def test_rows_on_paper_with_bandwidth(tmp_path, capsys):
     )
 
 
-def test_the_models_size_is_the_one_the_checkpoint_records(tmp_path, capsys):
-    """A run of a task of its own names no model of common/models.py: its checkpoint records the parameter
+def test_the_models_size_is_the_one_the_run_records(tmp_path, capsys):
+    """A run of a task of its own names no model of common/models.py: its manifest records the parameter
     count, which the rows on paper use (before a count that models.build() would make of its options);
     --params overrides it."""
     one = write_run(tmp_path / "one", 1, [500, 1000], [90, 95], seconds=(1, 1))
@@ -124,7 +124,7 @@ def test_a_model_common_models_does_not_know_is_one_line():
 
 @pytest.mark.slow
 def test_a_sharded_run_records_the_whole_models_size(tiny_data, tmp_path, capsys):
-    """Stage 05 on 2 ranks: each holds half of every parameter, its checkpoint records the whole Net's count."""
+    """Stage 05 on 2 ranks: each holds half of every parameter, its manifest records the whole Net's count."""
     args = stage_args(tiny_data, tmp_path / "run", "--epochs", 1, "--batch-size", 28, "--dist-timeout", 30)
     result = torchrun(2, S05, *args)
     assert result.returncode == 0, result.stderr[-2000:]

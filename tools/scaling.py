@@ -2,11 +2,11 @@
 
     python tools/scaling.py RUN... [--target 99] [--out scaling.md] [--plot scaling.png] [--bandwidth GBps]
 
-RUNs as for tools/plot.py. The global batch and the model's size are read from the run's checkpoint
-(checkpoint.pt, or stage 05's checkpoint/state.pt; one written before the size was recorded: the size of the
-built-in task's model its options name); the nodes from metrics.csv (runs from before it was recorded: 1 for one
+RUNs as for tools/plot.py. The global batch and the model's size are read from the run's manifest
+(run-manifest.json; a run of an older version: its checkpoint.pt, or stage 05's checkpoint/state.pt; one written
+before the size was recorded: the size of the built-in task's model its options name); the nodes from metrics.csv (runs from before it was recorded: 1 for one
 process, else "?"). A run resumed at another world size (stage 05 after a requeue onto fewer nodes) gives one
-row per world size. Runs of different stages, or whose checkpoints record different options (beside the
+row per world size. Runs of different stages, or whose manifests record different options (beside the
 batch and the learning rate, which scaling studies change), are named in a note above the table.
 --bandwidth adds rows on paper.
 """
@@ -109,13 +109,13 @@ def measure(folder, rows, target):
 
 
 def parameters(run, given):
-    """Values each step all-reduces: --params, else the parameters the run's checkpoint records, else (one
+    """Values each step all-reduces: --params, else the parameters the run's manifest records, else (one
     written before they were) those of the built-in task's model its options name."""
     flags = run["flags"]
     if count := given or run["parameters"]:
         return count
     if "model" not in flags or "dataset" not in flags:
-        sys.exit("error: --bandwidth needs --params: no checkpoint.pt records the model's size")
+        sys.exit("error: --bandwidth needs --params: no run-manifest.json records the model's size")
     spec, shape = data.SETS[flags["dataset"]], (flags.get("depth", 16), flags.get("width", 4))
     size = 28 if len(spec.mean) == 1 else 32  # the 1-channel sets are 28x28, the others 32x32: what build() checks
     try:
@@ -185,7 +185,7 @@ def main(argv=None):
     p.add_argument("--bandwidth", type=options.number(float, "(0, inf)"), metavar="GBps",
                    help="GB/s of the all-reduce links: adds the rows on paper")  # fmt: skip
     p.add_argument("--params", type=options.number(int, "[1, inf)"),
-                   help="the model's parameters (default: as the run's checkpoint records them)")  # fmt: skip
+                   help="the model's parameters (default: as the run's manifest records them)")  # fmt: skip
     args = p.parse_args(argv)
     if args.out and args.plot and args.out.resolve() == args.plot.resolve():
         p.error(f"--out and --plot both name {args.out}: one would replace the other")

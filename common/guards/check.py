@@ -204,7 +204,7 @@ def check_args(args, warn=True, gpus=None):
         usage(f"argument --resume: {path} {what}: give a checkpoint file (<output-dir>/checkpoint.pt) or, from "
               "stage 05, a checkpoint folder (<output-dir>/checkpoint)")  # fmt: skip
     for name, value in vars(args).items():
-        if not plain(value):  # a checkpoint records them, and loads only plain values (weights_only=True)
+        if not plain(value):  # the run's manifest records them, as JSON
             usage(f"--{name.replace('_', '-')} is a {type(value).__name__} ({value!r:.60}): an option of a task must "
                   "be a str, int, float, bool, None or a list of them: give its add_argument() such a type=")  # fmt: skip
     cpus = cpus_per_rank()
