@@ -11,7 +11,7 @@ from urllib.error import URLError
 
 import pytest
 import torch
-from helpers import INJECT, REPO, S03, TRAIN_SIZE, clean_env, run, stage_args, torchrun_cmd, write_idx_subset
+from helpers import INJECT, REPO, S03, TEST_SIZE, TRAIN_SIZE, clean_env, run, stage_args, torchrun_cmd, write_idx_subset
 from torch.utils.data.distributed import DistributedSampler
 
 from common import cli, data
@@ -141,6 +141,21 @@ def test_a_labels_file_shorter_than_its_images_is_refused(tiny_data, tmp_path):
     path = tmp_path / "MNIST" / "raw" / "train-labels-idx1-ubyte"
     write_idx_subset(REPO / "data" / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz", path, TRAIN_SIZE - 1)
     assert f"{TRAIN_SIZE - 1} labels for {TRAIN_SIZE} images" in refused(tmp_path, "mnist", path)
+
+
+@pytest.mark.parametrize("file", ["t10k-labels-idx1-ubyte", "t10k-images-idx3-ubyte"], ids=["labels", "images"])
+def test_a_task_without_dataset_has_its_files_checked_too(file, tiny_data, tmp_path):
+    """common/tasks/augmented.py reads MNIST through data.dataset() and has no --dataset: a test labels file one
+    short tested on fewer images without a word, a truncated images file was numpy's reshape error naming none."""
+    shutil.copytree(tiny_data / "MNIST", tmp_path / "MNIST")
+    path = tmp_path / "MNIST" / "raw" / file
+    short = TEST_SIZE - 1 if "labels" in file else TEST_SIZE
+    write_idx_subset(REPO / "data" / "MNIST" / "raw" / f"{file}.gz", path, short)
+    path.write_bytes(path.read_bytes()[: None if "labels" in file else -1])
+    args = cli.parse_args(["--task", str(REPO / "common/tasks/augmented.py"), "--data-dir", str(tmp_path)])[0]
+    with pytest.raises(SystemExit) as stop:
+        check.check_args(args, warn=False, gpus=0)
+    assert re.match(f"error: {re.escape(str(path))}: .*run `make data DATASET=mnist` again", stop.value.code)
 
 
 def cifar_batch(labels, images=None):

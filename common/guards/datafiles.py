@@ -2,9 +2,10 @@
 another format, a labels file shorter than its images, a label outside the classes, a CIFAR batch that is no
 CIFAR batch or names more than numpy arrays) is one line naming the file and the fix, before the lesson reads
 it (common/datafiles.py), instead of a traceback from deep inside numpy or torch, or a run that silently trains
-on less. check() reads the files of the stage's --dataset as common/data.py dataset() will, when a stage
-starts (check.check_args()); a missing file is left to dataset(), which names `make data`."""
+on less. check() reads the files of the stage's --dataset (any task's: of every set) as common/data.py dataset()
+will, when a stage starts (check.check_args()); a missing file is left to dataset(), which names `make data`."""
 
+import itertools
 import math
 import os
 import struct
@@ -100,12 +101,12 @@ def check_set(data_dir, name, train):
 
 
 def check(args):
-    """The files of --dataset, where the task has that option (common/tasks/images.py), before any is read:
-    one line naming the file and the fix."""
-    if getattr(args, "dataset", None) not in data.SETS:
-        return
+    """The files of --dataset (common/tasks/images.py's option), else of every set of common/data.py in --data-dir:
+    a task without the option may read any (common/tasks/augmented.py reads MNIST's); before any is read, one
+    line naming the file and the fix."""
+    names = [args.dataset] if getattr(args, "dataset", None) in data.SETS else data.SETS
     try:
-        for train in (True, False):
-            check_set(args.data_dir, args.dataset, train)
+        for name, train in itertools.product(names, (True, False)):
+            check_set(args.data_dir, name, train)
     except BadFile as err:
         raise SystemExit(f"error: {err}") from None
