@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from PIL import Image
 from torch.utils import _pytree as pytree  # nested dicts, lists and tuples, as torch.compile walks
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Subset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Subset, default_collate
 
 from common import datafiles, sampling
 from common.environment import cpus_per_rank
@@ -108,8 +108,7 @@ def synthetic(count, classes, seed):
 
 
 def cifar_batches(folder, train, spec, name):
-    """CIFAR's python batches; not torchvision's CIFAR classes: they check the official files'
-    MD5s and refuse any other."""
+    """CIFAR's python batches, not torchvision's CIFAR classes: they refuse all but the official."""
     paths = [folder / file for file in (spec.files[:-1] if train else spec.files[-1:])]
     key = b"labels" if name == "cifar10" else b"fine_labels"
     return datafiles.read_cifar(paths, key)
@@ -210,8 +209,6 @@ def loader(dataset, sampler, batch_size, args, device, collate=None):
     read sample by sample is batched by `collate` (the task's: padding, masks), else stacked."""
     if args.loader == "device":
         return OnDevice(dataset, sampler, batch_size, device)
-    if not isinstance(dataset, Images):  # a task's own: each sample draws random numbers of its own
-        dataset, sampler = sampling.Seeded(dataset, args.seed), sampling.Tagged(sampler)
     per_sample = args.loader == "classic" or not isinstance(dataset, Images)  # one at a time
     workers = num_workers(args, per_sample)
     # pinned (page-locked) batches: the copy to the GPU can be asynchronous. Worker seeds from a
@@ -220,10 +217,13 @@ def loader(dataset, sampler, batch_size, args, device, collate=None):
     generator = torch.Generator().manual_seed(args.seed)
     options = dict(num_workers=workers, pin_memory=device.type == "cuda",
                    persistent_workers=workers > 0, generator=generator)  # fmt: skip
-    if per_sample:
-        dataset = PerSample(dataset) if isinstance(dataset, Images) else dataset
+    if isinstance(dataset, Images) and per_sample:  # classic
+        dataset = PerSample(dataset)
         return DataLoader(dataset, batch_size, sampler=sampler, collate_fn=collate, **options)
-    # batched: the sampler's indices come in lists of batch_size, and the dataset builds each batch
+    if not isinstance(dataset, Images):  # a task's own: samples and batches draw their own numbers
+        dataset = sampling.Seeded(dataset, args.seed, collate or default_collate)
+        sampler = sampling.Tagged(sampler)
+    # the sampler's indices come in lists of batch_size, and the dataset builds each batch
     batches = BatchSampler(sampler, batch_size, drop_last=False)
     return DataLoader(dataset, sampler=batches, batch_size=None, **options)
 

@@ -4,9 +4,9 @@ the samples, augmented alike, that the uninterrupted run would have.
 
 Resumable is the training sampler: each epoch's order follows from --seed and the epoch alone, and
 an epoch can start at the sample where an earlier run stopped. Seeded draws each sample of a task's
-own data set with the CPU generators seeded for that sample alone, from (--seed, epoch, index): a
-random augmentation draws the same with 0 or 8 DataLoader workers, at any world size, resumed
-or not.
+own data set with the CPU generators seeded for that sample alone, from (--seed, epoch, index), and
+each batch its collate() makes for its first sample: a random augmentation (or masking) draws the
+same with 0 or 8 DataLoader workers, at any world size, resumed or not.
 """
 
 import hashlib
@@ -79,30 +79,41 @@ class Tagged(Sampler):
 
 
 class Seeded(Dataset):
-    """A task's data set, each sample drawn with torch's CPU generator, numpy's and random's seeded
-    from (seed, epoch, index), put back after in the training process: its own draws (dropout, the
-    next shuffle) do not depend on the data set's."""
+    """A task's data set, read a batch at a time (Tagged's items, in a BatchSampler): each sample
+    drawn with torch's CPU generator, numpy's and random's seeded from (seed, epoch, index), then
+    the batch made by `collate` (padding, a random masking) with them seeded from its first
+    sample's. The same in a worker or not, resumed or not; the training process's own draws
+    (dropout, the next shuffle) do not depend on the data's."""
 
-    def __init__(self, dataset, seed):
-        self.dataset, self.seed = dataset, seed
+    def __init__(self, dataset, seed, collate):
+        self.dataset, self.seed, self.collate = dataset, seed, collate
 
     def __len__(self):
         return len(self.dataset)
 
-    def __getitem__(self, item):
-        index, epoch = item if isinstance(item, tuple) else (item, 0)
-        digest = hashlib.blake2b(f"{self.seed} {epoch} {index}".encode(), digest_size=8).digest()
-        value = int.from_bytes(digest, "little")
-        before = None if get_worker_info() else generators()
-        torch.default_generator.manual_seed(value)
-        random.seed(value)
-        if numpy is not None:  # 32-bit words: numpy takes no larger seed
-            numpy.random.seed([value & 0xFFFFFFFF, value >> 32, 1])
-        try:
-            return self.dataset[index]
-        finally:
-            if before is not None:
-                set_generators(before)
+    def __getitem__(self, batch):
+        samples = [self.sample(index, epoch) for index, epoch in batch]
+        index, epoch = batch[0]
+        return drawn(f"{self.seed} {epoch} {index} batch", self.collate, samples)
+
+    def sample(self, index, epoch=0):
+        return drawn(f"{self.seed} {epoch} {index}", self.dataset.__getitem__, index)
+
+
+def drawn(key, function, *args):
+    """function(*args) with every CPU generator seeded from `key`, put back after in the training
+    process (a DataLoader worker's are its own)."""
+    value = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    before = None if get_worker_info() else generators()
+    torch.default_generator.manual_seed(value)
+    random.seed(value)
+    if numpy is not None:  # 32-bit words: numpy takes no larger seed
+        numpy.random.seed([value & 0xFFFFFFFF, value >> 32, 1])
+    try:
+        return function(*args)
+    finally:
+        if before is not None:
+            set_generators(before)
 
 
 def generators():

@@ -67,11 +67,11 @@ class Draws(Dataset):
         return torch.tensor([torch.rand(1).item(), numpy.random.rand(), random.random()], dtype=torch.float64), 0
 
 
-def draws(seed, workers, epoch=1):
+def draws(seed, workers, epoch=1, collate=None):
     options = SimpleNamespace(loader="batched", num_workers=workers, seed=seed)
     sampler = sampling.Resumable(torch.utils.data.RandomSampler(range(12), generator=torch.Generator()), seed)
     sampler.set_epoch(epoch)
-    loader = data.loader(Draws(), sampler, 4, options, torch.device("cpu"))  # a task's own: seeded per sample
+    loader = data.loader(Draws(), sampler, 4, options, torch.device("cpu"), collate)  # a task's own: seeded
     return torch.cat([x for x, _ in loader])
 
 
@@ -83,6 +83,24 @@ def test_each_sample_draws_its_own_numbers_from_the_seed_with_any_workers():
     assert one.unique().numel() == one.numel()  # no two samples, workers or generators draw alike
     assert torch.equal(draws(1, 2), one)  # 0 or 2 workers (each with a share of the batches): the same draws
     assert not torch.equal(draws(2, 2), one) and not torch.equal(draws(1, 2, epoch=2), one)  # per --seed, per epoch
+
+
+def masked(samples):
+    """A task's collate() that draws: a random masking of each batch, as BERT's collator does."""
+    x = torch.stack([x for x, _ in samples])
+    return x * (torch.rand(x.shape, dtype=x.dtype) < 0.5), torch.tensor([y for _, y in samples])
+
+
+def test_a_collate_that_draws_draws_the_same_with_any_workers_and_spends_none_of_the_runs_numbers():
+    """The collate() ran unseeded: in a worker on what the batch's last sample left, without workers on the
+    training process's generator (another masking with --num-workers 0 than 2; an evaluation stopped and run
+    again after a resume drew more of it, and the run went on otherwise)."""
+    before = torch.get_rng_state(), numpy.random.get_state()[1].copy(), random.getstate()
+    one = draws(1, 0, collate=masked)
+    after = torch.get_rng_state(), numpy.random.get_state()[1].copy(), random.getstate()
+    assert torch.equal(before[0], after[0]) and (before[1] == after[1]).all() and before[2] == after[2]
+    assert torch.equal(draws(1, 2, collate=masked), one) and (one == 0).any() and (one != 0).any()
+    assert not torch.equal(draws(1, 0, epoch=2, collate=masked), one)  # each epoch's batches mask anew
 
 
 def test_a_data_set_with_an_images_attribute_is_read_sample_by_sample():
