@@ -34,13 +34,10 @@ from common import shards
 from common.environment import is_rank0, restarts
 from common.sampling import generators, set_generators
 
-# stages 01-04's file; stage 05's link to its newest epoch-N
-WHOLE, SHARDED = "checkpoint.pt", "checkpoint"
-# what stage 05 writes as shards; the rest of `states` goes into state.pt
-SPLIT = ("model", "optimizer")
+WHOLE, SHARDED = "checkpoint.pt", "checkpoint"  # 01-04's file; 05's link to its newest epoch-N
+SPLIT = ("model", "optimizer")  # what stage 05 writes as shards; the rest of `states`: state.pt
 
-# stage 05 under a plain `python train.py` saves and loads its sharded checkpoints in one
-# process, as meant
+# stage 05 under a plain `python train.py`: its sharded checkpoints in one process, as meant
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
 
 
@@ -101,10 +98,11 @@ def save_sharded(output_dir, epoch, states, step=0):
         dist.barrier()
     # tensors only: DCP unpickles any other item unrestricted, which would run whatever it names
     dcp.save({"model": weights, "optimizer": optimizer_state["state"]}, checkpoint_id=folder)
+    buffers = every_ranks_buffers(states["model"]) if step else None  # one copy in the shards
     if is_rank0():
         rest = {name: thing for name, thing in states.items() if name not in SPLIT}
         # the optimizer's plain values too: loaded with weights_only=True
-        groups = {"param_groups": optimizer_state["param_groups"]}
+        groups = {"param_groups": optimizer_state["param_groups"], "buffers": buffers}
         with atomic(folder / "state.pt") as f:
             torch.save(run_state(epoch, step, rest) | groups, f)
         latest, before = linked(output_dir / SHARDED), linked(output_dir / f"{SHARDED}-previous")
@@ -117,9 +115,28 @@ def save_sharded(output_dir, epoch, states, step=0):
         dist.barrier()  # rank 0 has switched the link
 
 
+def every_ranks_buffers(model):
+    """Each rank's floating-point buffers, on rank 0: FSDP shards none, and until an evaluation
+    averages them (distributed.average_buffers) each rank's BatchNorm statistics are its own."""
+    mine = {name: b.detach().cpu() for name, b in model.named_buffers() if b.is_floating_point()}
+    everyone = [mine] * (dist.get_world_size() if dist.is_initialized() else 1)
+    if dist.is_initialized():
+        dist.gather_object(mine, everyone if is_rank0() else None)
+    return everyone
+
+
+def set_buffers(model, saved):
+    """This rank's own buffers as saved; at another world size, the mean of every rank's."""
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in saved[0]:
+                own = [ranks_own[name] for ranks_own in saved]
+                buffer.copy_(own[rank] if len(own) == ranks else sum(own) / len(own))
+
+
 def linked(link):
-    """The folder beside it that `link` names, or None: rotation deletes what this run linked, never
-    by name."""
+    """The folder `link` names beside it, or None: rotation deletes only what this run linked."""
     name = os.readlink(link) if os.path.islink(link) else None
     return name if name and "/" not in name and name not in (".", "..") else None
 
@@ -155,8 +172,7 @@ def read_on_rank0(path):
 
 
 def read(path):
-    """The checkpoint at `path`, a checkpoint.pt or a stage 05 folder (then its state.pt, with
-    "folder" added for restore() to read the shards from)."""
+    """The checkpoint.pt at `path`, or a stage 05 folder's state.pt and "folder": the shards'."""
     folder = path.resolve() if path.is_dir() else None
     state = torch.load(folder / "state.pt" if folder else path, "cpu", weights_only=True)
     return state | {"folder": folder} if isinstance(state, dict) else state
@@ -193,6 +209,8 @@ def restore_sharded(path, states):
         return 1, 0
     state = read_on_rank0(path)
     load_sharded(state, states["model"], states["optimizer"])
+    if state.get("buffers"):  # saved mid-epoch: each rank's own statistics
+        set_buffers(states["model"], state["buffers"])
     return restore_rest(state, states)
 
 

@@ -80,10 +80,9 @@ class Tagged(Sampler):
 
 class Seeded(Dataset):
     """A task's data set, read a batch at a time (Tagged's items, in a BatchSampler): each sample
-    drawn with torch's CPU generator, numpy's and random's seeded from (seed, epoch, index), then
-    the batch made by `collate` (padding, a random masking) with them seeded from its first
-    sample's. The same in a worker or not, resumed or not; the training process's own draws
-    (dropout, the next shuffle) do not depend on the data's."""
+    drawn with torch's CPU generator, numpy's and random's seeded from (seed, epoch, index), the
+    batch's `collate` (padding, a random masking) from its first sample's: alike in a worker or not,
+    resumed or not. The training process's are put back: its draws (dropout) do not follow these."""
 
     def __init__(self, dataset, seed, collate):
         self.dataset, self.seed, self.collate = dataset, seed, collate
@@ -92,28 +91,28 @@ class Seeded(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, batch):
-        samples = [self.sample(index, epoch) for index, epoch in batch]
-        index, epoch = batch[0]
-        return drawn(f"{self.seed} {epoch} {index} batch", self.collate, samples)
+        before = None if get_worker_info() else generators()  # a worker's are its own
+        try:
+            samples = []
+            for index, epoch in batch:
+                seed(self.seed, epoch, index)
+                samples.append(self.dataset[index])
+            index, epoch = batch[0]
+            seed(self.seed, epoch, index, "batch")
+            return self.collate(samples)
+        finally:
+            if before is not None:
+                set_generators(before)
 
-    def sample(self, index, epoch=0):
-        return drawn(f"{self.seed} {epoch} {index}", self.dataset.__getitem__, index)
 
-
-def drawn(key, function, *args):
-    """function(*args) with every CPU generator seeded from `key`, put back after in the training
-    process (a DataLoader worker's are its own)."""
-    value = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
-    before = None if get_worker_info() else generators()
+def seed(*key):
+    """Seed torch's CPU generator, numpy's and random's from `key`: (--seed, epoch, index, ...)."""
+    digest = hashlib.blake2b(" ".join(map(str, key)).encode(), digest_size=8).digest()
+    value = int.from_bytes(digest, "little")
     torch.default_generator.manual_seed(value)
     random.seed(value)
     if numpy is not None:  # 32-bit words: numpy takes no larger seed
         numpy.random.seed([value & 0xFFFFFFFF, value >> 32, 1])
-    try:
-        return function(*args)
-    finally:
-        if before is not None:
-            set_generators(before)
 
 
 def generators():

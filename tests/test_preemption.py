@@ -192,6 +192,35 @@ def test_stage05_saved_mid_epoch_at_two_ranks_resumes_at_one_seeing_every_sample
     assert [r["epoch"] for r in rows] == ["1", "2"] and rows[1]["world_size"] == "1"
 
 
+BATCHNORM = """from torch import nn
+
+from common.tasks.images import *  # noqa: F403 (MNIST)
+
+
+def model(args):
+    return nn.Sequential(nn.Conv2d(1, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 10))  # fmt: skip
+"""
+
+
+@pytest.mark.slow
+def test_stage05_stopped_mid_epoch_keeps_each_ranks_batchnorm_statistics(tiny_data, tmp_path):
+    """FSDP shards no buffer and averages BatchNorm's statistics only before an evaluation: mid-epoch each rank's
+    are its own, and the shards hold one copy. The resumed run gave every rank rank 0's, and its statistics, test
+    loss and exported model differed from the run never stopped (weights alike)."""
+    task, whole, cut = tmp_path / "bn.py", tmp_path / "whole", tmp_path / "cut"
+    task.write_text(BATCHNORM)
+    flags = ("--task", task, "--save-model")
+    assert torchrun(2, S05, *args(tiny_data, whole, *flags)).returncode == 0
+    proc = start(S05, *args(tiny_data, cut, *flags), nproc=2, env=clean_env(**SLOW))
+    output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
+    saved_mid_epoch(cut, output, proc.returncode, proc)
+    resumed = torchrun(2, S05, *args(tiny_data, cut, *flags, "--resume"))
+    assert resumed.returncode == 0 and "resumed at epoch 2" in resumed.stdout, resumed.stderr[-2000:]
+    assert_same_state(checkpoint(cut, "model.pt"), checkpoint(whole, "model.pt"))
+    assert [r["test_loss"] for r in metrics(cut)] == [r["test_loss"] for r in metrics(whole)]
+
+
 @pytest.mark.slow
 def test_a_second_signal_during_the_save_changes_nothing(uninterrupted, tiny_data, tmp_path):
     whole, cut = whole_run(uninterrupted), tmp_path / "cut"

@@ -172,7 +172,7 @@ def as_bytes(leaf):
 def item(dataset, i):
     """dataset[i], or one line before the first step: a __len__ that counts more items than __getitem__ has."""
     try:
-        return Seeded(dataset, 0, None).sample(i)  # every generator fixed: the data, not one draw of an augmentation
+        return Seeded(dataset, 0, list)[[(i, 0)]][0]  # every generator fixed: the data, not one draw of an augmentation
     except Exception as err:  # the user's data set: anything can fail here
         stop(f"error: item {i} of a data set whose __len__ is {len(dataset)} fails ({type(err).__name__}: "
              f"{str(err)[:100]}): its __len__ must count the items __getitem__ returns, and each must load")  # fmt: skip
@@ -193,7 +193,7 @@ def check_datasets(args, task, *datasets):
         if len(found) == 0:  # an evaluation of nothing would divide by zero; a training of nothing is no run
             stop(f"error: --task {args.task}: its {name} set is empty (check the path it reads, and --limit)")
         try:
-            x, y = Seeded(found, 0, None).sample(0)  # the run's own generators untouched
+            x, y = Seeded(found, 0, list)[[(0, 0)]][0]  # the run's own generators untouched
             floats = [t.dtype for t in pytree.tree_leaves(y) if torch.is_tensor(t) and t.is_floating_point()]
             if (floats or isinstance(y, float)) and not hasattr(task, "loss") and not hasattr(task, "metric"):
                 raise TypeError(f"a label of {floats[0] if floats else float}: cross-entropy and accuracy count "
@@ -202,7 +202,7 @@ def check_datasets(args, task, *datasets):
             stop(f"error: --task {args.task}: datasets() must return (training set, test set) of torch.utils.data "
                  f"Datasets whose items are (input, label), the label a class number by default; its {name} set's "
                  f"first item fails that ({type(err).__name__}: {str(err)[:200]})")  # fmt: skip
-        samples.check_collate(args, task, name, [Seeded(found, 0, None).sample(i) for i in range(min(len(found), 2))])
+        samples.check_collate(args, task, name, Seeded(found, 0, list)[[(i, 0) for i in range(min(len(found), 2))]])
     if args.loader == "device" and not all(isinstance(d, data.Images) for d in datasets):
         stop(
             f"error: --loader device holds a data set of tensors (common/data.py Images) on the GPU; --task "
