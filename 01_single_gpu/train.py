@@ -18,7 +18,7 @@ Reading it: the task (--task FILE; MNIST by default) gives the model, data and l
 
 Expect: about 98.4 % test accuracy after one epoch and 99 % after four or five. An epoch takes
 about 1.7 s on an H100 (6 s with pytorch/examples' pipeline, --loader classic; 0.55 s on an H200
-with --compile, the step one CUDA graph) and 85 s on two CPU cores. BENCHMARKS.md has the figures.
+with --compile, the step one CUDA graph) and 46 s on two CPU cores. BENCHMARKS.md has the figures.
 """
 
 import importlib.util

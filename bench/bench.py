@@ -10,7 +10,7 @@ run alternately, round after round, so that drifts of a noisy machine hit all of
 On GPUs: pytorch/examples' classic pipeline as the reference; 01, 02, 03 and 05 at batch 64 and 512,
 eager and compiled; the device loader; the large-batch recipes for the time to 99 %; 1 -> N GPUs.
 On a CPU (no GPU claims): stage 01 with the default loader, the classic one and --compile, and stage 03
-at 1 and 2 gloo processes, on the first --limit images (a full MNIST epoch takes 85 s on 2 cores).
+at 1 and 2 gloo processes, on the first --limit images (a full MNIST epoch takes 46 s on 2 cores).
 
 Writes OUT/bench.csv (one row per run), OUT/bench.md (the table) and, if matplotlib is installed,
 OUT/bench.png (test accuracy against training time).
