@@ -10,6 +10,7 @@ same with 0 or 8 DataLoader workers, at any world size, resumed or not.
 """
 
 import hashlib
+import itertools
 import math
 import random
 
@@ -58,8 +59,9 @@ class Resumable(Sampler):
         elif isinstance(sampler, DistributedSampler):  # the epoch's whole order, then deal the rest
             whole = DistributedSampler(sampler.dataset, 1, 0, sampler.shuffle, sampler.seed)
             whole.set_epoch(self.epoch)
-            rest = list(whole)[skip:]
-            rest += rest[: -len(rest) % sampler.num_replicas]  # padded as DistributedSampler pads
+            order = list(whole)
+            rest = order[skip:]  # padded as DistributedSampler pads: with the order's first samples
+            rest += itertools.islice(itertools.cycle(order), -len(rest) % sampler.num_replicas)
             yield from rest[sampler.rank :: sampler.num_replicas]
         else:
             yield from list(sampler)[skip:]

@@ -2,6 +2,7 @@
 saves the run where it stands, in seconds, with one line, and the resumed run is the run it would have
 been (bit-identical weights; at another world size, every sample of the epoch seen once)."""
 
+import itertools
 import json
 import os
 import re
@@ -36,7 +37,9 @@ from helpers import (
     wait_for,
     wait_for_epoch,
 )  # fmt: skip
+from torch.utils.data import DistributedSampler
 
+from common import sampling
 from common.guards import resume
 from common.guards.versions import release
 
@@ -83,6 +86,32 @@ def saved_mid_epoch(out, output, code, proc):
     # torchrun, signalled itself, ends with a traceback of its own (SignalException); the run has none
     assert output.count("Traceback") == output.count("elastic.multiprocessing.api.SignalException: Process"), output
     return step
+
+
+@pytest.mark.parametrize("size", [511, 13, 12])
+def test_a_resumed_epoch_deals_each_rank_what_it_would_have_trained(size):
+    """Resumed at the world size it stopped at, each rank gets the rest of its own share of the epoch, padding
+    included: an odd training set was padded with the first sample left, where DistributedSampler pads with the
+    epoch's first (511 images at 2 ranks resumed to other weights, every one). At another world size: every sample
+    left, in shares of one length (a rank with one step more would wait for ever in a collective)."""
+    data = range(size)
+
+    def share(ranks, rank, skip=None):
+        sampler = DistributedSampler(data, ranks, rank, seed=1)
+        sampler = sampling.Resumable(sampler, 1) if skip is not None else sampler
+        sampler.set_epoch(3)
+        if skip is not None:
+            sampler.resume_at(3, skip)
+        return list(sampler)
+
+    for ranks, batch in itertools.product((2, 3, 4), (1, 4)):
+        for steps, rank in itertools.product(range(-(-size // (batch * ranks)) + 1), range(ranks)):
+            assert share(ranks, rank, steps * batch * ranks) == share(ranks, rank)[steps * batch :]
+    order = share(1, 0)
+    for ranks, skip in itertools.product((2, 3, 5), (0, 4, 8, 12)):  # saved at 4 ranks, batches of 1
+        shares = [share(ranks, rank, skip) for rank in range(ranks)]
+        dealt, left = [*itertools.chain(*shares)], order[skip:]
+        assert len({len(s) for s in shares}) == 1 and set(left) <= set(dealt) and len(dealt) - len(left) < ranks
 
 
 @pytest.mark.parametrize(
