@@ -106,11 +106,11 @@ def save_sharded(output_dir, epoch, states, step=0):
         with atomic(folder / "state.pt") as f:
             torch.save(run_state(epoch, step, rest) | groups, f)
         latest, before = linked(output_dir / SHARDED), linked(output_dir / f"{SHARDED}-previous")
-        if latest and latest != folder.name:  # the checkpoint this one replaces stays, as previous
+        if latest not in (None, folder.name):  # the checkpoint this one replaces stays, as previous
             point(output_dir / f"{SHARDED}-previous", latest)
         point(output_dir / SHARDED, folder.name)
-        if before and latest and before not in (latest, folder.name):  # what no link names goes
-            shutil.rmtree(output_dir / before, ignore_errors=True)
+        if latest not in (None, folder.name) and before not in (None, latest, folder.name):
+            shutil.rmtree(output_dir / before, ignore_errors=True)  # what no link names now goes
     if dist.is_initialized():
         dist.barrier()  # rank 0 has switched the link
 

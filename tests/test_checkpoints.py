@@ -88,6 +88,9 @@ def test_a_damaged_shard_or_missing_metadata_is_named_by_file(uninterrupted, tin
     one_error(
         small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume"), f"{tmp_path / 'epoch-2' / '.metadata'} is missing"
     )
+    shutil.rmtree(tmp_path / "epoch-2")  # the link names a folder that is gone: the one before is named
+    out = small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume")
+    one_error(out, f"{tmp_path / 'checkpoint'} names epoch-2, which is gone", f"--resume {tmp_path / 'epoch-1'}")
     out = small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume", tmp_path / "epoch-1")
     assert out.returncode == 0, out.stderr
     assert [f.name for f in resume.epochs(tmp_path)] == ["epoch-3", "epoch-2"]

@@ -16,6 +16,7 @@ from helpers import (
     S01,
     S03,
     S05,
+    TEST_SIZE,
     TIMING,
     assert_same_state,
     checkpoint,
@@ -52,7 +53,9 @@ def model(args):
     return net
 
 def evaluating(module, inputs):
-    if not module.training and "EVAL_MARK" in os.environ:
+    global passed  # evaluation batches let pass before the slow ones: EVAL_AFTER
+    passed = globals().get("passed", 0) + (not module.training)
+    if not module.training and "EVAL_MARK" in os.environ and passed > int(os.environ.get("EVAL_AFTER", 0)):
         mark("EVAL_MARK")
         time.sleep(float(os.environ["EVAL_SLEEP"]))
 """
@@ -142,6 +145,32 @@ def test_two_ranks_under_torchrun_stopped_during_evaluation_save_at_once_and_res
     else:  # sharded checkpoints: the whole weights with --save-model would need another run; the metrics suffice
         strip = lambda rows: [{k: v for k, v in row.items() if k not in TIMING} for row in rows]  # noqa: E731
         assert strip(metrics(cut)) == strip(metrics(whole))
+
+
+@pytest.mark.slow
+def test_stage05_stopped_again_in_the_evaluation_it_resumed_keeps_both_checkpoints(task_file, tiny_data, tmp_path):
+    """Stopped in epoch 2's evaluation, resumed, and stopped again in the evaluation it runs again: the same step.
+    Its save rewrote the checkpoint it had resumed from (none whole while it wrote) and deleted the one before,
+    which the link checkpoint-previous still named: now the checkpoint there stands, untouched, and both links
+    name folders."""
+    task, cut, whole, marks = task_file, tmp_path / "cut", tmp_path / "whole", [tmp_path / "m1", tmp_path / "m2"]
+    proc = start(S05, *eval_args(tiny_data, cut, task), env=clean_env(
+        EVAL_MARK=marks[0], EVAL_SLEEP=EVAL_SLEEP, EVAL_AFTER=TEST_SIZE // 2))  # fmt: skip
+    output, _ = stop_during_evaluation(proc, marks[0])
+    assert "saved at epoch 2, step 8: resume" in output, output
+    written = (cut / "epoch-2-step-8" / ".metadata").stat().st_mtime_ns
+    proc = start(S05, *eval_args(tiny_data, cut, task, "--resume"), env=clean_env(
+        EVAL_MARK=marks[1], EVAL_SLEEP=EVAL_SLEEP))  # fmt: skip
+    output, _ = stop_during_evaluation(proc, marks[1])
+    assert "resumed at epoch 2, step 8" in output and "saved at epoch 2, step 8: resume" in output, output
+    links = {link: os.readlink(cut / link) for link in ("checkpoint", "checkpoint-previous")}
+    assert links == {"checkpoint": "epoch-2-step-8", "checkpoint-previous": "epoch-1"}
+    assert all((cut / folder / ".metadata").is_file() for folder in links.values())
+    assert (cut / "epoch-2-step-8" / ".metadata").stat().st_mtime_ns == written  # not written again
+    assert python(S05, *eval_args(tiny_data, cut, task, "--resume")).returncode == 0
+    assert python(S05, *eval_args(tiny_data, whole, task)).returncode == 0
+    strip = lambda rows: [{k: v for k, v in row.items() if k not in TIMING} for row in rows]  # noqa: E731
+    assert strip(metrics(cut)) == strip(metrics(whole))
 
 
 @pytest.mark.slow

@@ -69,6 +69,7 @@ class Guard:
         self.doing, self.position = None, None  # a stage 05 checkpoint read or written: for a failure's one line
         self.claimed = False  # the folder is this run's (resume()): a failure keeps its traceback there
         self.start_at = (0, 0)  # (epoch, steps) where this run started: resumed part-way, steps > 0
+        self.saved_at = (0, 0)  # where this run last saved on a stop or --checkpoint-minutes
         self.data = None  # the training set's fingerprint
 
     def start(self, args):
@@ -163,7 +164,11 @@ class Guard:
 
     def save(self, epoch, step, sums):
         """A checkpoint `step` steps into `epoch`: the sums and time so far go with it (its "cut"),
-        so that the resumed run's row in metrics.csv counts the whole epoch."""
+        so that the resumed run's row in metrics.csv counts the whole epoch. One there already (a stop in the
+        evaluation a resumed run runs again, a second --checkpoint-minutes in one evaluation) stands as it is:
+        the same step, and writing it again would replace the checkpoint a resume needs while it is written."""
+        if (epoch, step) in (self.start_at, self.saved_at):
+            return
         started, log, mine = time.monotonic(), self.states["log"], sums.tensor()
         parts = [mine.clone() for _ in range(dist.get_world_size() if dist.is_initialized() else 1)]
         if dist.is_initialized():  # each rank's own sums (the epoch's part before a resume included): carried()
@@ -178,6 +183,7 @@ class Guard:
         states = self.states | {"log": Cut(log, cut)}  # the lesson's states as they are, the log with its cut
         (checkpoint.save_sharded if self.sharded else checkpoint.save)(self.args.output_dir, epoch, states, step)
         self.preemption.saved(time.monotonic() - started)
+        self.saved_at = (epoch, step)
 
     def check_epoch(self, epoch, sums):
         """Before the epoch's row and checkpoint: its all-reduced losses (metrics.Epoch) and the

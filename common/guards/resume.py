@@ -145,6 +145,8 @@ def find(args, path, name, restarted, fingerprint):
         held = held if other.exists() else ""
         if path == own and manifest and not saved(args.output_dir):
             held = f": {ownership.whose(manifest)} saved none; the same command without --resume starts it again"
+        if path.is_symlink():  # stage 05's link, to a folder deleted or moved: the one before may be whole
+            held = f" ({path} names {os.readlink(path)}, which is gone){fallback(args.output_dir, path.resolve())}"
         raise SystemExit(f"error: no {path.name} in {path.parent} to resume from{held}")
     try:
         state = load(path)
