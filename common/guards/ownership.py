@@ -14,9 +14,10 @@ rank 0 decides whose folder it is (claim()):
   - --resume PATH continues the run whose folder holds PATH: the output folder must be that run's or free.
 A user's own files (every other name) are never opened, replaced or deleted; stage 05 rotates its folders by
 its links, never by their names; lock.sweep() deletes only the temporary files of this run's writers. Run folders
-do not nest: a folder inside another run's is refused. tests/test_ownership.py proves each of these.
+do not nest: a folder inside another run's is refused, and a new run's folder holding one (two levels down). tests/test_ownership.py proves each of these.
 """
 
+import itertools
 import json
 import os
 import re
@@ -147,6 +148,10 @@ def claim(folder, run, sharded, record, export=False, env=os.environ):
         raise SystemExit(f"error: --output-dir {folder} lies inside {inside}, the folder of another run, which may "
                          "delete its folders: choose a folder outside it")  # fmt: skip
     manifest = read(folder)
+    below = itertools.chain(folder.glob(f"*/{MANIFEST}"), folder.glob(f"*/*/{MANIFEST}"))  # runs/<stage>/<id>
+    if (manifest is None or manifest["run"] != run) and (held := next(below, None)):
+        raise SystemExit(f"error: --output-dir {folder} holds {held.parent}, the folder of another run, which could "
+                         "then no longer resume: choose a folder beside it")  # fmt: skip
     if manifest is None or manifest["run"] != run:  # a fresh run, a resume into a new folder, or an adopted one
         kept = [n for n in entries(folder) if named(n) and not TEMPORARY.fullmatch(n)] if run is None else []
         manifest = {"run": run or uuid.uuid4().hex, "since": time.ctime(), "writes": kept}
