@@ -14,6 +14,7 @@ may skip each of them: the training reads the same without. What each one holds 
 """
 
 import time
+import warnings
 from dataclasses import asdict
 from typing import NamedTuple
 
@@ -123,6 +124,8 @@ class Guard:
             self.doing = f"read {state['folder']}"
         if state is not None and state["step"]:  # saved mid-epoch: the lesson trains the rest of it
             self.start_at = (state["epoch"], state["step"])
+            # saved after the epoch's last step: its scheduler steps with none in this process, as it should
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before `optimizer")
 
     def end_of_step(self, epoch, batch, sums):
         """After training step `batch` (counted from 0 in this run's part of the epoch): every --log-interval
