@@ -102,6 +102,8 @@ class Seeded(Dataset):
             index, epoch = batch[0]
             seed(self.seed, epoch, index, "batch")
             return self.collate(samples)
+        except StopIteration as err:  # out of a DataLoader it would end the epoch's loop, unsaid
+            raise RuntimeError(f"the task's data raised StopIteration near item {index}") from err
         finally:
             if before is not None:
                 set_generators(before)

@@ -29,6 +29,7 @@ from helpers import (
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
 
 from common.guards import check, samples
+from common.metrics import Epoch, Sums
 from common.tasks import sequences
 
 TASK = REPO / "common" / "tasks" / "sequences.py"
@@ -141,6 +142,51 @@ def test_a_wrong_task_file_is_one_line_naming_it(case, tmp_path):
     one_error(
         out, f"--task {task}", BAD.get(case, (None, "Is a directory" if case == "a folder" else "No such file"))[1]
     )
+
+
+STOPS = (
+    HEAD
+    + MODEL
+    + """import itertools
+
+CALLS = itertools.count()
+
+
+class Stops(sequences.TensorDataset):
+    def __getitem__(self, index):
+        if next(CALLS) == 300:  # past the guard rails' look at every item: in the first epoch
+            raise StopIteration  # as an iterator ends
+        return super().__getitem__(index)
+
+
+def datasets(args):
+    training, test = sequences.datasets(args)
+    return Stops(*training.tensors), test
+"""
+)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_data_set_that_raises_stopiteration_is_one_line_not_a_short_epoch(workers, tmp_path):
+    """A StopIteration out of a task's __getitem__ ended the DataLoader's loop: the epoch was logged and saved as
+    whole after 3 of its 8 batches, exit 0 (the next, of no batch, divided by zero in metrics.py)."""
+    task = tmp_path / "stops.py"
+    task.write_text(STOPS)
+    out = python(S01, *args(tmp_path / "out", "--task", task, "--num-workers", workers))
+    one_error(out, "StopIteration", f"(at {task}:")  # the task's line, in a worker or not
+    assert not (tmp_path / "out" / "checkpoint.pt").exists()
+
+
+def test_an_epoch_that_counted_fewer_samples_than_its_sets_is_one_line():
+    """The guard rails' check of each epoch's sums: training at least every sample (padding adds), each evaluation
+    every sample once; --dry-run trains one batch."""
+    whole = Epoch(Sums(256.0, 0.0, 256.0), Sums(0.0, 0.0, 0.0), Sums(5.0, 4.0, 51.0))
+    samples.check_counts(1, whole, (256, 0, 51), dry_run=False)
+    samples.check_counts(1, whole._replace(training=Sums(1.0, 0.0, 258.0)), (256, 0, 51), dry_run=False)  # padded
+    samples.check_counts(1, whole._replace(training=Sums(1.0, 0.0, 32.0)), (256, 0, 51), dry_run=True)
+    for part, short, said in (("training", 96.0, "training counted 96 of its 256"), ("test", 50.0, "test counted 50")):
+        with pytest.raises(SystemExit, match=f"^error: epoch 1's {said}"):
+            samples.check_counts(1, whole._replace(**{part: Sums(1.0, 0.0, short)}), (256, 0, 51), dry_run=False)
 
 
 @pytest.mark.parametrize("returned", ["True", "['--hidden']"])

@@ -42,9 +42,10 @@ def libraries():
 
 
 def frames(err):
-    """(file, line, function) of each frame that raised `err`, outermost first; then those of a traceback that
-    came as text in its message, innermost: a DataLoader worker's error, which torch raises again here."""
-    found = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(err.__traceback__)]
+    """(file, line, function) of each frame that raised `err`, outermost first, then of its cause (`raise ... from`);
+    then those of a traceback that came as text in its message, innermost: a DataLoader worker's error."""
+    tracebacks = [err.__traceback__] + ([err.__cause__.__traceback__] if err.__cause__ else [])
+    found = [(f.filename, f.lineno, f.name) for tb in tracebacks for f in traceback.extract_tb(tb)]
     text = message(err)
     return found + [(m[1], int(m[2]), m[3]) for m in re.finditer(r'File "([^"]+)", line (\d+), in (\S+)', text)]
 

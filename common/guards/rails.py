@@ -71,7 +71,7 @@ class Guard:
         self.claimed = False  # the folder is this run's (resume()): a failure keeps its traceback there
         self.start_at = (0, 0)  # (epoch, steps) where this run started: resumed part-way, steps > 0
         self.saved_at = (0, 0)  # where this run last saved on a stop or --checkpoint-minutes
-        self.data = None  # the training set's fingerprint
+        self.data, self.sizes = None, None  # the training set's fingerprint, the sets' sizes
 
     def start(self, args):
         """Claim --output-dir, check the launch, and watch the rendezvous distributed.setup() makes next."""
@@ -99,6 +99,7 @@ class Guard:
     def agree(self, train_set, val_set, test_set, task):
         """Every rank trains the same run on the same data; the run's manifest records what it is trained on."""
         preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
+        self.sizes = (len(train_set), len(val_set), len(test_set))  # what each epoch must count: check_epoch()
         samples.check_weights(self.args, task)  # stage 05's file of whole weights, before it is trusted
         self.data = preflight.fingerprint(train_set)
 
@@ -190,9 +191,11 @@ class Guard:
 
     def check_epoch(self, epoch, sums):
         """Before the epoch's row and checkpoint: its all-reduced losses (metrics.Epoch) and the
-        weights must be finite; the checkpoint the epoch's replaces stays as the previous one."""
+        weights must be finite, and every sample counted; the checkpoint the epoch's replaces stays as the previous
+        one."""
         divergence.check_epoch(epoch, sums, self.args.output_dir)
         self.check_weights(f"epoch {epoch} left weights that are")
+        samples.check_counts(epoch, sums, self.sizes, self.args.dry_run)
         if not self.sharded:
             resume.keep_previous(self.args.output_dir)
         self.writing(f"epoch-{epoch}")

@@ -1,6 +1,7 @@
 """Guard rail: a task's samples and batches, named in one line where they do not fit: a collate() that fails
-(with the shapes it was given), a batch that is no (input, label) pair, a label the model has no output for; and
-its file of whole weights, checked before stage 05 loads it."""
+(with the shapes it was given), a batch that is no (input, label) pair, a label the model has no output for, an
+epoch that counted fewer samples than its sets hold; and its file of whole weights, checked before stage 05 loads
+it."""
 
 import re
 from pathlib import Path
@@ -80,6 +81,17 @@ def check_collate(args, task, name, samples):
         stop(f"error: --task {args.task}: {what} of {len(samples)} samples of its {name} set returns labels of "
              f"shapes {shapes(batch[1])}: the stages count a batch's samples by its labels' first dimension (each "
              "test sample once, images/s): keep it the batch's, and flatten in loss() and score()")  # fmt: skip
+
+
+def check_counts(epoch, sums, sizes, dry_run):
+    """The epoch's all-reduced sums (metrics.Epoch) count every sample of its sets: training at least once (a
+    rank's share is padded to one length), each evaluation exactly once. A loader that ended early (its data
+    set's __len__ counting more than it serves, a StopIteration) is one line, not an epoch logged as whole."""
+    for (name, part), size in zip(sums._asdict().items(), sizes, strict=True):
+        if part.samples < size if name == "training" else part.samples != size:
+            if name != "training" or not dry_run:
+                stop(f"error: epoch {epoch}'s {name} counted {int(part.samples)} of its {size} samples: its loader "
+                     "ended early (a data set whose __len__ counts more items than it serves?)")  # fmt: skip
 
 
 def explain(err, task):
