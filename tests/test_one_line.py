@@ -124,9 +124,12 @@ HOSTILE = {  # a task file; what its one line must say; whether the run owned it
     ),
     "sys.exit with lines of its own": (
         RAISE.format("SystemExit('gave up\\nbecause')"),
-        ["error: gave up [...]"],
-        False,
+        ["error: SystemExit: gave up [...] (at", ":6, in model"],
+        True,
     ),
+    "sys.exit(0)": (RAISE.format("SystemExit(0)"), ["error: SystemExit: 0 (at", ":6, in model"], True),  # ended 0
+    "sys.exit()": (RAISE.format("SystemExit()"), ["error: SystemExit (at", ":6, in model"], True),  # ended 0
+    "sys.exit(1)": (RAISE.format("SystemExit(1)"), ["error: SystemExit: 1 (at", ":6, in model"], True),  # said none
     "a KeyboardInterrupt in the task": (
         RAISE.format("KeyboardInterrupt"),
         ["KeyboardInterrupt", "my_task.py:6"],
@@ -155,7 +158,7 @@ HOSTILE |= {
     "a --task that is a FIFO": (None, ["--task", "my_task.py", "not a regular file", "give a task file"], False),
     "a --task that is /dev/zero": (None, ["--task /dev/zero", "not a regular file"], False),
 }
-EVERYDAY = {"a missing package"}  # the others: make test-all
+EVERYDAY = {"a missing package", "sys.exit(0)"}  # the others: make test-all
 
 
 @pytest.mark.parametrize("case", [c if c in EVERYDAY else pytest.param(c, marks=pytest.mark.slow) for c in HOSTILE])

@@ -78,8 +78,7 @@ def summary(err):
 
 
 def keep(err, path):
-    """The full traceback in the file `path`, switched in whole (a link there is replaced, never followed): `path`,
-    or None where it cannot be kept."""
+    """The full traceback in the file `path`, switched in whole (a link there replaced, never followed), or None."""
     try:
         with atomic(path, "w") as f:
             f.write("".join(traceback.format_exception(type(err), err, err.__traceback__)))
@@ -89,15 +88,13 @@ def keep(err, path):
 
 
 def line(err, task, folder, rank):
-    """The one line for `err`: what, where in the user's code, and where its traceback is kept (in `folder`,
-    None before the run owns one)."""
+    """The one line for `err`: what, where in the user's code, where its traceback is kept (`folder`, if one)."""
     kept = keep(err, Path(folder) / f"traceback-rank{rank}.txt") if folder is not None else None
     return f"error: {described(err, task, kept)}: fix it and run again (with --resume once a checkpoint is saved)"
 
 
 def tool_line(err):
-    """A tool's one line for an error none of its checks names (early.tool()): what, where, and its traceback,
-    kept in the temporary folder."""
+    """A tool's one line for an error none of its checks names (early.tool()), its traceback kept in TMPDIR."""
     tool = Path(sys.argv[0]).stem
     kept = keep(err, Path(tempfile.gettempdir()) / f"traceback-{tool}-{os.getpid()}.txt")
     return f"error: {described(err, None, kept)}: {tool} met what none of its checks knows"
@@ -108,6 +105,12 @@ def described(err, task, kept):
     where = place(err, task)
     at = f" (at {where[0]}:{where[1]}, in {where[2]})" if where else ""
     return f"{summary(err)}{at}{f'; the traceback is in {kept}' if kept else ''}"
+
+
+def raised_by(err, task):
+    """Did the task file `task` itself raise `err` (its sys.exit(), not a signal handler's stop while it ran)?"""
+    last = traceback.extract_tb(err.__traceback__)[-1:]
+    return task is not None and bool(last) and Path(last[0].filename).resolve() == Path(task).resolve()
 
 
 def exit_line(text):
@@ -221,9 +224,7 @@ def explain(err, guard):
     if type(err).__name__ == "CheckpointException":  # torch.distributed.checkpoint: every rank gets all failures
         verb, folder = (guard.doing or "read or write the checkpoint in --output-dir").split(" ", 1)
         if verb == "read":  # every rank gets every rank's failures: rank 0 says it
-            return once(
-                f"error: cannot load the checkpoint {folder}: {safeload.describe(err)}: resume from a complete one"
-            )
+            return once(f"error: cannot load the checkpoint {folder}: {safeload.describe(err)}: resume from a complete one")  # fmt: skip
         return once(f"error: could not write {folder}: {safeload.describe(err)} ({free_mib(guard.args.output_dir):.0f} MiB free "
                 "there): the previous checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
     restoring = any(Path(f.filename).resolve() == LESSON / "checkpoint.py" for f in frames)  # not a task's own load

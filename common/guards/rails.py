@@ -69,8 +69,8 @@ class Guard:
         self.states, self.sharded, self.epoch_done = None, False, None
         self.doing, self.position = None, None  # a stage 05 checkpoint read or written: for a failure's one line
         self.claimed = False  # the folder is this run's (resume()): a failure keeps its traceback there
-        self.start_at = (0, 0)  # (epoch, steps) where this run started: resumed part-way, steps > 0
-        self.saved_at = (0, 0)  # where this run last saved on a stop or --checkpoint-minutes
+        # (epoch, steps) where this run started (resumed part-way: steps > 0), and where it last saved (a stop)
+        self.start_at = self.saved_at = (0, 0)
         self.data, self.sizes = None, None  # the training set's fingerprint, the sets' sizes
 
     def start(self, args):
@@ -190,9 +190,8 @@ class Guard:
         self.saved_at = (epoch, step)
 
     def check_epoch(self, epoch, sums):
-        """Before the epoch's row and checkpoint: its all-reduced losses (metrics.Epoch) and the
-        weights must be finite, and every sample counted; the checkpoint the epoch's replaces stays as the previous
-        one."""
+        """Before the epoch's row and checkpoint: its all-reduced losses (metrics.Epoch) and the weights finite, and
+        every sample counted; the checkpoint the epoch's replaces stays as the previous one."""
         divergence.check_epoch(epoch, sums, self.args.output_dir)
         self.check_weights(f"epoch {epoch} left weights that are")
         samples.check_counts(epoch, sums, self.sizes, self.args.dry_run)
@@ -241,6 +240,8 @@ def run(main):
         code = check.refuse(check.said(err))
     except SystemExit as stop:  # the end of a run, a verdict every rank reached, a usage error, or the task's own
         code = stop.code if isinstance(stop.code, int | None) else failure.exit_line(stop.code)
+        if failure.raised_by(stop, guard.args and guard.args.task):  # a failure of this rank, even sys.exit(0)
+            code, together = failure.settle(stop, guard), False
     except BaseException as err:  # the lesson's refusal (every rank met it) is its line as it is; each
         code = failure.refusal(err)  # kind explain() knows becomes its line, any other the fallback's
         if code is None:
