@@ -75,6 +75,19 @@ def test_a_damaged_checkpoint_names_itself_and_the_previous_one_resumes(uninterr
     assert "resumed after epoch 1" in out.stdout and checkpoint(tmp_path)["epoch"] == 3
 
 
+def test_a_checkpoint_copied_away_from_its_run_is_refused_not_resumed_unchecked(tiny_data, tmp_path):
+    """A checkpoint.pt copied alone into another folder, --resume PATH: nothing said what run it is, so no option
+    was compared (--lr 0.1 went unused: the optimizer's rate is the checkpoint's) and the run exited 0."""
+    model = Net()
+    optimizer = torch.optim.Adadelta(model.parameters())
+    states = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    lesson.save(tmp_path / "copied", 1, states)  # a checkpoint.pt, and no run-manifest.json beside it
+    args, _ = cli.parse_args(stage_args(tiny_data, tmp_path / "new", "--lr", 0.1, "--resume", tmp_path / "copied"))
+    path = tmp_path / "copied" / "checkpoint.pt"
+    with pytest.raises(SystemExit, match=f"^error: {path} has no run-manifest.json beside it"):
+        resume.find(args, path, resume.WHOLE, False, "256-0")
+
+
 @pytest.mark.slow  # the whole-checkpoint case above runs in make test
 def test_a_damaged_shard_or_missing_metadata_is_named_by_file(uninterrupted, tiny_data, tmp_path):
     """Stage 05 keeps its last two sharded checkpoints (one process: the shards of one rank)."""

@@ -236,6 +236,21 @@ def test_hostile_folders_are_refused_in_one_line(tiny_data, tmp_path):
     assert (tmp_path / "a-file").read_text() == "the user's"
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [("run", 5), ("writes", [1]), ("launch", ["job"]), ("record", 5), ("record", {"flags": [1, 2]}),
+     ("record", {"data": 7}), ("record", {"parameters": "many"})],
+)  # fmt: skip
+def test_a_manifest_edited_into_another_shape_is_named_not_a_guard_rails_error(field, value, tmp_path):
+    """`"record": 5` in a finished run's manifest ended a --resume in an AttributeError at a guard rail's line."""
+    manifest = {"run": "a" * 32, "since": "then", "writes": ["metrics.csv"], "launch": None, "record": {}}
+    (tmp_path / ownership.MANIFEST).write_text(json.dumps(manifest))
+    assert ownership.read(tmp_path) == manifest
+    (tmp_path / ownership.MANIFEST).write_text(json.dumps(manifest | {field: value}))
+    with pytest.raises(SystemExit, match=f"^error: {tmp_path / ownership.MANIFEST} is not a manifest this repository"):
+        ownership.read(tmp_path)
+
+
 def test_a_failure_keeps_its_traceback_only_where_the_run_owns_the_folder(tmp_path):
     """A task that fails before the folder is the run's: its traceback was written through a link named
     traceback-rank0.txt (a user's file truncated) and into another run's folder. It is switched in whole where the

@@ -80,9 +80,18 @@ def read(folder):
             manifest = json.loads(f.read(2**20)) if stat.S_ISREG(os.fstat(f.fileno()).st_mode) else None
     except (OSError, ValueError):
         manifest = None
-    if isinstance(manifest, dict) and isinstance(manifest.get("run"), str) and isinstance(manifest.get("writes"), list):
+    if isinstance(manifest, dict) and well_formed(manifest):
         return manifest
     raise SystemExit(f"error: {path} is not a manifest this repository wrote: {ADVICE}")
+
+
+def well_formed(manifest):
+    """Each field the guard rails read is of the type claim() writes: an edited one is no AttributeError later."""
+    writes, record = manifest.get("writes"), manifest.get("record", {})
+    return (isinstance(manifest.get("run"), str) and isinstance(writes, list) and all(isinstance(n, str) for n in writes)
+            and isinstance(manifest.get("launch"), str | None) and isinstance(record, dict)
+            and isinstance(record.get("flags", {}), dict) and isinstance(record.get("data", ""), str)
+            and isinstance(record.get("parameters", 0), int))  # fmt: skip
 
 
 def continues(manifest, env=os.environ):

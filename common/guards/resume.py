@@ -162,7 +162,10 @@ def find(args, path, name, restarted, fingerprint):
                          "weights with its --save-model")  # fmt: skip
     source = path.resolve().parent  # the run folder of a checkpoint.pt, or of a sharded epoch-N folder
     theirs = manifest if source == args.output_dir.resolve() else ownership.read(source)
-    if problem := mismatch((theirs or {}).get("record") or state.get("run", {}), state, args, fingerprint):
+    if not (run := (theirs or {}).get("record") or state.get("run")):  # a checkpoint.pt copied away alone
+        raise SystemExit(f"error: {path} has no {ownership.MANIFEST} beside it to say what run it is (its options, "
+                         "its data): resume it in its run's folder, or copy that folder whole")  # fmt: skip
+    if problem := mismatch(run, state, args, fingerprint):
         raise SystemExit(f"error: {path} {problem}")
     return state, ownership.check_resume(args.output_dir, manifest, path)
 
