@@ -179,11 +179,13 @@ def test_a_data_set_that_raises_stopiteration_is_one_line_not_a_short_epoch(work
 
 def test_an_epoch_that_counted_fewer_samples_than_its_sets_is_one_line():
     """The guard rails' check of each epoch's sums: training at least every sample (padding adds), each evaluation
-    every sample once; --dry-run trains one batch."""
+    every sample once; --dry-run trains one batch. A float32 sum counts exactly below 2^24 samples alone: a larger
+    set is not checked (its count would be refused for a rounding)."""
     whole = Epoch(Sums(256.0, 0.0, 256.0), Sums(0.0, 0.0, 0.0), Sums(5.0, 4.0, 51.0))
     samples.check_counts(1, whole, (256, 0, 51), dry_run=False)
     samples.check_counts(1, whole._replace(training=Sums(1.0, 0.0, 258.0)), (256, 0, 51), dry_run=False)  # padded
     samples.check_counts(1, whole._replace(training=Sums(1.0, 0.0, 32.0)), (256, 0, 51), dry_run=True)
+    samples.check_counts(1, whole._replace(training=Sums(1.0, 0.0, 2.0**24)), (2**24 + 1, 0, 51), dry_run=False)
     for part, short, said in (("training", 96.0, "training counted 96 of its 256"), ("test", 50.0, "test counted 50")):
         with pytest.raises(SystemExit, match=f"^error: epoch 1's {said}"):
             samples.check_counts(1, whole._replace(**{part: Sums(1.0, 0.0, short)}), (256, 0, 51), dry_run=False)

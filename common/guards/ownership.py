@@ -14,7 +14,8 @@ rank 0 decides whose folder it is (claim()):
   - --resume PATH continues the run whose folder holds PATH: the output folder must be that run's or free.
 A user's own files (every other name) are never opened, replaced or deleted; stage 05 rotates its folders by
 its links, never by their names; lock.sweep() deletes only the temporary files of this run's writers. Run folders
-do not nest: a folder inside another run's is refused, and a new run's folder holding one (two levels down). tests/test_ownership.py proves each of these.
+do not nest: a folder inside another run's is refused, and a new run's folder holding one (two levels down).
+tests/test_ownership.py proves each of these.
 """
 
 import itertools
