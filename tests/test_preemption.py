@@ -76,6 +76,17 @@ def signal_mid_epoch_2(proc, out, signum, *others, everyone=None):
     return output, time.monotonic() - sent
 
 
+def stopped_and_resumed(script, data, whole, cut, *flags):
+    """args()'s run at 2 ranks under torchrun never stopped, into `whole`, and stopped by SIGTERM mid-epoch 2 and
+    resumed, into `cut`: for the test to compare."""
+    assert torchrun(2, script, *args(data, whole, *flags)).returncode == 0
+    proc = start(script, *args(data, cut, *flags), nproc=2, env=clean_env(**SLOW))
+    output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
+    saved_mid_epoch(cut, output, proc.returncode, proc)
+    resumed = torchrun(2, script, *args(data, cut, *flags, "--resume"))
+    assert resumed.returncode == 0 and "resumed at epoch 2" in resumed.stdout, resumed.stderr[-2000:]
+
+
 def saved_mid_epoch(out, output, code, proc):
     """The run stopped as it should have: its exit code, its one line, and the checkpoints."""
     assert proc.returncode == code, output
@@ -239,13 +250,7 @@ def test_stage05_stopped_mid_epoch_keeps_each_ranks_batchnorm_statistics(tiny_da
     loss and exported model differed from the run never stopped (weights alike)."""
     task, whole, cut = tmp_path / "bn.py", tmp_path / "whole", tmp_path / "cut"
     task.write_text(BATCHNORM)
-    flags = ("--task", task, "--save-model")
-    assert torchrun(2, S05, *args(tiny_data, whole, *flags)).returncode == 0
-    proc = start(S05, *args(tiny_data, cut, *flags), nproc=2, env=clean_env(**SLOW))
-    output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
-    saved_mid_epoch(cut, output, proc.returncode, proc)
-    resumed = torchrun(2, S05, *args(tiny_data, cut, *flags, "--resume"))
-    assert resumed.returncode == 0 and "resumed at epoch 2" in resumed.stdout, resumed.stderr[-2000:]
+    stopped_and_resumed(S05, tiny_data, whole, cut, "--task", task, "--save-model")
     assert_same_state(checkpoint(cut, "model.pt"), checkpoint(whole, "model.pt"))
     assert [r["test_loss"] for r in metrics(cut)] == [r["test_loss"] for r in metrics(whole)]
 

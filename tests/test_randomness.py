@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import numpy
 import pytest
 import torch
-from helpers import REPO, S01, S03, assert_same_state, checkpoint, clean_env, python, stage_args, start, torchrun
-from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
+from helpers import REPO, S01, S03, assert_same_state, checkpoint, clean_env, python, stage_args, start
+from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2, stopped_and_resumed
 from torch.utils.data import Dataset
 
 from common import data, distributed, sampling
@@ -138,11 +138,5 @@ def test_the_banner_names_the_workers_that_run(capsys):
 @pytest.mark.slow
 def test_the_augmented_example_stopped_mid_epoch_at_two_ranks_resumes_bit_identical(tiny_data, tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
-    common = ("--task", EXAMPLE, "--num-workers", 1)
-    assert torchrun(2, S03, *args(tiny_data, whole, *common)).returncode == 0
-    proc = start(S03, *args(tiny_data, cut, *common), nproc=2, env=clean_env(**SLOW))
-    output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
-    saved_mid_epoch(cut, output, proc.returncode, proc)
-    resumed = torchrun(2, S03, *args(tiny_data, cut, *common, "--resume"))
-    assert resumed.returncode == 0 and "resumed at epoch 2" in resumed.stdout, resumed.stderr[-2000:]
+    stopped_and_resumed(S03, tiny_data, whole, cut, "--task", EXAMPLE, "--num-workers", 1)
     assert_same_state(checkpoint(cut), checkpoint(whole))
