@@ -113,6 +113,7 @@ def test_stage_refuses_nan_in_one_line():
      # srun torchrun: torchrun's global rank decides, not the srun task's
      ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "TORCHELASTIC_RUN_ID": "x", "RANK": "0"}, True),
      ({"SLURM_PROCID": "1"}, True),  # the batch shell: no step, no launcher
+     ({"SLURM_STEP_ID": "0", "SLURM_PROCID": "a1"}, True),  # a rank unread (refused next): nobody else reports
      ({"RANK": "1"}, True)],  # a manual launch: nobody else reports
 )  # fmt: skip
 def test_only_rank_0_of_a_launcher_reports(env, prints, monkeypatch, capsys):

@@ -78,6 +78,15 @@ def test_batch_step_is_not_a_rank():
 
 
 SRUN = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "6", "SLURM_NTASKS": "2"}
+# exported into srun's tasks by a job (task 0 trained alone, exit 0): refused where they contradict srun's
+TORCHRUN_VARIABLES = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "n1", "MASTER_PORT": "29500"}
+
+
+def test_torchruns_variables_in_an_srun_task_are_read_where_they_agree_or_torchrun_set_them():
+    agreeing = TORCHRUN_VARIABLES | {"WORLD_SIZE": "2"}
+    for env in (SRUN | {"SLURM_JOB_NODELIST": "n1"} | agreeing, SRUN | {"SLURM_JOB_NODELIST": "n1", "SLURM_PROCID": "1",
+                "TORCHELASTIC_RUN_ID": "x"} | TORCHRUN_VARIABLES):  # fmt: skip
+        check.check_environment(env)
 
 
 @pytest.mark.parametrize(
@@ -91,6 +100,8 @@ SRUN = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0", "SLURM_
         (SRUN, "SLURM_JOB_NODELIST is not set"),
         (SRUN | {"SLURM_JOB_NODELIST": "n[3-1]"}, "cannot read the Slurm hostlist 'n[3-1]'"),
         (SRUN | {"SLURM_JOB_NODELIST": "n[1-2"}, "cannot read the Slurm hostlist 'n[1-2'"),
+        (SRUN | {"SLURM_JOB_NODELIST": ","}, "cannot read the Slurm hostlist ','"),  # no host: each rank alone
+        (SRUN | {"SLURM_JOB_NODELIST": "n1", "SLURM_PROCID": "1"} | TORCHRUN_VARIABLES, "task 1 of 2: unset RANK"),
         ({"SLURM_NTASKS": "-1"}, "SLURM_NTASKS='-1'"),
     ],
 )

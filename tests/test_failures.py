@@ -360,6 +360,16 @@ def test_ranks_started_with_different_options_stop_naming_the_option(flag, other
     assert rank1.returncode != 0 and rank0.seconds < 20
 
 
+@pytest.mark.slow
+def test_ranks_with_different_output_folders_stop_naming_both(tiny_data, tmp_path):
+    """A default --output-dir follows SLURM_STEP_ID: ranks started by hand with two step ids took two folders (stage
+    04 wrote rank 0's, stage 05 called rank 0's own host blind to its checkpoint)."""
+    args = stage_args(tiny_data, tmp_path / "a", "--dist-timeout", 20)
+    rank0, rank1 = finish(ranks(S03, [args, [*args, "--output-dir", tmp_path / "b"]]))
+    one_error(rank0, f"--output-dir: rank 0: {tmp_path / 'a'}, rank 1: {tmp_path / 'b'}")
+    assert rank1.returncode != 0 and rank0.seconds < 20
+
+
 def test_ranks_reading_different_data_stop_naming_the_data(tiny_data, tmp_path):
     other = tmp_path / "other"
     (other / "MNIST" / "raw").mkdir(parents=True)

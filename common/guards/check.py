@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from common import cli
-from common.environment import count, cpus_per_rank, is_rank0
+from common.environment import count, cpus_per_rank, expand_hostlist, is_rank0, launcher
 from common.guards import options, versions
 
 REQUIRED = object()
@@ -68,6 +68,12 @@ def check_launcher(env=os.environ):
             raise SystemExit("error: RANK is set but MASTER_ADDR or MASTER_PORT is not: export both (rank 0's host "
                              "and a free port), or launch with torchrun")  # fmt: skip
         integer("MASTER_PORT", env=env, low=1, high=65535)
+        torchrun = "TORCHELASTIC_RUN_ID" in env  # `srun torchrun`: its RANK wins; else a job exported them
+        srun = [count(env.get(k)) for k in ("SLURM_PROCID", "SLURM_NTASKS")] if "SLURM_STEP_ID" in env else None
+        if srun and not torchrun and srun != [count(env["RANK"]), count(env["WORLD_SIZE"])]:
+            raise SystemExit(f"error: RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} in an srun task that is "
+                             f"task {srun[0]} of {srun[1]}: unset RANK, WORLD_SIZE and MASTER_ADDR before srun (the "
+                             "job exports them into every task), or launch with torchrun")  # fmt: skip
     elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:  # an srun task
         if not env.get("SLURM_JOB_NODELIST"):
             raise SystemExit("error: SLURM_JOB_NODELIST is not set in this srun task: launch it with srun in a job")
@@ -80,7 +86,8 @@ def check_hostlist(hostlist):
     """A hostlist environment.expand_hostlist() can read: brackets that match, each holding numbers and ranges."""
     parts = [part for group in re.findall(r"\[([^\]]*)\]", hostlist) for part in group.split(",")]
     ranges = [re.fullmatch(r"(\d+)(?:-(\d+))?", part) for part in parts]
-    if hostlist.count("[") != hostlist.count("]") or not all(r and int(r[2] or r[1]) >= int(r[1]) for r in ranges):
+    valid = hostlist.count("[") == hostlist.count("]") and all(r and int(r[2] or r[1]) >= int(r[1]) for r in ranges)
+    if not valid or not next(expand_hostlist(hostlist), None):  # "," names no host: no group would form
         raise SystemExit(
             f"error: cannot read the Slurm hostlist {hostlist!r}: set SLURM_JOB_NODELIST as Slurm writes it"
         )
@@ -137,7 +144,7 @@ def port_in_use(port):
 def say(message):
     """A usage error, once: from rank 0 where a launcher gives every rank the same arguments (torchrun, srun)."""
     by_hand = "TORCHELASTIC_RUN_ID" not in os.environ and "SLURM_STEP_ID" not in os.environ
-    if is_rank0() or by_hand:
+    if is_rank0() or by_hand or launcher().rank is None:  # a rank unread (its variable refused next): say it
         print(message, file=sys.stderr)
 
 

@@ -217,13 +217,10 @@ def agree(args, task, *datasets):
     check_datasets(args, task, *datasets)
     if not dist.is_initialized():
         return
-    mine = {f"--{k.replace('_', '-')}": v for k, v in defining(args).items()}
-    mine.update(
-        {
-            f"the {i} data set ({len(s)} samples here)": fingerprint(s)
-            for i, s in zip(("training", "test"), datasets, strict=False)
-        }
-    )
+    # the output folder too: a default one follows SLURM_STEP_ID, which a rank started by hand may set otherwise
+    mine = {f"--{k.replace('_', '-')}": v for k, v in defining(args).items()} | {"--output-dir": str(args.output_dir)}
+    for name, dataset in zip(("training", "test"), datasets, strict=False):
+        mine[f"the {name} data set ({len(dataset)} samples here)"] = fingerprint(dataset)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for key, value in everyone[0].items():
