@@ -40,8 +40,9 @@ SRUN = {"SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "
     "env, rank",
     [({**TORCHRUN, "RANK": "00"}, 0), ({**TORCHRUN, "RANK": " 0"}, 0), ({**TORCHRUN, "RANK": " 1"}, 1),
      ({**SRUN, "SLURM_PROCID": "00"}, 0), ({**SRUN, "SLURM_NTASKS": "1"}, 0),  # an srun step without SLURM_PROCID
-     ({**SRUN, "SLURM_PROCID": "1", **TORCHRUN, "RANK": "0"}, 0),  # srun torchrun: torchrun's rank wins
-     ({**SRUN, "SLURM_PROCID": "0", **TORCHRUN, "RANK": "1"}, 1)],
+     # srun torchrun: torchrun's rank wins (torchrun names its run in every worker: TORCHELASTIC_RUN_ID)
+     ({**SRUN, "SLURM_PROCID": "1", **TORCHRUN, "RANK": "0", "TORCHELASTIC_RUN_ID": "x"}, 0),
+     ({**SRUN, "SLURM_PROCID": "0", **TORCHRUN, "RANK": "1", "TORCHELASTIC_RUN_ID": "x"}, 1)],
 )  # fmt: skip
 def test_one_reading_of_the_launcher(env, rank):
     """The rank the guard rails accept is the rank the process group joins as and the one is_rank0() reads:
