@@ -117,9 +117,8 @@ def check_interfaces(backend):
 
 
 def defining(args):
-    """{dest: value} of the options that define what a run computes: all but options.FREE, the task's own too. Plain
-    values, for a checkpoint loaded with weights_only=True. A cosine schedule is defined by --epochs too: it
-    decays to 0 over them."""
+    """{dest: value} of the options that define what a run computes: all but options.FREE, the task's own too, as
+    plain values for the run's manifest (JSON). A cosine schedule's --epochs too: it decays to 0 over them."""
     values = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in options.FREE}
     values["task"] = args.task.name  # where the file lies may change; which task it is may not
     if args.scheduler == "cosine":
@@ -169,10 +168,15 @@ def as_bytes(leaf):
     return f"{array.dtype}{array.shape}".encode() + array.tobytes()
 
 
+def drawn(dataset, indices):
+    """The items at `indices` as the loader draws them in epoch 0 (Seeded), uncollated; the run's generators kept."""
+    return Seeded(dataset, 0, list)[[(i, 0) for i in indices]]
+
+
 def item(dataset, i):
     """dataset[i], or one line before the first step: a __len__ that counts more items than __getitem__ has."""
     try:
-        return Seeded(dataset, 0, list)[[(i, 0)]][0]  # every generator fixed: the data, not one draw of an augmentation
+        return drawn(dataset, [i])[0]  # every generator fixed: the data, not one draw of an augmentation
     except Exception as err:  # the user's data set: anything can fail here
         stop(f"error: item {i} of a data set whose __len__ is {len(dataset)} fails ({type(err).__name__}: "
              f"{str(err)[:100]}): its __len__ must count the items __getitem__ returns, and each must load")  # fmt: skip
@@ -193,7 +197,7 @@ def check_datasets(args, task, *datasets):
         if len(found) == 0:  # an evaluation of nothing would divide by zero; a training of nothing is no run
             stop(f"error: --task {args.task}: its {name} set is empty (check the path it reads, and --limit)")
         try:
-            x, y = Seeded(found, 0, list)[[(0, 0)]][0]  # the run's own generators untouched
+            x, y = drawn(found, [0])[0]
             floats = [t.dtype for t in pytree.tree_leaves(y) if torch.is_tensor(t) and t.is_floating_point()]
             if (floats or isinstance(y, float)) and not hasattr(task, "loss") and not hasattr(task, "metric"):
                 raise TypeError(f"a label of {floats[0] if floats else float}: cross-entropy and accuracy count "
@@ -202,7 +206,7 @@ def check_datasets(args, task, *datasets):
             stop(f"error: --task {args.task}: datasets() must return (training set, test set) of torch.utils.data "
                  f"Datasets whose items are (input, label), the label a class number by default; its {name} set's "
                  f"first item fails that ({type(err).__name__}: {str(err)[:200]})")  # fmt: skip
-        samples.check_collate(args, task, name, Seeded(found, 0, list)[[(i, 0) for i in range(min(len(found), 2))]])
+        samples.check_collate(args, task, name, drawn(found, range(min(len(found), 2))))
     if args.loader == "device" and not all(isinstance(d, data.Images) for d in datasets):
         stop(
             f"error: --loader device holds a data set of tensors (common/data.py Images) on the GPU; --task "
@@ -211,9 +215,8 @@ def check_datasets(args, task, *datasets):
 
 
 def agree(args, task, *datasets):
-    """Before the first step: every rank must train the same run on the same data. A difference in the
-    options that define the run, or in the data sets' sizes or fingerprints, ends every rank with the
-    option (or data set) and the ranks that differ, instead of a collective mismatch deep in torch."""
+    """Before the first step: every rank must train the same run on the same data. A difference in the options that
+    define it, or in its data sets' fingerprints, ends every rank with the option and the ranks that differ."""
     check_datasets(args, task, *datasets)
     if not dist.is_initialized():
         return
