@@ -16,8 +16,8 @@ DistributedSampler, reshuffled every epoch by set_epoch(); each rank computes --
 size images per step; evaluation is split across the ranks and its sums are all-reduced, so every
 test image counts once.
 
-Reading it: the task (--task FILE; MNIST by default) gives the model, data and loss. A line using
-`guard` is a guard rail (common/guards/): skip it, the training reads the same without it.
+Reading it: the task (--task FILE; MNIST by default) gives the model, data and loss. A line marked
+`guard` (common/guards/) or `option:` (common/options/) can be skipped: a default run reads alike.
 
 Expect: the accuracy of stage 01 at the same global batch; images/s in total grows with the GPUs.
 """
@@ -32,9 +32,8 @@ if importlib.util.find_spec("common"):
 
     early.start(__file__)  # guard: before torch: an old one, or a stop in its imports, is one line
 else:  # this folder was copied without common/
-    sys.exit(f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's "
-             "common/ there, or `make install` in the repository, or `pip install --no-deps -e "
-             "<repository>` (conda, modules)")  # fmt: skip
+    here = Path(__file__).resolve().parent  # or `pip install --no-deps -e <repository>`
+    sys.exit(f"error: no common/ beside {here}: copy the repository's common/ there")
 
 import torch
 import torch.distributed as dist
@@ -43,16 +42,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, checkpoint, cli, data, distributed, graphs, metrics, optim, sampling
+from common import checkpoint, cli, data, distributed, metrics, optim
 from common.guards import rails  # guard rails: each `guard` line says what it guards; skip them
+from common.options import amp, compiling, export, flags, holdout, hooks, loaders, resuming
 
 
-def train_step(step, x, y, args):
-    with amp.autocast(step.device, args):
-        loss = step.loss_fn(step.model(x), y)
-    step.scaler.scale(loss).backward()
-    step.scaler.step(step.optimizer)
-    step.scaler.update()
+def train_step(step, x, y):
+    loss = step.loss_fn(step.model(x), y)
+    loss.backward()
+    step.optimizer.step()
     return loss.detach()
 
 
@@ -63,7 +61,7 @@ def train(step, loader, epoch, sums, args, guard):
     for batch_idx, (x, y) in enumerate(loader):
         x, y = data.to_device((x, y), step.device)  # tensors, or dicts and lists of them
         step.optimizer.zero_grad(set_to_none=True)
-        loss = graphs.run(train_step, step, x, y, args)  # --compile on one GPU: one CUDA graph
+        loss = step.run(step, x, y)  # train_step, or what --amp or --compile made of it
         sums.loss += loss * data.count(y)
         sums.samples += data.count(y)
         if batch_idx % args.log_interval == 0:
@@ -94,54 +92,55 @@ def evaluate(step, loader, samples, guard):
 
 
 def main(guard):
-    args, task = cli.parse_args()  # task: the model and data (--task FILE; MNIST by default)
+    args, task = cli.parse_args(groups=[flags.add])  # task: the model and data (--task FILE)
     guard.start(args)  # guard: one run per folder, a sound launch, a bounded rendezvous
     rank, local_rank, world_size, device = distributed.setup(args)
     torch.manual_seed(args.seed)
 
     train_set, test_set = task.datasets(args)
-    collate = getattr(task, "collate", None)  # the task's batching (padding, masks), else stacking
-    # val_set is empty without --val-fraction
-    train_set, val_set = data.split(train_set, args.val_fraction, args.seed)
+    val_set = []  # part of the training set, held out with --val-fraction
+    if args.val_fraction:  # option: --val-fraction
+        train_set, val_set = holdout.split(train_set, args.val_fraction, args.seed)
     guard.agree(train_set, val_set, test_set, task)  # guard: the same data on every rank
+    resume = checkpoint.latest(args)  # --resume's, or after a requeue (None: start afresh)
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
     order = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
-    train_sampler = sampling.Resumable(order, args.seed)  # a resume skips what it trained
+    train_sampler = resuming.Resumable(order, args.batch_size) if resume else order  # option
+    # whole batches of decoded images; option: --loader, --num-workers, a task's own data set
+    loader = data.loader if data.batched(train_set, args) else loaders.pipeline(args, task)
     batch_size = args.batch_size // world_size  # --batch-size is the global batch
-    train_loader = data.loader(train_set, train_sampler, batch_size, args, device, collate)
+    train_loader = loader(train_set, train_sampler, batch_size, device)
     # evaluation: a shard per rank, padded to as many batches on every rank; padding counts nowhere
     val_shard, test_shard = (data.shard(len(s), rank, world_size) for s in (val_set, test_set))
     test_batch = args.test_batch_size
-    val_loader = data.loader(val_set, val_shard.indices, test_batch, args, device, collate)
-    test_loader = data.loader(test_set, test_shard.indices, test_batch, args, device, collate)
+    val_loader = loader(val_set, val_shard.indices, test_batch, device)
+    test_loader = loader(test_set, test_shard.indices, test_batch, device)
     distributed.banner(args, rank, local_rank, world_size, device, train_loader)
 
+    metric = hooks.metric(task) if hasattr(task, "metric") else metrics.Metric()  # option: its own
+    log = metrics.Log(args.output_dir, world_size, metric)
     model = task.model(args).to(device)
     if dist.is_initialized():  # a plain `python train.py` has no process group: nothing to wrap
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # gradients are averaged across ranks during backward(), overlapped with it
         model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
-    graph = graphs.compiled(model, device, args) if args.compile else None  # fused, one CUDA graph
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
-    scaler = amp.scaler(device, args)
-
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits
-    metric = metrics.Metric.of(task)  # how good: the task's metric and score(), else accuracy
-    step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score, graph)
-    log = metrics.Log(args.output_dir, world_size, args.compile, metric)
-    states = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log)
-    resume = checkpoint.latest(args)  # --resume's, or after a requeue (None: start afresh)
+    states = dict(model=model, optimizer=optimizer, scheduler=scheduler, log=log)
+    step = optim.Step(model, device, optimizer, loss_fn, metric.score, train_step)
+    step = amp.mixed(step, states) if args.amp else step  # option: --amp, bf16 (fp16 scaled)
+    step = compiling.compiled(step, log, args) if args.compile else step  # option: --compile
     guard.resume(resume, states)  # guard: this run's checkpoint, whole; saves on a stop from here
-    start_epoch, start_step = checkpoint.restore(resume, states)
-    train_sampler.resume_at(start_epoch, start_step * args.batch_size)  # skip what it trained on
+    # option: --resume, a requeue: the checkpoint's state, an epoch saved part-way at its sample
+    start_epoch = resuming.restore(resume, states, train_sampler) if resume else 1
     for epoch in range(start_epoch, args.epochs + 1):
-        if log.reached(args.target, args.patience):  # the same all-reduced rows on every rank
-            break
+        if args.target is not None and holdout.reached(log, args.target, args.patience):
+            break  # option: --target; the same all-reduced rows on every rank
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one after a resume
-        log.start(epoch)
-        trained = train(step, train_loader, epoch, log.so_far(epoch, device), args, guard)
+        so_far = log.start(epoch, device)  # the clock and sums, from a part before a stop if any
+        trained = train(step, train_loader, epoch, so_far, args, guard)
         seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
         validated = evaluate(step, val_loader, val_shard.samples, guard)
         tested = evaluate(step, test_loader, test_shard.samples, guard)
@@ -154,8 +153,8 @@ def main(guard):
         scheduler.step()
         checkpoint.save(args.output_dir, epoch, states)
     log.summary()
-    if args.save_model:
-        checkpoint.save_model(model, args.output_dir)
+    if args.save_model:  # option: --save-model: the weights alone, for inference
+        export.save_model(model, args.output_dir)
     distributed.cleanup()
 
 

@@ -9,11 +9,11 @@ Launch (from 05_fsdp/; srun starts one task per GPU on every node, as in stage 0
     sbatch job.slurm --model wideresnet --dataset cifar100 --amp --checkpoint-activations
 
 Changes from stage 04: built on the meta device, each rank filling its own shards; fully_shard per
-block (BatchNorm too under --amp) and the root, not DDP; FSDP's precision policies, not autocast;
-sharded checkpoints; --compile per block; a memory line; --grad-accum, --checkpoint-activations.
+block and the root, not DDP; sharded checkpoints; a memory line. Options: FSDP's precision policies
+under --amp (BatchNorm a unit of its own), --compile per block, --grad-accum, recomputation.
 
-Reading it: the task (--task FILE; MNIST by default) gives the model, data and loss. A line using
-`guard` is a guard rail (common/guards/): skip it, the training reads the same without it.
+Reading it: the task (--task FILE; MNIST by default) gives the model, data and loss. A line marked
+`guard` (common/guards/) or `option:` (common/options/) can be skipped: a default run reads alike.
 """
 
 import importlib.util
@@ -26,9 +26,8 @@ if importlib.util.find_spec("common"):
 
     early.start(__file__)  # guard: before torch: an old one, or a stop in its imports, is one line
 else:  # this folder was copied without common/
-    sys.exit(f"error: no common/ beside {Path(__file__).resolve().parent}: copy the repository's "
-             "common/ there, or `make install` in the repository, or `pip install --no-deps -e "
-             "<repository>` (conda, modules)")  # fmt: skip
+    here = Path(__file__).resolve().parent  # or `pip install --no-deps -e <repository>`
+    sys.exit(f"error: no common/ beside {here}: copy the repository's common/ there")
 
 import torch
 import torch.distributed as dist
@@ -38,15 +37,16 @@ from torch.distributed._composable import checkpoint as recompute
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, checkpoint, cli, data, distributed, graphs, metrics, optim, sampling
+from common import checkpoint, cli, data, distributed, meta, metrics, optim, sharded
 from common.guards import rails  # guard rails: each `guard` line says what it guards; skip them
-from common.models import blocks, gathered, materialise, norms
+from common.models import blocks, gathered, norms
+from common.options import amp, compiling, export, flags, holdout, hooks, large, loaders, resuming
 
 
-def train_step(step, x, y, args):
-    loss = optim.backward(step.model, x, y, step.loss_fn, step.scaler, args.grad_accum)
-    step.scaler.step(step.optimizer)
-    step.scaler.update()
+def train_step(step, x, y):
+    loss = step.loss_fn(step.model(x), y)
+    loss.backward()
+    step.optimizer.step()
     return loss.detach()
 
 
@@ -57,7 +57,7 @@ def train(step, loader, epoch, sums, args, guard):
     for batch_idx, (x, y) in enumerate(loader):
         x, y = data.to_device((x, y), step.device)  # tensors, or dicts and lists of them
         step.optimizer.zero_grad(set_to_none=True)
-        loss = graphs.run(train_step, step, x, y, args)  # --compile on one GPU: one CUDA graph
+        loss = step.run(step, x, y)  # train_step, or what --amp or --compile made of it
         sums.loss += loss * data.count(y)
         sums.samples += data.count(y)
         if batch_idx % args.log_interval == 0:
@@ -88,28 +88,33 @@ def evaluate(step, loader, samples, guard):
 
 
 def main(guard):
-    args, task = cli.parse_args(options=[cli.large_models])  # task: the model and data
+    args, task = cli.parse_args(groups=[flags.add, flags.large])  # task: the model and data
     guard.start(args)  # guard: one run per folder, a sound launch, a bounded rendezvous
     rank, local_rank, world_size, device = distributed.setup(args)
     torch.manual_seed(args.seed)
 
     train_set, test_set = task.datasets(args)
-    collate = getattr(task, "collate", None)  # the task's batching (padding, masks), else stacking
-    # val_set is empty without --val-fraction
-    train_set, val_set = data.split(train_set, args.val_fraction, args.seed)
+    val_set = []  # part of the training set, held out with --val-fraction
+    if args.val_fraction:  # option: --val-fraction
+        train_set, val_set = holdout.split(train_set, args.val_fraction, args.seed)
     guard.agree(train_set, val_set, test_set, task)  # guard: the same data on every rank
+    resume = checkpoint.latest(args, checkpoint.SHARDED)  # --resume's, or after a requeue
     # each rank draws its own 1/world_size of every epoch, in an order all ranks agree on
     order = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed)
-    train_sampler = sampling.Resumable(order, args.seed)  # a resume skips what it trained
+    train_sampler = resuming.Resumable(order, args.batch_size) if resume else order  # option
+    # whole batches of decoded images; option: --loader, --num-workers, a task's own data set
+    loader = data.loader if data.batched(train_set, args) else loaders.pipeline(args, task)
     batch_size = args.batch_size // world_size  # --batch-size is the global batch
-    train_loader = data.loader(train_set, train_sampler, batch_size, args, device, collate)
+    train_loader = loader(train_set, train_sampler, batch_size, device)
     # evaluation: a shard per rank, padded to as many batches on every rank; padding counts nowhere
     val_shard, test_shard = (data.shard(len(s), rank, world_size) for s in (val_set, test_set))
     test_batch = args.test_batch_size
-    val_loader = data.loader(val_set, val_shard.indices, test_batch, args, device, collate)
-    test_loader = data.loader(test_set, test_shard.indices, test_batch, args, device, collate)
+    val_loader = loader(val_set, val_shard.indices, test_batch, device)
+    test_loader = loader(test_set, test_shard.indices, test_batch, device)
     distributed.banner(args, rank, local_rank, world_size, device, train_loader)
 
+    metric = hooks.metric(task) if hasattr(task, "metric") else metrics.Metric()  # option: its own
+    log = metrics.Log(args.output_dir, world_size, metric)
     with torch.device("meta" if getattr(task, "META", True) else "cpu"):  # shapes: no whole model
         model = task.model(args)
     units = getattr(task, "blocks", blocks)(model)  # the task's, else Sequential/ModuleList layers
@@ -117,8 +122,8 @@ def main(guard):
     optim.memory(model, args, world_size, mesh)
     for block in units if args.checkpoint_activations else []:  # keep its input; rerun in backward
         recompute(block)
-    for unit in units if args.compile else []:  # --compile: kernels fused per unit, in place
-        unit.compile()  # no CUDA graph: FSDP2's gathers and reduce-scatters run between the units
+    if args.compile:  # option: --compile: kernels fused per unit, in place (no CUDA graph)
+        compiling.units(units, log)
     block_policy, norm_policy, root_policy = amp.policies(device, args)  # --amp: bf16 over fp32
     if dist.is_initialized():  # a plain `python train.py` has no process group: nothing to wrap
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
@@ -128,26 +133,22 @@ def main(guard):
         for block in gathered(units):  # its weights are gathered just before it runs, then freed
             fully_shard(block, mesh=mesh, mp_policy=block_policy)
         fully_shard(model, mesh=mesh, mp_policy=root_policy)  # the rest; grads reduce-scattered
-    materialise(model, device, task, args)  # each rank fills its shards: 01's weights, at any size
+    meta.materialise(model, device, task, args)  # each rank fills its shards: 01's weights
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
-    scaler = amp.scaler(device, args)
-
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits
-    metric = metrics.Metric.of(task)  # how good: the task's metric and score(), else accuracy
-    step = optim.Step(model, device, optimizer, scaler, loss_fn, metric.score)
-    log = metrics.Log(args.output_dir, world_size, args.compile, metric)
-    states = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, log=log)
-    resume = checkpoint.latest(args, checkpoint.SHARDED)  # --resume's, or after a requeue
+    states = dict(model=model, optimizer=optimizer, scheduler=scheduler, log=log)
+    step = optim.Step(model, device, optimizer, loss_fn, metric.score, train_step)
+    step = large.accumulating(step, args.grad_accum) if args.grad_accum > 1 else step  # option
     guard.resume(resume, states, sharded=True)  # guard: this run's, whole; saves on a stop
-    start_epoch, start_step = checkpoint.restore_sharded(resume, states)
-    train_sampler.resume_at(start_epoch, start_step * args.batch_size)  # skip what it trained on
+    # option: --resume, a requeue: the checkpoint's state, an epoch saved part-way at its sample
+    start_epoch = resuming.restore_sharded(resume, states, train_sampler) if resume else 1
     for epoch in range(start_epoch, args.epochs + 1):
-        if log.reached(args.target, args.patience):  # the same all-reduced rows on every rank
-            break
+        if args.target is not None and holdout.reached(log, args.target, args.patience):
+            break  # option: --target; the same all-reduced rows on every rank
         train_sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one after a resume
-        log.start(epoch)
-        trained = train(step, train_loader, epoch, log.so_far(epoch, device), args, guard)
+        so_far = log.start(epoch, device)  # the clock and sums, from a part before a stop if any
+        trained = train(step, train_loader, epoch, so_far, args, guard)
         seconds = log.seconds(device)  # an interrupted epoch's time includes its part before
         validated = evaluate(step, val_loader, val_shard.samples, guard)
         tested = evaluate(step, test_loader, test_shard.samples, guard)
@@ -158,10 +159,10 @@ def main(guard):
         guard.check_epoch(epoch, sums)  # guard: nothing non-finite is logged or saved
         log.epoch(epoch, scheduler.get_last_lr()[0], seconds, sums)
         scheduler.step()
-        checkpoint.save_sharded(args.output_dir, epoch, states)  # every rank writes its shards
+        sharded.save(args.output_dir, epoch, states)  # every rank writes its shards
     log.summary()
-    if args.save_model:
-        checkpoint.save_model(model, args.output_dir)
+    if args.save_model:  # option: --save-model: the weights alone, for inference
+        export.save_model(model, args.output_dir)
     distributed.cleanup()
 
 

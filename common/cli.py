@@ -1,6 +1,6 @@
 """The command line, identical in every stage: pytorch/examples' mnist flags plus what Slurm runs
-and the workshops' experiments need; stage 05 adds its own (large_models()). The guard rails check
-the numbers' ranges and say a usage error in one line (common/guards/check.py)."""
+need. A stage adds the options' flags (common/options/flags.py); a task its own (--task); the guard
+rails check the numbers' ranges and say a usage error in one line (common/guards/check.py)."""
 
 import argparse
 import importlib.util
@@ -14,9 +14,8 @@ from pathlib import Path
 from common.environment import regular_file
 
 REPO = Path(__file__).resolve().parent.parent
+TASK = REPO / "common" / "tasks" / "images.py"  # the built-in task: pytorch/examples' MNIST CNN
 REFERENCE_BATCH = 64  # the global batch --lr is given for (--lr-scaling)
-# the built-in task: pytorch/examples' MNIST CNN, and more
-TASK = REPO / "common" / "tasks" / "images.py"
 
 
 def default_output_dir(script, env=os.environ):
@@ -44,19 +43,11 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def learning_rate(args):
-    """--lr for this run's global batch: --lr-scaling's rule (common/optim.py says why each)."""
-    ratio = args.batch_size / REFERENCE_BATCH
-    return args.lr * {"none": 1, "linear": ratio, "sqrt": ratio**0.5}[args.lr_scaling]
-
-
-def parser(script, options=()):
-    """The options of every stage, then `options`' (functions adding a group: large_models())."""
+def parser(script, groups=()):
+    """The flags of every stage, then `groups`' (functions adding theirs: the options')."""
     p = Parser(description=f"image classification training, {script.parent.name}")
     add = p.add_argument
-    # fmt: off
-    add("--task", type=Path, default=TASK, help="a Python file: the model and data to train "
-        "(default: common/tasks/images.py, MNIST)")
+    add("--task", type=Path, default=TASK, help="a Python file: the model and data to train")
     add("--batch-size", type=int, default=64, help="global, split over the GPUs (default: 64)")
     add("--test-batch-size", type=int, default=1000, help="per process (default: 1000)")
     add("--epochs", type=int, default=14, help="epochs to train (default: 14)")
@@ -68,55 +59,28 @@ def parser(script, options=()):
     add("--limit", type=int, metavar="N", help="the first N images of each split (quick runs)")
     add("--save-model", action="store_true", help="save the model to --output-dir/model.pt")
     add("--no-cuda", action="store_true", help="train on the CPU even if a GPU is visible")
-    add("--data-dir", type=Path, default=REPO / "data", help="the data sets, in torchvision's "
-        "layout: MNIST/raw/, ... (default: the repository's data/)")
-    add("--num-workers", type=int, help="DataLoader workers per process (default: none for "
-        "--loader batched; for classic, the CPUs per rank but one)")
-    add("--loader", choices=["batched", "classic", "device"], default="batched", help="whole "
-        "batches from decoded tensors (default), pytorch/examples' per sample, or all on the GPU")
-    add("--amp", action="store_true", help="mixed precision: bf16, else fp16 with loss scaling")
-    add("--compile", action="store_true", help="torch.compile: fused kernels (per block in stage "
-        "05); on one GPU the step one CUDA graph")
-    add("--output-dir", type=Path, default=default_output_dir(script), help="metrics, checkpoint "
-        "and model (default: runs/<stage>/<Slurm job.step, torchrun id or time and pid>)")
-    add("--resume", nargs="?", const=True, type=Path, metavar="PATH", help="continue from "
-        "--output-dir's checkpoint or from PATH (by itself after a requeue)")
-    add("--check", action="store_true", help="check the options and exit (0, or 2 with one line), "
-        "before `torchrun ... train.py ARGS` takes a typo to every worker")
-    add("--checkpoint-minutes", type=float, metavar="M", help="also save every M minutes (a lost "
-        "node sends no signal; SIGTERM and SIGUSR1 always save)")
+    add("--data-dir", type=Path, default=REPO / "data", help="MNIST/raw/, ... (default: data/)")
+    add("--output-dir", type=Path, default=default_output_dir(script), help="runs/<stage>/<job>")
+    add("--resume", nargs="?", const=True, type=Path, metavar="PATH", help="its own, or PATH's")
     add("--dist-timeout", type=int, default=300, help="seconds a collective waits (default: 300)")
-    # the workshops' experiments
+    add("--check", action="store_true", help="check the options and exit (0, or 2 with one line)")
+    add("--checkpoint-minutes", type=float, metavar="M", help="also save every M minutes")
     add("--sync-bn", action="store_true", help="DDP: BatchNorm statistics over the global batch")
-    add("--val-fraction", type=float, default=0.0, help="held out for validation (default: 0)")
     add("--optimizer", choices=["adadelta", "adam", "rmsprop", "sgd"], default="adadelta")
     add("--momentum", type=float, default=0.0, help="sgd's and rmsprop's (default: 0)")
     add("--weight-decay", type=float, default=0.0, help="(default: 0)")
-    add("--scheduler", choices=["step", "cosine"], default="step", help="lr x gamma every "
-        "--step-size epochs, or a cosine down to 0 over --epochs")
+    add("--scheduler", choices=["step", "cosine"], default="step", help="StepLR, or to 0 by cosine")
     add("--step-size", type=int, default=1, help="epochs per step of --scheduler step")
-    add("--lr-scaling", choices=["none", "linear", "sqrt"], default="none", help=f"--lr is for a "
-        f"global batch of {REFERENCE_BATCH}: scale it with --batch-size (common/optim.py)")
-    add("--target", type=float, help="stop once the last --patience evaluations reach this value "
-        "of the task's metric (accuracy: in %%, at least)")
-    add("--patience", type=int, default=1, help="see --target (default: 1)")
-    # fmt: on
-    for group in options:
+    add("--lr-scaling", choices=["none", "linear", "sqrt"], default="none", help="for --batch-size")
+    for group in groups:
         group(p)
     return p
 
 
-def large_models(p):
-    """Stage 05's options: the memory savers and the mesh."""
-    # fmt: off
-    add = p.add_argument_group("large models").add_argument
-    add("--grad-accum", type=int, default=1, metavar="N", help="each rank's batch in N "
-        "micro-batches, gradients reduced once after the last (default: 1)")
-    add("--full-shard", action="store_true", help="shard across all ranks (FSDP), not within "
-        "each node with a copy per node (HSDP, the default on several nodes)")
-    add("--checkpoint-activations", action="store_true", help="keep each block's input alone and "
-        "recompute the rest in the backward: less memory, a forward more of time")
-    # fmt: on
+def learning_rate(args):
+    """--lr for this run's global batch: --lr-scaling's rule (common/optim.py says why each)."""
+    ratio = args.batch_size / REFERENCE_BATCH
+    return args.lr * {"none": 1, "linear": ratio, "sqrt": ratio**0.5}[args.lr_scaling]
 
 
 def load_task(path):
@@ -128,14 +92,14 @@ def load_task(path):
     return task
 
 
-def parse_args(argv=None, options=()):
-    """The options of the stage that runs (sys.argv[0]), its own `options` and those of its task
-    (--task): returns (args, the task); UsageError for a command line the parser refuses."""
+def parse_args(argv=None, groups=()):
+    """The flags of the stage that runs (sys.argv[0]), `groups`' and those of its task (--task):
+    returns (args, the task); UsageError for a command line the parser refuses."""
     first = argparse.ArgumentParser(add_help=False)  # --task first: the task adds options
     first.add_argument("--task", type=Path, default=TASK)
     path = first.parse_known_args(argv)[0].task
     task = load_task(path)
-    p = parser(Path(sys.argv[0]).resolve(), options)
+    p = parser(Path(sys.argv[0]).resolve(), groups)
     if hasattr(task, "add_arguments"):
         task.add_arguments(p.add_argument_group(f"the task's options ({path.name})"))
     args = p.parse_args(argv)

@@ -22,8 +22,12 @@ class NumpyOnly(pickle.Unpickler):
     lists and bytes alone, so nothing else may be loaded: a crafted file fails, not runs."""
 
     # the official files name numpy.core, numpy >= 2 numpy._core
-    ALLOWED = {("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "_reconstruct"),
-               ("numpy._core.multiarray", "_reconstruct")}  # fmt: skip
+    ALLOWED = {
+        ("numpy", "ndarray"),
+        ("numpy", "dtype"),
+        ("numpy.core.multiarray", "_reconstruct"),
+        ("numpy._core.multiarray", "_reconstruct"),
+    }
 
     def find_class(self, module, name):
         if (module, name) not in self.ALLOWED:

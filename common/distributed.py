@@ -19,7 +19,6 @@ import datetime
 import os
 import socket
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -101,14 +100,12 @@ def print0(*args):
 
 def banner(args, rank, local_rank, world_size, device, loader):
     """Each log's head: what ran, where and how (a sweep's logs tell apart), then who runs where."""
-    cuda = torch.version.cuda if device.type == "cuda" else "none"
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else "none"
     job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
-    print0(f"torch {torch.__version__} | CUDA {cuda} | NCCL {nccl} | device {device.type} | "
-           f"world size {world_size}")  # fmt: skip
-    print0(f"started {time.strftime('%Y-%m-%d %H:%M:%S')} | job {job} | loader {args.loader}, "
-           f"{getattr(loader, 'num_workers', 0)} workers and {torch.get_num_threads()} OMP threads "
-           f"per rank | output {args.output_dir}")  # fmt: skip
+    workers = getattr(loader, "num_workers", 0)
+    print0(
+        f"torch {torch.__version__} | device {device.type} | world size {world_size} | job {job}"
+    )
+    print0(f"loader {args.loader}, {workers} workers | output {args.output_dir}")
     print0(f"options: {' '.join(sys.argv[1:]) or '(the defaults)'}")
     here = (rank, local_rank, os.environ.get("SLURMD_NODENAME", socket.gethostname()), str(device))
     everyone = [here] * world_size

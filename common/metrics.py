@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from common.checkpoint import atomic
 from common.distributed import print0
@@ -23,10 +22,10 @@ except ImportError:  # an environment without it trains the same, untimed
 
 
 FIELDS = [  # accuracy: or the task's metric; better: its direction, "higher" or "lower"
-    "epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy",
-    "epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size", "nodes",
-    "peak_memory_mib", "compile_seconds", "better",
-]  # fmt: skip
+    *("epoch", "lr", "train_loss", "val_loss", "val_accuracy", "test_loss", "test_accuracy"),
+    *("epoch_seconds", "images_per_s", "images_per_s_per_process", "world_size", "nodes"),
+    *("peak_memory_mib", "compile_seconds", "better"),
+]
 
 
 def accuracy(output, target):
@@ -37,16 +36,12 @@ def accuracy(output, target):
 
 
 class Metric(NamedTuple):
-    """How good a model is: the task's `metric = ("mae", "lower")` and `score(output, target)`
-    summed over a batch, else accuracy (in %). An evaluation logs score's mean over its samples."""
+    """How good a model is: accuracy in %, higher is better, by default; a task's own metric and
+    score() (common/options/hooks.py). An evaluation logs score's mean over its samples."""
 
     name: str = "accuracy"
     better: str = "higher"  # or "lower": the direction --target is reached in
-    score: Callable = accuracy
-
-    @classmethod
-    def of(cls, task):
-        return cls(*task.metric, task.score) if hasattr(task, "metric") else cls()
+    score: Callable = accuracy  # summed over a batch
 
     def value(self, total, samples):
         return (100 if self.name == "accuracy" else 1) * total / samples
@@ -88,58 +83,37 @@ def progress(epoch, batch, batches, loss):
     print0(f"  epoch {epoch} batch {batch}/{batches} loss {loss.item():.4f}")
 
 
-def elapsed(start, device):
-    """Seconds since `start`, once the GPU has finished (else a timer measures kernel launches)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
 class Log:
     """The rows of metrics.csv and the epoch lines, from sums all-reduced: alike on every rank; rank
-    0 writes. `cut`: an epoch resumed part-way, its seconds and training sums before the stop."""
+    0 writes. `carried`: epoch -> (seconds, this rank's training Sums) of an epoch resumed part-way,
+    before the stop (common/options/resuming.py); `compiles`: the compiler's start and end times."""
 
-    def __init__(self, output_dir, world_size, compiled=False, metric=None):
-        self.path, self.world_size = output_dir / "metrics.csv", world_size
-        self.metric = metric or Metric()
-        self.fields = [field.replace("accuracy", self.metric.name) for field in FIELDS]
+    def __init__(self, output_dir, world_size, metric):
+        self.path, self.world_size, self.metric = output_dir / "metrics.csv", world_size, metric
+        self.fields = [field.replace("accuracy", metric.name) for field in FIELDS]
         self.nodes = max(world_size // ranks_per_node(world_size), 1)
-        self.rows, self.clock, self.cut, self.compiles = [], (0, 0.0), {"epoch": 0}, []
-        if compiled:  # when torch.compile starts and ends, in turn (torch._dynamo imports in 1.5 s)
-            from torch._dynamo import callback
-
-            callback.on_compile_start(lambda *_: self.compiles.append(time.perf_counter()))
-            callback.on_compile_end(lambda *_: self.compiles.append(time.perf_counter()))
+        self.rows, self.clock, self.carried, self.compiles = [], 0.0, {}, []
 
     def state_dict(self):
         return {"rows": self.rows}
 
     def load_state_dict(self, state):
-        """A resumed run rewrites the CSV from the checkpoint's rows (an epoch logged, not saved,
-        counts once), and takes the time and sums of an epoch saved part-way (its cut)."""
-        self.rows, self.cut = list(state["rows"]), state.get("cut") or {"epoch": 0}
+        """A resumed run rewrites the CSV from the checkpoint's rows: an epoch logged, not saved,
+        counts once."""
+        self.rows = list(state["rows"])
         self.write()
 
-    def so_far(self, epoch, device):
-        """This rank's training Sums of `epoch` before a stop part-way: zeros, but in an epoch
-        resumed part-way; resumed at another world size (stage 05), rank 0 carries them all."""
-        if self.cut["epoch"] != epoch:
-            return Sums.zeros(device)
-        ranks, rank = self.cut["ranks"], dist.get_rank() if dist.is_initialized() else 0
-        if len(ranks) != self.world_size:
-            ranks = [self.cut["training"]] + [dict.fromkeys(self.cut["training"], 0.0)] * rank
-        return Sums(**{k: torch.tensor(v, device=device) for k, v in ranks[rank].items()})
-
-    def start(self, epoch):
-        self.clock = (epoch, time.perf_counter())
-
-    def before(self, epoch):
-        return self.cut["seconds"] if self.cut["epoch"] == epoch else 0
+    def start(self, epoch, device):
+        """The epoch's clock and this rank's training sums, counting any part before a stop."""
+        seconds, sums = self.carried.get(epoch, (0.0, None))
+        self.clock = time.perf_counter() - seconds
+        return sums or Sums.zeros(device)
 
     def seconds(self, device):
-        """The time of the epoch in progress, its part before an interruption included."""
-        epoch, start = self.clock
-        return elapsed(start, device) + self.before(epoch)
+        """The time of the epoch in progress."""
+        if device.type == "cuda":  # else a timer measures kernel launches
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - self.clock
 
     def write(self):
         if is_rank0():
@@ -149,37 +123,40 @@ class Log:
                 writer.writerows(self.rows)
 
     def epoch(self, epoch, lr, seconds, sums):
-        """`sums`: the epoch's Epoch, summed over all ranks; its training from so_far() on."""
-        (training, val, test), name, value = sums, self.metric.name, self.metric.value
-        seen, speed, peak = training.samples, training.samples / seconds, ""
+        """A row from `sums`, the epoch's Epoch summed over all ranks, and its line."""
+        training, val, test = sums
+        speed, peak = training.samples / seconds, ""
         if torch.cuda.is_initialized():  # each epoch's own peak
             peak = torch.cuda.max_memory_allocated() / 2**20
             torch.cuda.reset_peak_memory_stats()
         # the compiler's seconds in training, inside `seconds` (an evaluation compiles after it)
-        end = self.clock[1] + seconds - self.before(epoch)
-        spans, self.compiles = zip(self.compiles[::2], self.compiles[1::2], strict=False), []
-        row = {
-            "epoch": epoch, "lr": lr, "train_loss": training.loss / seen,
-            "val_loss": val.loss / val.samples if val.samples else "",
-            f"val_{name}": value(val.score, val.samples) if val.samples else "",
-            "test_loss": test.loss / test.samples, f"test_{name}": value(test.score, test.samples),
-            "epoch_seconds": seconds, "images_per_s": speed,
-            "images_per_s_per_process": speed / self.world_size,
-            "world_size": self.world_size, "nodes": self.nodes, "peak_memory_mib": peak,
-            "compile_seconds": sum(min(b, end) - a for a, b in spans if a < end),
-            "better": self.metric.better,
-        }  # fmt: skip
-        self.rows.append(row)
+        end, spans, self.compiles = self.clock + seconds, self.compiles, []
+        compiling = sum(min(b, end) - a for a, b in zip(spans[::2], spans[1::2], strict=False))
+        row = [epoch, lr, training.loss / training.samples, *self.mean(val), *self.mean(test)]
+        row += [seconds, speed, speed / self.world_size, self.world_size, self.nodes, peak]
+        self.rows.append(dict(zip(self.fields, [*row, compiling, self.metric.better], strict=True)))
         self.write()
-        tested = self.shown(row, "test")
-        if name == "accuracy":  # as pytorch/examples prints it
-            tested = f"accuracy {int(test.score)}/{int(test.samples)} ({tested})"
-        line = [f"epoch {epoch:3d}", f"lr {lr:.4f}", f"train loss {row['train_loss']:.4f}"]
-        if val.samples:
+        self.say(self.rows[-1], f"{int(test.score)}/{int(test.samples)}")
+
+    def mean(self, sums):
+        """(loss, metric) of an evaluation's sums; blank for no samples (no --val-fraction)."""
+        if not sums.samples:
+            return "", ""
+        return sums.loss / sums.samples, self.metric.value(sums.score, sums.samples)
+
+    def say(self, row, correct):
+        """The epoch line: the losses, pytorch/examples' accuracy, the time, speed and memory."""
+        line = [f"epoch {row['epoch']:3d}", f"lr {row['lr']:.4f}"]
+        line.append(f"train loss {row['train_loss']:.4f}")
+        if row["val_loss"] != "":
             line.append(f"val loss {row['val_loss']:.4f} ({self.shown(row, 'val')})")
-        line += [f"test loss {row['test_loss']:.4f}", tested, f"{seconds:.2f} s"]
+        tested = self.shown(row, "test")
+        if self.metric.name == "accuracy":  # as pytorch/examples prints it
+            tested = f"accuracy {correct} ({tested})"
+        speed = row["images_per_s"]
+        line += [f"test loss {row['test_loss']:.4f}", tested, f"{row['epoch_seconds']:.2f} s"]
         line.append(f"{speed:.0f} img/s ({speed / self.world_size:.0f} per process)")
-        line += [f"peak {peak:.0f} MiB"] if peak != "" else []
+        line += [f"peak {row['peak_memory_mib']:.0f} MiB"] if row["peak_memory_mib"] != "" else []
         line += [f"compile {row['compile_seconds']:.1f} s"] if row["compile_seconds"] else []
         print0(" | ".join(line))
 
@@ -188,23 +165,12 @@ class Log:
         value, name = row[f"{split}_{self.metric.name}"], self.metric.name
         return f"{value:.2f}%" if name == "accuracy" else f"{name} {value:.4f}"
 
-    def reached(self, target, patience):
-        """--target: have the last `patience` evaluations (validation, else test) all reached it?"""
-        name, better = self.metric.name, self.metric.better
-        split = "val" if self.rows and self.rows[-1][f"val_{name}"] != "" else "test"
-        last = [row[f"{split}_{name}"] for row in self.rows[-patience:]]
-        if target is None or len(last) < patience:
-            return False
-        if not all(v >= target if better == "higher" else v <= target for v in last):
-            return False
-        print0(f"stopping: the last {patience} evaluations reached --target {target:g} ({name}, "
-               f"{better} is better)")  # fmt: skip
-        return True
-
     def summary(self):
         seconds = sum(r["epoch_seconds"] for r in self.rows)
         images = sum(r["images_per_s"] * r["epoch_seconds"] for r in self.rows)
         last = self.shown(self.rows[-1], "test")
         last = f"accuracy {last}" if self.metric.name == "accuracy" else last
-        print0(f"done: {len(self.rows)} epochs, {seconds:.1f} s of training, "
-               f"{images / seconds:.0f} img/s, test {last} | metrics in {self.path}")  # fmt: skip
+        print0(
+            f"done: {len(self.rows)} epochs, {seconds:.1f} s of training, "
+            f"{images / seconds:.0f} img/s, test {last} | metrics in {self.path}"
+        )

@@ -44,10 +44,14 @@ class CNN(nn.Module):
     def __init__(self, in_channels=1, num_classes=10):
         super().__init__()
         self.features = nn.Sequential(
-            *conv_relu(in_channels, 64), *conv_relu(64, 64), nn.MaxPool2d(2),
-            *conv_relu(64, 128), *conv_relu(128, 128),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),  # one value per channel whatever the image size
-        )  # fmt: skip
+            *conv_relu(in_channels, 64),
+            *conv_relu(64, 64),
+            nn.MaxPool2d(2),
+            *conv_relu(64, 128),
+            *conv_relu(128, 128),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),  # one value per channel whatever the image size
+        )
         self.dropout = nn.Dropout(0.5)
         self.fc = nn.Linear(128, num_classes)
 
@@ -84,8 +88,9 @@ class WideResNet(nn.Module):
     def __init__(self, in_channels=3, num_classes=10, depth=16, width=4, dropout=0.0):
         super().__init__()
         if depth < 10 or (depth - 4) % 6:
-            raise ValueError(f"--depth {depth}: a WideResNet is 6n+4 layers deep, n >= 1 "
-                             "(10, 16, 22, 28, 40)")  # fmt: skip
+            raise ValueError(
+                f"--depth {depth}: a WideResNet is 6n+4 layers deep, n >= 1 (10, 16, 22, 28, 40)"
+            )
         blocks = (depth - 4) // 6
         widths = [16, 16 * width, 32 * width, 64 * width]
         layers = [nn.Conv2d(in_channels, widths[0], 3, 1, 1, bias=False)]
@@ -140,8 +145,10 @@ def norms(model):
 
 # --model: what build() makes of each name; a size a model does not fit is refused in words (FITS)
 MODELS = {"net": Net, "cnn": CNN, "wideresnet": WideResNet}
-FITS = {"net": (28, "mnist, fashion-mnist", "cnn or wideresnet for 32x32"),
-        "wideresnet": (32, "cifar10, cifar100, synthetic", "net or cnn for 28x28")}  # fmt: skip
+FITS = {
+    "net": (28, "mnist, fashion-mnist", "cnn or wideresnet for 32x32"),
+    "wideresnet": (32, "cifar10, cifar100, synthetic", "net or cnn for 28x28"),
+}
 
 
 def build(name, in_channels, num_classes, image_size, depth=16, width=4):
@@ -151,98 +158,9 @@ def build(name, in_channels, num_classes, image_size, depth=16, width=4):
         raise ValueError(f"unknown model {name!r}: net, cnn or wideresnet")
     size, sets, instead = FITS.get(name, (image_size, "", ""))
     if image_size != size:
-        raise ValueError(f"--model {name} fits {size}x{size} images ({sets}), not "
-                         f"{image_size}x{image_size}: use --model {instead}")  # fmt: skip
+        raise ValueError(
+            f"--model {name} fits {size}x{size} images ({sets}), not "
+            f"{image_size}x{image_size}: use --model {instead}"
+        )
     shape = dict(depth=depth, width=width) if name == "wideresnet" else {}
     return MODELS[name](in_channels, num_classes, **shape)
-
-
-def materialise(model, device, task, args):
-    """Stage 05's model, built on the meta device (no memory) and sharded: each rank fills its
-    shards, a layer whole at most, from the task's `weights(args)` file, else as stage 01 starts at
-    the seed (reset_parameters(), children first, then init_weights(layer)); a CPU one moves."""
-    if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
-        return model.to(device)
-    if len(dict(model.named_parameters())) < len([*model.named_parameters(remove_duplicate=False)]):
-        raise TypeError("tied weights do not survive the meta device: set META = False in the task")
-    model.to_empty(device=device)
-    if getattr(task, "weights", None) and (path := task.weights(args)):
-        return load_whole(model, path)
-    resets = [m for m in post_order(model, set()) if reset_of(m) and list(held(m, True))]
-    covered = {id(t) for m in resets for *_, t in held(m, True)}
-    for name, m in model.named_modules():
-        if any(id(t) not in covered for *_, t in held(m)):
-            raise TypeError(f"{name} ({type(m).__name__}) has tensors that no reset_parameters() "
-                            "sets, which stage 05 needs to initialise a model built on the meta "
-                            "device: give it one, or set META = False in the task")  # fmt: skip
-    done, init = set(), getattr(task, "init_weights", None) or getattr(model, "init_weights", None)
-    for m in resets:
-        on_cpu(m, reset_of(m), done, recurse=True)
-    for m in model.modules() if init else ():
-        on_cpu(m, lambda m=m: init(m), done)
-    return model
-
-
-def post_order(module, seen):
-    for child in module.children():
-        if child not in seen:
-            yield from post_order(child, seen)
-    seen.add(module)
-    yield module
-
-
-def reset_of(module):  # _reset_parameters: attention's
-    return getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
-
-
-def held(module, recurse=False):
-    """(owner, "_parameters" or "_buffers", name, tensor) of each tensor of `module` (or below)."""
-    for owner in module.modules() if recurse else [module]:
-        for kind in ("_parameters", "_buffers"):
-            tensors = getattr(owner, kind).items()
-            yield from ((owner, kind, name, t) for name, t in tensors if t is not None)
-
-
-def on_cpu(module, init, done, recurse=False):
-    """init() on whole CPU copies of `module`'s tensors (their values so far if `done`), drawing
-    from the global generator as a constructor does; each rank then keeps its shard of each."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    slots = list(held(module, recurse))
-    for owner, kind, name, t in slots:
-        whole = torch.empty(t.shape)
-        if id(t) in done:  # its values so far
-            whole = t.full_tensor() if isinstance(t, DTensor) else t
-        whole = whole.detach().to("cpu", t.dtype, copy=True)
-        param = kind == "_parameters"
-        getattr(owner, kind)[name] = nn.Parameter(whole, t.requires_grad) if param else whole
-    try:
-        with torch.no_grad():
-            init()
-            for owner, kind, name, t in slots:
-                whole, local = getattr(owner, kind)[name], t
-                if isinstance(t, DTensor):  # this rank's piece, cut as fully_shard cut it, locally
-                    whole = distribute_tensor(
-                        whole, t.device_mesh, t.placements, src_data_rank=None
-                    )
-                    whole, local = whole.to_local(), t.to_local()
-                local.copy_(whole)
-                done.add(id(t))
-    finally:
-        for owner, kind, name, t in slots:
-            getattr(owner, kind)[name] = t
-
-
-def load_whole(model, path):
-    """A file of whole weights into the sharded model: rank 0 maps it, each rank gets its shards."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint import state_dict as sd
-
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    weights = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if rank0 else {}
-    if dist.is_initialized():
-        whole = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        sd.set_model_state_dict(model, weights, options=whole)
-    else:
-        model.load_state_dict(weights)
-    return model

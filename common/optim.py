@@ -13,11 +13,16 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from common import data
 from common.cli import learning_rate
 from common.distributed import print0
+
+OPTIMIZERS = {
+    "adadelta": torch.optim.Adadelta,
+    "adam": torch.optim.Adam,
+    "sgd": torch.optim.SGD,
+    "rmsprop": torch.optim.RMSprop,
+}  # --optimizer: pytorch/examples' Adadelta by default
 
 
 def optimizer(args, parameters):
@@ -25,14 +30,9 @@ def optimizer(args, parameters):
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
     parameters = list(parameters)
     foreach = any(isinstance(p, dtensor) for p in parameters) or None  # None: torch's default
-    options = dict(lr=learning_rate(args), weight_decay=args.weight_decay, foreach=foreach)
-    if args.optimizer == "adadelta":
-        return torch.optim.Adadelta(parameters, **options)
-    if args.optimizer == "adam":
-        return torch.optim.Adam(parameters, **options)
-    if args.optimizer == "rmsprop":
-        return torch.optim.RMSprop(parameters, momentum=args.momentum, **options)
-    return torch.optim.SGD(parameters, momentum=args.momentum, **options)
+    momentum = {"momentum": args.momentum} if args.optimizer in ("rmsprop", "sgd") else {}
+    rate = dict(lr=learning_rate(args), weight_decay=args.weight_decay, foreach=foreach)
+    return OPTIMIZERS[args.optimizer](parameters, **rate, **momentum)
 
 
 def state_tensors(args):
@@ -49,15 +49,19 @@ def memory(model, args, world_size, mesh):
     total = weights * (2 + state_tensors(args))
     shards = mesh.shape[-1] if mesh is not None else 1  # the ranks sharing one copy of the weights
     if mesh is not None and mesh.ndim == 2:
-        print0(f"mesh: {mesh.shape[0]} nodes (replicate) x {mesh.shape[1]} ranks (shard): HSDP, "
-               "weights gathered within a node, gradients all-reduced across nodes")  # fmt: skip
+        print0(
+            f"mesh: {mesh.shape[0]} nodes (replicate) x {mesh.shape[1]} ranks (shard): HSDP, "
+            "weights gathered within a node, gradients all-reduced across nodes"
+        )
     elif mesh is not None:
         print0(f"mesh: {shards} ranks (shard): FSDP across all of them")
     peak = "each epoch's, in the log" if torch.cuda.is_initialized() else "not measured on the CPU"
-    print0(f"memory per rank: weights {weights:.1f} MiB + gradients {weights:.1f} MiB + "
-           f"{args.optimizer} state {total - 2 * weights:.1f} MiB = {total:.1f} MiB under DDP, "
-           f"{total / world_size:.1f} MiB under FSDP at world size {world_size}, "
-           f"{total / shards:.1f} MiB with this mesh | peak device memory: {peak}")  # fmt: skip
+    print0(
+        f"memory per rank: weights {weights:.1f} MiB + gradients {weights:.1f} MiB + "
+        f"{args.optimizer} state {total - 2 * weights:.1f} MiB = {total:.1f} MiB under DDP, "
+        f"{total / world_size:.1f} MiB under FSDP at world size {world_size}, "
+        f"{total / shards:.1f} MiB with this mesh | peak device memory: {peak}"
+    )
 
 
 def scheduler(args, optimizer):
@@ -73,20 +77,6 @@ class Step(NamedTuple):
     model: torch.nn.Module
     device: torch.device
     optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler  # amp.scaler()
     loss_fn: Callable  # the task's loss(output, target)
     score: Callable  # the task's metric summed over a batch (metrics.Metric)
-    graph: object = None  # --compile on one GPU: the step recorded (graphs.compiled())
-
-
-def backward(model, x, y, loss_fn, scaler, micro_batches):
-    """Stage 05's --grad-accum, a memory saver: the rank's batch in `micro_batches` slices, one
-    backward each, gradients summed and reduced across ranks once, after the last: the mean loss."""
-    loss, micro = 0, [*zip(data.chunk(x, micro_batches), data.chunk(y, micro_batches), strict=True)]
-    for i, (xm, ym) in enumerate(micro):
-        if dist.is_initialized() and len(micro) > 1:  # reduce once, after the last slice
-            model.set_requires_gradient_sync(i == len(micro) - 1)
-        part = loss_fn(model(xm), ym) * data.count(ym) / data.count(y)  # its share of the mean
-        scaler.scale(part).backward()
-        loss += part.detach()
-    return loss
+    run: Callable  # run(step, x, y): the stage's train_step, or an option's (--amp, --compile)

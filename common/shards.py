@@ -29,9 +29,18 @@ class IndexUnpickler(pickle.Unpickler):
 
         super().__init__(file)
         self.file = file.name
-        kinds = (dcp.Metadata, dcp.TensorStorageMetadata, dcp.ChunkStorageMetadata,
-                 dcp.MetadataIndex, dcp.TensorProperties, dcp._MEM_FORMAT_ENCODING, dcp.StorageMeta,
-                 filesystem._StorageInfo, torch.Size, PosixPath)  # fmt: skip
+        kinds = (
+            dcp.Metadata,
+            dcp.TensorStorageMetadata,
+            dcp.ChunkStorageMetadata,
+            dcp.MetadataIndex,
+            dcp.TensorProperties,
+            dcp._MEM_FORMAT_ENCODING,
+            dcp.StorageMeta,
+            filesystem._StorageInfo,
+            torch.Size,
+            PosixPath,
+        )
         self.admitted = {(kind.__module__, kind.__qualname__) for kind in kinds}
         self.admitted.add(("pathlib", "PosixPath"))
         dtypes = {name for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
@@ -44,8 +53,10 @@ class IndexUnpickler(pickle.Unpickler):
         what = f"{module}.{name}, which loading would call"
         if name == "BytesStorageMetadata":
             what = "an item torch would unpickle"
-        raise Planted(f"{self.file} is not a checkpoint this repository wrote (it names {what}): "
-                      "it may be planted")  # fmt: skip
+        raise Planted(
+            f"{self.file} is not a checkpoint this repository wrote (it names {what}): "
+            "it may be planted"
+        )
 
 
 def index(folder):

@@ -40,6 +40,7 @@ from common import checkpoint as lesson
 from common import cli, shards
 from common.guards import ownership, resume, safeload
 from common.models import Net
+from common.options import flags
 
 
 def small(script, data_dir, out, *extra):
@@ -82,7 +83,9 @@ def test_a_checkpoint_copied_away_from_its_run_is_refused_not_resumed_unchecked(
     optimizer = torch.optim.Adadelta(model.parameters())
     states = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1))
     lesson.save(tmp_path / "copied", 1, states)  # a checkpoint.pt, and no run-manifest.json beside it
-    args, _ = cli.parse_args(stage_args(tiny_data, tmp_path / "new", "--lr", 0.1, "--resume", tmp_path / "copied"))
+    args, _ = cli.parse_args(
+        stage_args(tiny_data, tmp_path / "new", "--lr", 0.1, "--resume", tmp_path / "copied"), [flags.add]
+    )
     path = tmp_path / "copied" / "checkpoint.pt"
     with pytest.raises(SystemExit, match=f"^error: {path} has no run-manifest.json beside it"):
         resume.find(args, path, resume.WHOLE, False, "256-0")
@@ -154,7 +157,7 @@ def test_a_resume_past_its_epochs_is_refused(uninterrupted, tiny_data, tmp_path)
     one_error(out, "holds epoch 2, step 1, past --epochs 1: nothing to do; give --epochs 2 or more to continue it")
     assert not (tmp_path / "model.pt").exists()
     torch.save(state, tmp_path / "checkpoint.pt")  # the end of epoch 2: rank 0's verdict, in this process
-    args, _ = cli.parse_args(stage_args(tiny_data, tmp_path, "--limit", 64, "--epochs", 1, "--resume"))
+    args, _ = cli.parse_args(stage_args(tiny_data, tmp_path, "--limit", 64, "--epochs", 1, "--resume"), [flags.add])
     with pytest.raises(SystemExit, match="holds epoch 2, past --epochs 1: nothing to do; give --epochs 3 or more"):
         resume.find(args, tmp_path / resume.WHOLE, resume.WHOLE, False, data_of(tmp_path))
     args.epochs = 2  # the run is done: it says so, and --save-model exports it

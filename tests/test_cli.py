@@ -12,6 +12,7 @@ from helpers import S03, S05, clean_env, run
 
 from common import cli
 from common.guards import check, options, preflight
+from common.options import flags
 
 LAUNCHER = ("RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_JOB_ID")
 
@@ -70,7 +71,7 @@ def test_every_number_has_a_range():
     (common/guards/options.py), which check it: nan, inf, zero epochs never reach a run."""
     numbers = set()
     for task in [None, *sorted((cli.REPO / "common" / "tasks").glob("*.py"))]:
-        p = cli.parser(S05, [cli.large_models])
+        p = cli.parser(S05, [flags.add, flags.large])
         if task is not None and hasattr(loaded := cli.load_task(task), "add_arguments"):
             loaded.add_arguments(p)
         numbers |= {action.dest for action in p._actions if action.type in (int, float)}
@@ -137,7 +138,7 @@ def test_num_workers_capped_by_cpus_per_rank(monkeypatch, capsys):
 
 
 def test_every_option_is_classified():
-    p = cli.parser(S05, [cli.large_models])
+    p = cli.parser(S05, [flags.add, flags.large])
     cli.load_task(cli.TASK).add_arguments(p)  # the built-in task's own options
     dests = [action.dest for action in p._actions if action.dest != "help"]
     assert not set(options.DEFINING) & set(options.FREE)

@@ -1,6 +1,8 @@
 """--compile: the training of eager mode within a stated tolerance (compiled kernels fuse and reorder float
 sums: rounding, nothing more), the same checkpoints, and a missing compiler refused in one line."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,9 +13,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import data, graphs, models
+from common import data, models, optim
 from common.metrics import Sums
 from common.models import Net
+from common.options import compiling, loaders
 
 TOLERANCE = dict(rtol=1e-4, atol=1e-5)  # after 6 Adadelta steps of the Net; bitwise equality is not expected
 SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")  # a tensor read on the host
@@ -26,7 +29,7 @@ def both(rank, world_size, port, data_dir, name, result):
     if world_size > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     sampler = DistributedSampler(range(BATCH * STEPS), num_replicas=world_size, rank=rank, shuffle=False)
-    loader = data.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, ARGS, CPU)
+    loader = loaders.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, CPU, ARGS)
     found = {}
     for compiled in (False, True):
         model = model_without_dropout()
@@ -38,10 +41,11 @@ def both(rank, world_size, port, data_dir, name, result):
             fully_shard(model)
         else:
             model = DDP(model) if world_size > 1 else model
-            if compiled:
-                graphs.compiled(model, CPU, ARGS)
         args = type(ARGS)(**vars(ARGS), grad_accum=1)  # stage 05's train() reads it
-        sums = stage(name).train(step(model, args), loader, 1, Sums.zeros(CPU), args, RUN)
+        run = step(model, args)
+        if compiled and name != "05_fsdp":
+            run = compiling.compiled(run, SimpleNamespace(compiles=[]), ARGS)
+        sums = stage(name).train(run, loader, 1, Sums.zeros(CPU), args, RUN)
         for total in (sums.loss, sums.samples) if world_size > 1 else ():
             dist.all_reduce(total)
         weights = {k.removeprefix("module."): v for k, v in model.state_dict().items()}
@@ -100,6 +104,14 @@ def test_compile_without_a_cpp_compiler_is_one_line(tiny_data, tmp_path):
     assert out.seconds < 30 and not (tmp_path / "checkpoint.pt").exists()
 
 
+def graph_of(model, device, args):
+    """The StepGraph compiling.compiled() makes of a step of `model`, or None where it steps eagerly."""
+    eager = stage("01_single_gpu").train_step
+    plain = optim.Step(model, device, None, None, None, eager)
+    run = compiling.compiled(plain, SimpleNamespace(compiles=[]), args).run
+    return run if isinstance(run, compiling.StepGraph) else None
+
+
 def test_compile_chooses_cuda_graphs_where_they_go(monkeypatch, capsys):
     """The whole step one CUDA graph (a StepGraph to record) for a plain model on a GPU; none on a CPU,
     under --amp, or around what a graph cannot hold: DDP's all-reduce hooks, DataParallel's threads. The
@@ -109,16 +121,16 @@ def test_compile_chooses_cuda_graphs_where_they_go(monkeypatch, capsys):
     monkeypatch.setattr(torch.nn.Module, "compile", lambda module, **options: compiled.append(module))
     linear, gpu = torch.nn.Linear(2, 2), torch.device("cuda")  # compiling is lazy: no GPU is touched
     fp32, bf16 = type(ARGS)(**{**vars(ARGS), "amp": False}), type(ARGS)(**{**vars(ARGS), "amp": True})
-    assert graphs.compiled(linear, CPU, fp32) is None and compiled == [linear]
+    assert graph_of(linear, CPU, fp32) is None and compiled == [linear]
     assert capsys.readouterr().out == "compile: fused kernels, no CUDA graph: CUDA graphs need a GPU\n"
-    assert isinstance(graphs.compiled(linear, gpu, fp32), graphs.StepGraph)
+    assert isinstance(graph_of(linear, gpu, fp32), compiling.StepGraph)
     assert capsys.readouterr().out == "compile: fused kernels, the step one CUDA graph\n"
-    assert graphs.compiled(linear, gpu, bf16) is None and "--amp" in capsys.readouterr().out
-    assert graphs.compiled(torch.nn.DataParallel(linear), gpu, fp32) is None
+    assert graph_of(linear, gpu, bf16) is None and "--amp" in capsys.readouterr().out
+    assert graph_of(torch.nn.DataParallel(linear), gpu, fp32) is None
     assert "DataParallel" in capsys.readouterr().out
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        assert graphs.compiled(DDP(linear), gpu, fp32) is None
+        assert graph_of(DDP(linear), gpu, fp32) is None
     finally:
         dist.destroy_process_group()
     assert "no CUDA graph: DDP's all-reduce hooks cannot be captured" in capsys.readouterr().out
@@ -134,17 +146,18 @@ def test_no_host_sync_between_log_steps(name, compiled, monkeypatch):
     torch.manual_seed(0)
     batches = [(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))) for _ in range(7)]
     model = model_without_dropout()
+    run = step(model)
     if compiled:
-        graphs.compiled(model, CPU, ARGS)
+        run = compiling.compiled(run, SimpleNamespace(compiles=[]), ARGS)
     args = type(ARGS)(**{**vars(ARGS), "log_interval": 3, "grad_accum": 1})  # steps 0, 3 and 6 log
     train = stage(name).train
     if compiled:  # the compiler reads tensors while it compiles: once, before the steps counted
-        train(step(model), batches, 1, Sums.zeros(CPU), args, RUN)
+        train(run, batches, 1, Sums.zeros(CPU), args, RUN)
     reads = {method: 0 for method in SYNCS}
     for method in SYNCS:
         original = getattr(torch.Tensor, method)
         monkeypatch.setattr(torch.Tensor, method, counted(original, method, reads))
-    sums = train(step(model), batches, 1, Sums.zeros(CPU), args, RUN)
+    sums = train(run, batches, 1, Sums.zeros(CPU), args, RUN)
     monkeypatch.undo()
     assert reads == {method: 3 if method == "item" else 0 for method in SYNCS}
     assert sums.samples == 56 and torch.isfinite(sums.loss)  # it trained all 7 steps

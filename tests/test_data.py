@@ -16,6 +16,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common import cli, data
 from common.guards import check, datafiles, preflight
+from common.options import flags, holdout, loaders
 
 sys.path.insert(0, str(REPO / "tools"))  # tools/prepare_data.py, as `make data` runs it
 import prepare_data  # noqa: E402
@@ -25,7 +26,7 @@ CPU = torch.device("cpu")
 
 def batches(dataset, sampler, loader, batch_size=8):
     args = SimpleNamespace(loader=loader, num_workers=0, seed=1)
-    return list(data.loader(dataset, sampler, batch_size, args, CPU))
+    return list(loaders.loader(dataset, sampler, batch_size, CPU, args))
 
 
 @pytest.mark.parametrize("name, held_out", [("mnist", 0), ("cifar10", 0), ("cifar10", 0.25)])
@@ -33,7 +34,8 @@ def batches(dataset, sampler, loader, batch_size=8):
 def test_every_loader_gives_the_batches_of_the_default(loader, name, held_out, tiny_sets):
     """Same sampler, same batches: the pipelines differ in speed, not in what the model sees; grey or
     colour images, a whole set or the training part of a split."""
-    train, _ = data.split(data.dataset(tiny_sets, name, train=True), held_out, seed=3)
+    train = data.dataset(tiny_sets, name, train=True)
+    train = holdout.split(train, held_out, seed=3)[0] if held_out else train
     sampler = DistributedSampler(train, num_replicas=3, rank=1, seed=7)  # a shard, as a DDP rank draws it
     sampler.set_epoch(2)
     reference = batches(train, sampler, "batched")
@@ -89,9 +91,9 @@ def test_a_truncated_download_is_named_and_leaves_no_part_file(tmp_path):
 
 @pytest.mark.parametrize("loader", ["batched", "classic", "device"])
 def test_an_empty_validation_set_yields_nothing(loader, tiny_data):
-    """Without --val-fraction the validation set is empty, and every pipeline must take that in stride."""
-    empty = data.split(data.dataset(tiny_data, "mnist", train=True), 0, seed=1)[1]
-    assert batches(empty, range(0), loader) == []
+    """Without --val-fraction the validation set is empty ([], as the stages make it), and every pipeline,
+    the lesson's and the options', must take that in stride."""
+    assert batches([], range(0), loader) == [] and list(data.loader([], range(0), 8, CPU)) == []
 
 
 @pytest.mark.parametrize("train", [True, False])
@@ -111,7 +113,7 @@ def refused(data_dir, name, path, train=True):
     with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: .*{fix}") as refusal:
         datafiles.check_set(data_dir, name, train=train)
     assert "\n" not in str(refusal.value)
-    args = cli.parse_args(["--dataset", name, "--data-dir", str(data_dir), "--model", "cnn"])[0]
+    args = cli.parse_args(["--dataset", name, "--data-dir", str(data_dir), "--model", "cnn"], [flags.add])[0]
     with pytest.raises(SystemExit) as stop:
         check.check_args(args, warn=False, gpus=0)
     assert stop.value.code == f"error: {refusal.value}"
@@ -152,7 +154,9 @@ def test_a_task_without_dataset_has_its_files_checked_too(file, tiny_data, tmp_p
     short = TEST_SIZE - 1 if "labels" in file else TEST_SIZE
     write_idx_subset(REPO / "data" / "MNIST" / "raw" / f"{file}.gz", path, short)
     path.write_bytes(path.read_bytes()[: None if "labels" in file else -1])
-    args = cli.parse_args(["--task", str(REPO / "common/tasks/augmented.py"), "--data-dir", str(tmp_path)])[0]
+    args = cli.parse_args(
+        ["--task", str(REPO / "common/tasks/augmented.py"), "--data-dir", str(tmp_path)], [flags.add]
+    )[0]
     with pytest.raises(SystemExit) as stop:
         check.check_args(args, warn=False, gpus=0)
     assert re.match(f"error: {re.escape(str(path))}: .*run `make data DATASET=mnist` again", stop.value.code)
@@ -204,7 +208,7 @@ def test_the_fingerprint_follows_labels_and_sampled_images():
 def test_ranks_reading_the_same_files_agree_on_the_fingerprint(tiny_sets):
     """What the stages compare: every set read twice, whole and split, gives the same fingerprints."""
     for name in ("mnist", "fashion-mnist", "cifar10", "cifar100"):
-        first, second = (data.split(data.dataset(tiny_sets, name, train=True), 0.25, seed=1) for _ in range(2))
+        first, second = (holdout.split(data.dataset(tiny_sets, name, train=True), 0.25, seed=1) for _ in range(2))
         assert [preflight.fingerprint(part) for part in first] == [preflight.fingerprint(part) for part in second]
         assert preflight.fingerprint(first[0]) != preflight.fingerprint(first[1])
 
@@ -213,16 +217,14 @@ def test_split_is_seeded_disjoint_and_complete():
     count = 100
     images = torch.arange(count, dtype=torch.uint8).view(count, 1, 1, 1).expand(count, 1, 4, 4).contiguous()
     whole = data.Images("numbers", images, torch.arange(count), (0.5,), (0.25,), count)
-    train, val = data.split(whole, 0.2, seed=1)
+    train, val = holdout.split(whole, 0.2, seed=1)
     assert (len(train), len(val)) == (80, 20) and type(train) is type(val) is data.Images
     assert sorted(torch.cat([train.labels, val.labels]).tolist()) == list(range(count))
     for part in train, val:
         assert torch.equal(part.images[:, 0, 0, 0].long(), part.labels)  # each image kept its label
         assert (part.mean, part.std, part.classes, part.image_size) == (whole.mean, whole.std, count, 4)
-    assert torch.equal(data.split(whole, 0.2, seed=1)[1].labels, val.labels)
-    assert not torch.equal(data.split(whole, 0.2, seed=2)[1].labels, val.labels)
-    train, val = data.split(whole, 0, seed=1)
-    assert train is whole and len(val) == 0 and val.images.shape[1:] == whole.images.shape[1:]
+    assert torch.equal(holdout.split(whole, 0.2, seed=1)[1].labels, val.labels)
+    assert not torch.equal(holdout.split(whole, 0.2, seed=2)[1].labels, val.labels)
 
 
 def test_a_missing_set_names_its_folder_and_make_data(tmp_path):

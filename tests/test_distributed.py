@@ -7,9 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common import cli, data, distributed
+from common import cli, distributed
 from common.environment import Launch, expand_hostlist, launcher, master_port
 from common.guards import check, preflight
+from common.options import loaders
 
 
 @pytest.mark.parametrize(
@@ -212,7 +213,7 @@ def test_fake_gpus_fall_back_to_cpu(monkeypatch):
     ],
 )
 def test_default_num_workers(env, workers):
-    assert data.num_workers(SimpleNamespace(loader="classic", num_workers=None), True, env) == workers
+    assert loaders.num_workers(SimpleNamespace(loader="classic", num_workers=None), True, env) == workers
 
 
 def test_default_output_dir(tmp_path):

@@ -14,8 +14,9 @@ from no_guard import NoGuard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, data, metrics, optim
+from common import data, metrics, optim
 from common.models import Net
+from common.options import holdout, loaders
 
 BATCH, STEPS = 32, 6
 ARGS = SimpleNamespace(
@@ -31,8 +32,8 @@ RUN = NoGuard()  # the lesson alone: the guard rails only observe it (tests/test
 def step(model, args=ARGS):
     """What the stages' train() and evaluate() take: Adadelta at lr 1, the default loss, score."""
     optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
-    scaler = amp.scaler(CPU, args)
-    return optim.Step(model, CPU, optimizer, scaler, F.cross_entropy, metrics.accuracy)
+    eager = stage("01_single_gpu").train_step  # every stage's
+    return optim.Step(model, CPU, optimizer, F.cross_entropy, metrics.accuracy, eager)
 
 
 def stage(name):
@@ -53,7 +54,7 @@ def ddp_rank(rank, world_size, port, data_dir, result):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     sampler = DistributedSampler(range(BATCH * STEPS), num_replicas=world_size, rank=rank, shuffle=False)
-    loader = data.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, ARGS, CPU)
+    loader = loaders.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, CPU, ARGS)
     model = DDP(model_without_dropout())
     stage("03_ddp_single_node").train(step(model), loader, 1, metrics.Sums.zeros(CPU), ARGS, RUN)
     if rank == 0:
@@ -64,7 +65,7 @@ def ddp_rank(rank, world_size, port, data_dir, result):
 def test_two_ranks_with_half_batches_equal_one_process(tiny_data, tmp_path):
     """DDP over 2 ranks with B/2 each ends with the parameters of one process with batch B."""
     mp.spawn(ddp_rank, args=(2, free_port(), tiny_data, tmp_path / "ddp.pt"), nprocs=2)
-    loader = data.loader(data.dataset(tiny_data, "mnist", train=True), range(BATCH * STEPS), BATCH, ARGS, CPU)
+    loader = loaders.loader(data.dataset(tiny_data, "mnist", train=True), range(BATCH * STEPS), BATCH, CPU, ARGS)
     model = model_without_dropout()
     stage("01_single_gpu").train(step(model), loader, 1, metrics.Sums.zeros(CPU), ARGS, RUN)
     ddp = torch.load(tmp_path / "ddp.pt", weights_only=True)
@@ -81,15 +82,15 @@ def assert_counted_once(output, model_file, data_dir, val_fraction=0.0):
     model = Net()
     model.load_state_dict(torch.load(model_file, weights_only=True))
     test_set = data.dataset(data_dir, "mnist", train=False)
-    loader = data.loader(test_set, range(TEST_SIZE), 1000, ARGS, CPU)
+    loader = loaders.loader(test_set, range(TEST_SIZE), 1000, CPU, ARGS)
     sums = stage("01_single_gpu").evaluate(step(model), loader, TEST_SIZE, RUN)
     loss, correct, count = sums.loss.item(), sums.score.item(), sums.samples.item()
     assert count == TEST_SIZE
     assert f"accuracy {int(correct)}/{TEST_SIZE} ({100 * correct / count:.2f}%)" in line, line
     assert f"test loss {loss / count:.4f}" in line, line
     if val_fraction:
-        _, val_set = data.split(data.dataset(data_dir, "mnist", train=True), val_fraction, seed=1)
-        loader = data.loader(val_set, range(len(val_set)), 1000, ARGS, CPU)
+        _, val_set = holdout.split(data.dataset(data_dir, "mnist", train=True), val_fraction, seed=1)
+        loader = loaders.loader(val_set, range(len(val_set)), 1000, CPU, ARGS)
         sums = stage("01_single_gpu").evaluate(step(model), loader, len(val_set), RUN)
         loss, correct, count = sums.loss.item(), sums.score.item(), sums.samples.item()
         assert f"val loss {loss / count:.4f} ({100 * correct / count:.2f}%)" in line, line

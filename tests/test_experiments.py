@@ -8,6 +8,7 @@ import torch
 from helpers import S03, metrics, run, stage_args, torchrun
 
 from common import cli, optim
+from common.options import flags
 
 
 def args(**kw):
@@ -43,7 +44,7 @@ def test_schedules(name, lrs):
 @pytest.mark.parametrize("pair", [("net", "cifar10"), ("net", "synthetic"), ("wideresnet", "mnist")])
 def test_parser_refuses_untested_pairs(pair, capsys):
     with pytest.raises(cli.UsageError, match=f"--model {pair[0]} is tested with"):
-        cli.parse_args(["--model", pair[0], "--dataset", pair[1]])  # the built-in task's check()
+        cli.parse_args(["--model", pair[0], "--dataset", pair[1]], [flags.add])  # the built-in task's check()
 
 
 @pytest.mark.slow

@@ -52,6 +52,7 @@ from common import cli, data
 from common.checkpoint import atomic
 from common.guards import divergence, lock, preflight, rails, resume
 from common.metrics import Epoch
+from common.options import flags
 
 STEPS = 4  # optimizer steps per epoch: 256 training images, batch 64
 
@@ -310,7 +311,7 @@ def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(uninterrupte
     resumed = python(S01, *stage_args(more, out, "--epochs", 2, "--resume"))
     one_error(resumed, "was trained on other data", f"training set was {recorded}, here {TRAIN_SIZE + 32}-")
     # rank 0's verdict, in this process: the same number of images, other labels
-    args, _ = cli.parse_args(stage_args(shifted, out, "--epochs", 2, "--resume"))
+    args, _ = cli.parse_args(stage_args(shifted, out, "--epochs", 2, "--resume"), [flags.add])
     now = preflight.fingerprint(data.dataset(shifted, "mnist", train=True))
     with pytest.raises(SystemExit, match=f"training set was {recorded}, here {now} in --data-dir {shifted}"):
         resume.find(args, out / resume.WHOLE, resume.WHOLE, False, now)

@@ -41,10 +41,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
 
-from common import amp, data, models, optim
+from common import data, meta, models, optim
 from common.environment import Launch
 from common.guards import preflight
 from common.metrics import Sums
+from common.options import amp, loaders
 from common.tasks import sequences
 
 STEPS = 4
@@ -77,7 +78,7 @@ def test_stage05_exports_stage01s_model(uninterrupted, tiny_data):
     assert os.readlink(run / "checkpoint") == "epoch-3" and (run / "epoch-2" / "state.pt").exists()
     model = models.Net()
     model.load_state_dict(checkpoint(run, "model.pt"), strict=True)
-    loader = data.loader(data.dataset(tiny_data, "mnist", train=False), range(TEST_SIZE), 1000, ARGS, CPU)
+    loader = loaders.loader(data.dataset(tiny_data, "mnist", train=False), range(TEST_SIZE), 1000, CPU, ARGS)
     correct = stage("01_single_gpu").evaluate(step(model), loader, TEST_SIZE, RUN).score
     assert 100 * correct.item() / TEST_SIZE == pytest.approx(float(rows[-1]["test_accuracy"]))
 
@@ -106,7 +107,7 @@ def ranks(rank, world_size, port, data_dir, result):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     sampler = DistributedSampler(range(BATCH * STEPS), num_replicas=world_size, rank=rank, shuffle=False)
-    loader = data.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, ARGS, CPU)
+    loader = loaders.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, CPU, ARGS)
     trained = {}
     for way, accum, checkpointed in (
         ("ddp", 1, False),
@@ -421,7 +422,7 @@ def materialised(rank, world_size, port, result):
             fully_shard(block)
         fully_shard(model)
         torch.manual_seed(7)
-        models.materialise(model, CPU, task, None)
+        meta.materialise(model, CPU, task, None)
         found[name] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     if rank == 0:
         torch.save(found, result)
@@ -460,7 +461,7 @@ def test_a_layer_no_reset_parameters_sets_is_named():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(2, 2), Scaled())
     with pytest.raises(TypeError, match=r"^1 \(Scaled\) has tensors that no reset_parameters\(\) sets.*META = False"):  # fmt: skip
-        models.materialise(model, CPU, None, None)
+        meta.materialise(model, CPU, None, None)
 
 
 def test_tied_weights_are_refused_on_the_meta_device_and_kept_from_the_cpu():
@@ -477,8 +478,8 @@ def test_tied_weights_are_refused_on_the_meta_device_and_kept_from_the_cpu():
     with torch.device("meta"):
         model = Tied()
     with pytest.raises(TypeError, match=r"^tied weights do not survive the meta device: set META = False in the task$"):
-        models.materialise(model, CPU, None, None)
-    built = models.materialise(Tied(), CPU, None, None)
+        meta.materialise(model, CPU, None, None)
+    built = meta.materialise(Tied(), CPU, None, None)
     assert built.head.weight is built.emb.weight
 
 

@@ -1,4 +1,4 @@
-"""--compile's CUDA graph of the whole step (common/graphs.py): what a CPU can show. The eager steps that
+"""--compile's CUDA graph of the whole step (common/compiling.py): what a CPU can show. The eager steps that
 recording needs first leave no trace (the run trains from the state, and draws the dropout masks, it would
 have without), and a checkpoint's optimizer stays an eager run's. Recording and replay need a GPU:
 bench/gpu/measure.sh's speedup rows train stage 01 eager and with --compile side by side."""
@@ -8,10 +8,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from test_equivalence import ARGS, CPU, model_without_dropout
+from test_equivalence import CPU, model_without_dropout
 
-from common import graphs, optim
+from common import optim
 from common.models import Net
+from common.options import compiling
 
 OPTIMIZERS = {
     "adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0),
@@ -20,7 +21,7 @@ OPTIMIZERS = {
 }
 
 
-def train_step(step, x, y, args):
+def train_step(step, x, y):
     loss = step.loss_fn(step.model(x), y)
     loss.backward()
     step.optimizer.step()
@@ -30,19 +31,19 @@ def train_step(step, x, y, args):
 def make(kind):
     torch.manual_seed(0)
     model = Net()  # with dropout: the generator must be put back too
-    return optim.Step(model, CPU, OPTIMIZERS[kind](model.parameters()), None, F.nll_loss, None)
+    return optim.Step(model, CPU, OPTIMIZERS[kind](model.parameters()), F.nll_loss, None, train_step)
 
 
 def steps(step, batch, n):
     for _ in range(n):
         step.optimizer.zero_grad(set_to_none=True)
-        train_step(step, *batch, ARGS)
+        train_step(step, *batch)
 
 
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
 @pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
 def test_the_steps_before_recording_are_undone(kind, resumed):
-    """Inside graphs.undone(), three steps; after it, the same tensors (recording keeps their memory) with the
+    """Inside compiling.undone(), three steps; after it, the same tensors (recording keeps their memory) with the
     same values, the optimizer's new state at zero, and the next steps bit-identical to a run without them."""
     batch = (torch.randn(16, 1, 28, 28), torch.randint(0, 10, (16,)))
     step = make(kind)
@@ -50,11 +51,11 @@ def test_the_steps_before_recording_are_undone(kind, resumed):
         steps(step, batch, 2)
     twin = copy.deepcopy(step)  # the run without the extra steps
     torch.manual_seed(1)
-    held = graphs.state(step)
-    with graphs.undone(step):
+    held = compiling.state(step)
+    with compiling.undone(step):
         steps(step, batch, 3)
         assert not torch.equal(step.model.fc2.weight, twin.model.fc2.weight)  # they trained
-    after = graphs.state(step)
+    after = compiling.state(step)
     assert all(any(t is h for t in after) for h in held)  # in place: a graph's recorded memory
     for t in after[len(held) :]:  # what the steps created: zero, as a first step finds it
         assert not t.any()
@@ -74,7 +75,7 @@ def test_capturable_only_while_recording():
     for optimizer in (torch.optim.Adadelta(model.parameters()), torch.optim.SGD(model.parameters(), lr=0.1)):
         before = copy.deepcopy(optimizer.state_dict()["param_groups"])
         inside = True if isinstance(optimizer, torch.optim.Adadelta) else None  # SGD: no step count
-        with graphs.capturable(optimizer):
+        with compiling.capturable(optimizer):
             assert [group.get("capturable") for group in optimizer.param_groups] == [inside]
         assert optimizer.state_dict()["param_groups"] == before
 
@@ -83,10 +84,10 @@ def test_a_batch_of_another_shape_runs_eagerly():
     """Only the loader's batch shape (the first seen) is recorded: an epoch's last, smaller batch steps
     eagerly, on a CPU as on a GPU (recording the first batch needs a GPU: here it is taken as recorded)."""
     step, batch = make("adadelta"), (torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,)))
-    graph = graphs.StepGraph()
-    graph.shape = [torch.Size([16, 1, 28, 28]), torch.Size([16])]
     ran = []
-    loss = graph.run(lambda *a: ran.append(a) or train_step(*a), step, *batch, ARGS)
+    graph = compiling.StepGraph(lambda *a: ran.append(a) or train_step(*a))
+    graph.shape = [torch.Size([16, 1, 28, 28]), torch.Size([16])]
+    loss = graph(step, *batch)
     assert len(ran) == 1 and ran[0][1] is batch[0] and graph.graph is None and loss.ndim == 0
 
 
@@ -99,16 +100,16 @@ def test_recorded_steps_train_as_eager_steps():
     epochs = [[(torch.randn(n, 1, 28, 28, device=gpu), torch.randint(0, 10, (n,), device=gpu)) for n in
                [16] * 5 + [8]] for _ in range(2)]  # fmt: skip
     weights = []
-    for graph in (None, graphs.StepGraph()):
+    for graph in (None, compiling.StepGraph(train_step)):
         model = model_without_dropout().to(gpu)
         optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
-        step = optim.Step(model, gpu, optimizer, None, F.nll_loss, None, graph)
+        step = optim.Step(model, gpu, optimizer, F.nll_loss, None, graph or train_step)
         losses = []
         for batches in epochs:
             for x, y in batches:
                 optimizer.zero_grad(set_to_none=True)
-                losses.append(graphs.run(train_step, step, x, y, ARGS).clone())
+                losses.append(step.run(step, x, y).clone())
             scheduler.step()
         weights.append((torch.stack(losses), model.state_dict()))
     (eager_losses, eager), (recorded_losses, recorded) = weights
@@ -120,8 +121,8 @@ def test_recorded_steps_train_as_eager_steps():
 def test_a_batch_that_is_not_two_tensors_runs_eagerly():
     """A task's batch of dicts (text: token ids and a mask) is never recorded: each steps eagerly, with no GPU
     touched, whatever its shapes."""
-    step, graph, ran = make("adadelta"), graphs.StepGraph(), []
+    step, ran = make("adadelta"), []
+    graph = compiling.StepGraph(lambda s, x, y: ran.append(x) or train_step(s, x["image"], y))
     x = {"image": torch.randn(8, 1, 28, 28)}
-    loss = graph.run(lambda s, x, y, a: ran.append(x) or train_step(s, x["image"], y, a), step, x,
-                     torch.randint(0, 10, (8,)), ARGS)  # fmt: skip
+    loss = graph(step, x, torch.randint(0, 10, (8,)))
     assert ran == [x] and graph.graph is None and graph.shape is None and loss.ndim == 0

@@ -35,6 +35,7 @@ from torch.utils.data import default_collate
 from common import cli, data
 from common.guards import divergence, preflight, resume
 from common.metrics import Epoch, Log, Metric
+from common.options import flags, holdout, large
 from common.tasks import text
 
 TEXT = REPO / "common" / "tasks" / "text.py"
@@ -182,10 +183,10 @@ def test_a_metric_over_a_test_set_of_one_sample_at_two_ranks_is_finite(tmp_path)
 def test_the_target_of_a_lower_is_better_metric_is_reached_at_or_below_it(tmp_path):
     log = Log(tmp_path, 1, metric=Metric("mae", "lower", None))
     log.rows = [{"val_mae": "", "test_mae": 0.5}]
-    assert log.reached(0.5, 1) and not log.reached(0.4, 1)
-    accuracy_log = Log(tmp_path, 1)
+    assert holdout.reached(log, 0.5, 1) and not holdout.reached(log, 0.4, 1)
+    accuracy_log = Log(tmp_path, 1, Metric())
     accuracy_log.rows = [{"val_accuracy": "", "test_accuracy": 90.0}]
-    assert accuracy_log.reached(90, 1) and not accuracy_log.reached(91, 1)
+    assert holdout.reached(accuracy_log, 90, 1) and not holdout.reached(accuracy_log, 91, 1)
 
 
 def test_a_one_output_model_counts_its_logit_above_zero_as_class_1():
@@ -197,7 +198,7 @@ def test_nested_batches_are_moved_counted_split_and_cut():
     batch = ({"tokens": torch.ones(5, 3), "mask": [torch.zeros(5, 3, dtype=torch.bool)]}, torch.arange(5))
     moved = data.to_device(batch, torch.device("cpu"))
     assert data.count(moved[1]) == 5 and data.count(moved[0]) == 5
-    parts = data.chunk(moved[0], 2)
+    parts = large.chunk(moved[0], 2)
     assert [data.count(p) for p in parts] == [3, 2] and parts[1]["mask"][0].shape == (2, 3)
     assert data.first(moved, 2)[0]["tokens"].shape == (2, 3)
 
@@ -243,7 +244,7 @@ def test_an_option_that_defaults_to_nan_is_the_same_on_every_rank_and_on_resume(
     """A task's `--clip` of default nan: nan != nan refused every resume and every launch of two ranks."""
     assert preflight.same(float("nan"), float("nan")) and preflight.same([1.0, float("nan")], [1.0, float("nan")])
     assert not preflight.same(float("nan"), 1.0) and preflight.same(1, 1.0)
-    args = argparse.Namespace(**vars(cli.parse_args(["--epochs", "3"])[0]), clip=float("nan"))
+    args = argparse.Namespace(**vars(cli.parse_args(["--epochs", "3"], [flags.add])[0]), clip=float("nan"))
     state = {"epoch": 1, "step": 0}
     assert resume.mismatch({"flags": preflight.defining(args)}, state, args, "data") is None
 
@@ -308,7 +309,7 @@ def test_a_data_set_of_the_users_with_a_subset_attribute_is_split():
     class Named(torch.utils.data.TensorDataset):
         subset = "train"  # a name, not common/data.py Images' method
 
-    train, val = data.split(Named(torch.arange(10.0)), 0.2, seed=1)
+    train, val = holdout.split(Named(torch.arange(10.0)), 0.2, seed=1)
     assert (len(train), len(val)) == (8, 2) and isinstance(val, torch.utils.data.Subset)
 
 

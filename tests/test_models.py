@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from common import data, models
+from common.options import loaders
 from common.tasks import images
 
 CPU = torch.device("cpu")
@@ -23,7 +24,7 @@ PAIRS = [(model, name) for model, names in images.TESTED.items() for name in nam
 
 
 def one_batch(dataset, size):
-    return next(iter(data.loader(dataset, range(size), size, ARGS, CPU)))
+    return next(iter(loaders.loader(dataset, range(size), size, CPU, ARGS)))
 
 
 @pytest.mark.parametrize("model_name, name", PAIRS)

@@ -26,9 +26,10 @@ from helpers import (
     wait_for,
 )
 
-from common import checkpoint, cli, data, models
+from common import cli, data, models
 from common.environment import is_rank0, launcher
 from common.guards import check, failure, preflight, rails
+from common.options import flags, holdout, resuming
 
 SMALL_PLAN = ["--model", "cnn", "--dataset", "cifar10", "--batch-size", "8"]  # a plan that takes a second
 TORCHRUN = {"LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -196,7 +197,7 @@ def test_a_task_option_of_another_type_is_refused_at_start(tmp_path, monkeypatch
     task = tmp_path / "my_task.py"
     for default, kind in [("Mode.A", "Mode"), ("datetime.date(2020, 1, 1)", "date"), ("[1, (2, 'x')]", None)]:
         task.write_text(OPTION.format(default))
-        args = cli.parse_args(["--task", str(task), "--output-dir", str(tmp_path)])[0]
+        args = cli.parse_args(["--task", str(task), "--output-dir", str(tmp_path)], [flags.add])[0]
         if kind is None:  # plain values, lists of them too, pass
             check.check_args(args)
             continue
@@ -251,7 +252,10 @@ def test_the_lessons_refusal_is_its_line_and_the_same_class_elsewhere_is_not(tmp
     task.write_text(RAISE.format("ValueError('no such layer')"))
     for call, said in [
         (lambda: cli.load_task(task).model(None), f"error: ValueError: no such layer (at {task}:6, in model)"),
-        (lambda: data.split(list(range(4)), float("nan"), 1), "error: ValueError: cannot convert float NaN to integer"),
+        (
+            lambda: holdout.split(list(range(4)), float("nan"), 1),
+            "error: ValueError: cannot convert float NaN to integer",
+        ),
         (lambda: models.build("wideresnet", 3, 10, 32, 16, 0.5), "error: TypeError: empty(): argument 'size'"),
     ]:
         err = raised(call)
@@ -267,7 +271,7 @@ def test_run_says_the_lessons_refusal_as_it_is_and_a_tasks_error_with_its_place(
     monkeypatch.setattr(rails.Guard, "close", lambda guard, together: closed.append(together))
     task = tmp_path / "my_task.py"
     task.write_text(RAISE.format("ValueError('no such layer')"))
-    rails.run(lambda guard: data.split(list(range(4)), 0.01, 1))
+    rails.run(lambda guard: holdout.split(list(range(4)), 0.01, 1))
     rails.run(lambda guard: cli.load_task(task).model(None))
     assert ended[0] == "error: a validation fraction of 0.01 of 4 images leaves a part empty"
     assert closed == [True, False]  # the refusal's ranks end together; the fallback's each alone
@@ -290,7 +294,7 @@ def test_a_task_is_blamed_only_where_its_own_call_failed(tmp_path):
             f"error: {type(err).__name__}: "
         ), err
     torch.save({"model": torch.nn.Linear(3, 2).state_dict()}, tmp_path / "checkpoint.pt")
-    mismatch = raised(lambda: checkpoint.restore(tmp_path / "checkpoint.pt", {"model": torch.nn.Linear(2, 2)}))
+    mismatch = raised(lambda: resuming.restore(tmp_path / "checkpoint.pt", {"model": torch.nn.Linear(2, 2)}, None))
     assert failure.explain(mismatch, guard).startswith("error: the checkpoint does not match this model: ")
 
 

@@ -23,7 +23,7 @@ from helpers import (
     trained,
 )
 
-from common import checkpoint as lesson
+from common import sharded
 from common.guards import failure, lock, ownership, rails, resume
 
 
@@ -107,14 +107,14 @@ def test_stage05_rotates_only_the_folders_its_links_named(tmp_path):
         (tmp_path / name / "kept.txt").write_text(name)
     states = sharded_states()
     for epoch in (1, 2, 3):
-        lesson.save_sharded(tmp_path, epoch, states)
+        sharded.save(tmp_path, epoch, states)
     assert (
         os.readlink(tmp_path / "checkpoint") == "epoch-3" and os.readlink(tmp_path / "checkpoint-previous") == "epoch-2"
     )
     assert sorted(p.name for p in tmp_path.glob("epoch-*")) == ["epoch-0", "epoch-2", "epoch-3", "epoch-8", "epoch-9"]
     assert all((tmp_path / name / "kept.txt").read_text() == name for name in ("epoch-8", "epoch-9", "epoch-0"))
-    lesson.save_sharded(tmp_path, 3, states, step=5)  # mid-epoch, then the epoch again (a rewound run)
-    lesson.save_sharded(tmp_path, 3, states)
+    sharded.save(tmp_path, 3, states, step=5)  # mid-epoch, then the epoch again (a rewound run)
+    sharded.save(tmp_path, 3, states)
     assert os.readlink(tmp_path / "checkpoint") == "epoch-3"
     assert os.readlink(tmp_path / "checkpoint-previous") == "epoch-3-step-5"
     assert (tmp_path / "epoch-3" / "state.pt").is_file() and not (tmp_path / "epoch-2").exists()

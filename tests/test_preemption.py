@@ -39,9 +39,9 @@ from helpers import (
 )  # fmt: skip
 from torch.utils.data import DistributedSampler
 
-from common import sampling
 from common.guards import resume
 from common.guards.versions import release
+from common.options import resuming
 
 BATCH = 32  # 8 steps per epoch of the 256 training images
 SLOW = dict(PYTHONPATH=INJECT, FAULT_RANK=0, FAULT_SLEEP=0.3)  # rank 0's steps take 0.3 s: time to signal mid-epoch
@@ -109,7 +109,7 @@ def test_a_resumed_epoch_deals_each_rank_what_it_would_have_trained(size):
 
     def share(ranks, rank, skip=None):
         sampler = DistributedSampler(data, ranks, rank, seed=1)
-        sampler = sampling.Resumable(sampler, 1) if skip is not None else sampler
+        sampler = resuming.Resumable(sampler, 1) if skip is not None else sampler
         sampler.set_epoch(3)
         if skip is not None:
             sampler.resume_at(3, skip)

@@ -14,8 +14,10 @@ from helpers import REPO, S01, S03, assert_same_state, checkpoint, clean_env, py
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2, stopped_and_resumed
 from torch.utils.data import Dataset
 
-from common import data, distributed, sampling
+from common import checkpoint as lesson
+from common import distributed, sampling
 from common.guards import preflight, randomness
+from common.options import loaders, resuming
 
 EXAMPLE = REPO / "common" / "tasks" / "augmented.py"
 EVERY_GENERATOR = """from common.tasks.augmented import *
@@ -69,9 +71,9 @@ class Draws(Dataset):
 
 def draws(seed, workers, epoch=1, collate=None):
     options = SimpleNamespace(loader="batched", num_workers=workers, seed=seed)
-    sampler = sampling.Resumable(torch.utils.data.RandomSampler(range(12), generator=torch.Generator()), seed)
+    sampler = sampling.Shuffled(range(12), seed)
     sampler.set_epoch(epoch)
-    loader = data.loader(Draws(), sampler, 4, options, torch.device("cpu"), collate)  # a task's own: seeded
+    loader = loaders.loader(Draws(), sampler, 4, torch.device("cpu"), options, collate)  # a task's own: seeded
     return torch.cat([x for x, _ in loader])
 
 
@@ -107,7 +109,7 @@ def test_a_data_set_with_an_images_attribute_is_read_sample_by_sample():
     """The loader draws a task's own data set sample by sample, each seeded (sampling.Seeded): only Images, by
     type, are read in whole batches."""
     options = SimpleNamespace(loader="batched", num_workers=0, seed=1)
-    batches = list(data.loader(Draws(), range(12), 4, options, torch.device("cpu")))
+    batches = list(loaders.loader(Draws(), range(12), 4, torch.device("cpu"), options))
     assert [tuple(x.shape) for x, _ in batches] == [(4, 3)] * 3
 
 
@@ -119,20 +121,20 @@ def test_the_fingerprint_sees_the_data_not_a_draw_of_the_augmentation():
 
 def test_numpy_and_random_are_saved_and_restored():
     randomness.seed(7)
-    saved = sampling.generators()
+    saved = lesson.generators()
     expected = numpy.random.rand(), random.random(), torch.rand(1)
     torch.save(saved, buffer := __import__("io").BytesIO())
     buffer.seek(0)
-    sampling.set_generators(torch.load(buffer, weights_only=True))  # as a checkpoint is read
+    resuming.set_generators(torch.load(buffer, weights_only=True))  # as a checkpoint is read
     assert (numpy.random.rand(), random.random(), torch.rand(1)) == expected
 
 
 def test_the_banner_names_the_workers_that_run(capsys):
     options = SimpleNamespace(loader="batched", num_workers=None, seed=1, output_dir="out")
-    loader = data.loader(Draws(), range(12), 4, options, torch.device("cpu"))
+    loader = loaders.loader(Draws(), range(12), 4, torch.device("cpu"), options)
     distributed.banner(options, 0, 0, 1, torch.device("cpu"), loader)
     assert f"loader batched, {loader.num_workers} workers" in capsys.readouterr().out
-    assert loader.num_workers == data.num_workers(options, True)  # a data set of its own: the CPUs but one
+    assert loader.num_workers == loaders.num_workers(options, True)  # a data set of its own: the CPUs but one
 
 
 @pytest.mark.slow

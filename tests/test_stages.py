@@ -153,4 +153,4 @@ def test_make_profile_times_each_line_of_train(tiny_data, tmp_path):
     out = run([sys.executable, "-m", "kernprof", "-l", "-o", stats, S01, *args])
     assert out.returncode == 0, out.stderr
     shown = run([sys.executable, "-m", "line_profiler", stats]).stdout
-    assert "Function: train at line" in shown and "loss = graphs.run(train_step, step, x, y, args)" in shown, shown
+    assert "Function: train at line" in shown and "loss = step.run(step, x, y)" in shown, shown

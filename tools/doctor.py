@@ -41,6 +41,7 @@ from common import cli, distributed  # noqa: E402
 from common.checkpoint import atomic  # noqa: E402
 from common.environment import cpus_per_rank  # noqa: E402
 from common.guards import check, failure, flightrecorder, options, preemption, preflight, rails, versions  # noqa: E402
+from common.options import flags  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]  # every dtype the stages all-reduce or train in
 FLOOR_GBPS = {"within nodes": 5, "across nodes": 1}  # busbw below PCIe 3 x16 / 10 GbE: the fast links are not used
@@ -99,7 +100,7 @@ def parse_args():
     args = p.parse_args()
     if problem := options.out_of_range(argparse.Namespace(**vars(args) | {"batch_size": None})):  # the task's
         p.error(problem)
-    training = argparse.Namespace(**vars(cli.parser(Path(__file__)).parse_args([])) | vars(args))
+    training = argparse.Namespace(**vars(cli.parser(Path(__file__), [flags.add]).parse_args([])) | vars(args))
     if hasattr(task, "check") and (problem := task.check(training)):
         p.error(problem)
     return args, task, training

@@ -36,9 +36,10 @@ from torch.distributed._composable import checkpoint as recompute  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 from torch.utils.data import default_collate  # noqa: E402
 
-from common import cli, data, models, optim  # noqa: E402
+from common import cli, data, meta, models, optim  # noqa: E402
 from common.guards import check, failure, options  # noqa: E402
 from common.guards.bounded import Refused, text  # noqa: E402
+from common.options import flags  # noqa: E402
 
 MiB = 2**20
 ALLOWANCE = 1024 * MiB  # the CUDA context, cuBLAS/cuDNN workspaces and NCCL's buffers, per GPU
@@ -206,7 +207,7 @@ def planner(p):
 
 
 def parse(argv=None):
-    return check.parse_args(argv, [cli.large_models, planner])[0]
+    return check.parse_args(argv, [flags.large, planner])[0]
 
 
 def main(argv=None):
@@ -252,10 +253,10 @@ def main(argv=None):
 def host(model):
     """The host memory each rank needs for the weights, beside its process and data: stages 03-04 build the
     whole model on the CPU before moving it; stage 05 builds it on the meta device and fills one layer at a
-    time on the CPU (models.materialise); its --save-model gathers the whole weights on rank 0's CPU."""
-    layers = [m for m in model.modules() if models.reset_of(m)] or [model]
-    layer = max(sum(t.numel() * t.element_size() for *_, t in models.held(m, True)) for m in layers)
-    whole = sum(t.numel() * t.element_size() for *_, t in models.held(model, True))
+    time on the CPU (meta.materialise); its --save-model gathers the whole weights on rank 0's CPU."""
+    layers = [m for m in model.modules() if meta.reset_of(m)] or [model]
+    layer = max(sum(t.numel() * t.element_size() for *_, t in meta.held(m, True)) for m in layers)
+    whole = sum(t.numel() * t.element_size() for *_, t in meta.held(model, True))
     return (f"\nhost memory per rank for the weights: DDP {whole / MiB:.1f} MiB (the whole model, built on the CPU); "
             f"FSDP and HSDP {layer / MiB:.1f} MiB (its largest layer), rank 0 {whole / MiB:.1f} MiB with --save-model")  # fmt: skip
 

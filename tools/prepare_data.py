@@ -20,7 +20,14 @@ if __name__ == "__main__":  # guard: Ctrl-C in torch's import, or an error no ch
     early.tool()
 
 from common.checkpoint import atomic  # noqa: E402
-from common.data import FILES, SETS  # noqa: E402
+from common.data import SETS  # noqa: E402
+
+FILES = {  # MNIST's sha256 of the uncompressed IDX files
+    "train-images-idx3-ubyte": "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
+    "train-labels-idx1-ubyte": "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
+    "t10k-images-idx3-ubyte": "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
+    "t10k-labels-idx1-ubyte": "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
+}
 from common.guards.check import Parser  # noqa: E402
 
 VENDORED = Path(__file__).resolve().parent.parent / "data"  # the repository's data/: MNIST's .gz files

@@ -16,6 +16,7 @@ from pathlib import Path
 from common import cli
 from common.environment import count, cpus_per_rank, expand_hostlist, is_rank0, launcher
 from common.guards import options, versions
+from common.options import flags
 
 REQUIRED = object()
 # about float32's largest: optimizers compute in it, and a larger --lr or --weight-decay overflows
@@ -148,7 +149,7 @@ def say(message):
         print(message, file=sys.stderr)
 
 
-# stage 05's own options (cli.large_models()): given to another stage, argparse would call them unknown
+# stage 05's own options (flags.large()): given to another stage, argparse would call them unknown
 LARGE = ("--grad-accum", "--checkpoint-activations", "--full-shard")
 
 
@@ -185,7 +186,7 @@ def parse_args(argv=None, groups=()):
     """cli.parse_args() with the guard rails' checks of what it parsed: a usage error, or a number outside
     its range, is one line (usage()). The tools' and the job scripts' reading of a stage's options."""
     try:
-        args, task = cli.parse_args(argv, groups)
+        args, task = cli.parse_args(argv, [flags.add, *groups])
     except cli.UsageError as err:
         usage(said(err))
     if problem := options.out_of_range(args):

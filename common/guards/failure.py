@@ -227,7 +227,7 @@ def explain(err, guard):
             return once(f"error: cannot load the checkpoint {folder}: {safeload.describe(err)}: resume from a complete one")  # fmt: skip
         return once(f"error: could not write {folder}: {safeload.describe(err)} ({free_mib(guard.args.output_dir):.0f} MiB free "
                 "there): the previous checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
-    restoring = any(Path(f.filename).resolve() == LESSON / "checkpoint.py" for f in frames)  # not a task's own load
+    restoring = any(f.filename.endswith(("common/checkpoint.py", "/sharded.py", "/resuming.py")) for f in frames)
     if isinstance(err, RuntimeError) and message(err).startswith("Error(s) in loading state_dict") and restoring:
         return f"error: the checkpoint does not match this model: {message(err).splitlines()[0][:300]}"
     return None

@@ -16,11 +16,11 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils.data import IterableDataset
 
-from common import amp, data
+from common import data
 from common.environment import is_rank0
 from common.guards import options, samples
 from common.guards.ending import stop
-from common.sampling import Seeded, numpy
+from common.options import amp, loaders
 
 
 def check_device(args, local_rank):
@@ -136,7 +136,7 @@ def fingerprint(dataset, samples=1000):
     samples evenly strided through the set (of a data set in tensors, common/data.py Images, of all labels and
     the strided images, which is faster). Sampled to be cheap: hashing all of CIFAR-100's 150 MB takes each
     rank a quarter of a second at every start; a truncated, reordered or different file changes it. Each sample
-    is drawn with torch's, numpy's and random's generators fixed (common/sampling.py Seeded): a random augmentation
+    is drawn with torch's, numpy's and random's generators fixed (common/options/loaders.py Seeded): a random augmentation
     draws the same on every rank and in every run, so the hash is the data's, not one draw of the augmentation."""
     stride = max(math.ceil(len(dataset) / samples), 1)
     if isinstance(dataset, data.Images):
@@ -160,7 +160,7 @@ def as_bytes(leaf):
     if isinstance(leaf, torch.Tensor):
         return leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     try:
-        array = numpy.asarray(leaf)
+        array = loaders.numpy.asarray(leaf)
     except (ValueError, TypeError, AttributeError):  # ragged nested lists; no numpy
         array = None
     if array is None or array.dtype.hasobject:
@@ -170,7 +170,7 @@ def as_bytes(leaf):
 
 def drawn(dataset, indices):
     """The items at `indices` as the loader draws them in epoch 0 (Seeded), uncollated; the run's generators kept."""
-    return Seeded(dataset, 0, list)[[(i, 0) for i in indices]]
+    return loaders.Seeded(dataset, 0, list)[[(i, 0) for i in indices]]
 
 
 def item(dataset, i):

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from common import checkpoint, cli, distributed
+from common import checkpoint, cli, distributed, sharded
 from common.environment import is_rank0
 from common.guards import (
     check,
@@ -54,7 +54,7 @@ class Position(NamedTuple):
 
 class Cut(NamedTuple):
     """The lesson's metrics.Log as a checkpoint saved part-way through an epoch keeps it: its rows, and the
-    epoch's time and each rank's training sums so far (Log.so_far() hands them back on resume)."""
+    epoch's time and each rank's training sums so far (common/options/resuming.py hands them back)."""
 
     log: object
     cut: dict
@@ -148,7 +148,7 @@ class Guard:
         training, all of it (the resumed run evaluates the epoch again); they count on from its last step."""
         epoch, step = self.start_at
         if self.position is None and step:  # resumed with no step left: the training the checkpoint holds
-            sums = self.states["log"].so_far(epoch, next(self.states["model"].parameters()).device)
+            _, sums = self.states["log"].carried[epoch]
             self.position = Position(epoch, step, sums, epoch * 2**32 + step)
         if self.position:  # None before this run's first step (a test's evaluation): nothing to save
             at = self.position
@@ -185,7 +185,7 @@ class Guard:
             resume.keep_previous(self.args.output_dir)
         self.writing(f"epoch-{epoch}-step-{step}")
         states = self.states | {"log": Cut(log, cut)}  # the lesson's states as they are, the log with its cut
-        (checkpoint.save_sharded if self.sharded else checkpoint.save)(self.args.output_dir, epoch, states, step)
+        (sharded.save if self.sharded else checkpoint.save)(self.args.output_dir, epoch, states, step)
         self.preemption.saved(time.monotonic() - started)
         self.saved_at = (epoch, step)
 

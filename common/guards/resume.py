@@ -15,7 +15,7 @@ import shutil
 import torch.distributed as dist
 
 from common import checkpoint
-from common.checkpoint import SHARDED, WHOLE, read
+from common.checkpoint import SHARDED, WHOLE
 from common.distributed import print0
 from common.environment import is_rank0, restarts
 from common.guards import ownership
@@ -23,6 +23,7 @@ from common.guards.bounded import PICKLE, Refused, torch_file
 from common.guards.ending import stop
 from common.guards.preflight import defining, same
 from common.guards.safeload import Planted, damage
+from common.options.resuming import read
 
 PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
 

@@ -36,7 +36,7 @@ def check_metric(args, task):
 
 
 def check_weights(args, task):
-    """The task's `weights(args)` file, which rank 0 alone reads (models.load_whole()): checked there against what
+    """The task's `weights(args)` file, which rank 0 alone reads (meta.load_whole()): checked there against what
     it declares, headers only, before it is trusted; a FIFO blocked rank 0 for ever, a file cut short was torch's
     "central directory" error naming no file. Every rank ends with rank 0's verdict. Stage 05 alone has
     --full-shard, and reads the file."""

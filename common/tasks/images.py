@@ -25,10 +25,8 @@ TESTED = {"net": DATASETS[:2], "cnn": DATASETS, "wideresnet": DATASETS[2:]}
 
 def add_arguments(group):
     add = group.add_argument
-    add("--dataset", choices=DATASETS, default="mnist", help="in torchvision's layout under "
-        "--data-dir; `make data DATASET=...` (default: mnist)")  # fmt: skip
-    add("--model", choices=list(TESTED), default="net", help="net: pytorch/examples' CNN for "
-        "28x28; cnn: a small CNN for any size; wideresnet: for 32x32 (default: net)")  # fmt: skip
+    add("--dataset", choices=DATASETS, default="mnist", help="in --data-dir (`make data DATASET=`)")
+    add("--model", choices=list(TESTED), default="net", help="common/models.py's (default: net)")
     add("--depth", type=int, default=16, help="WideResNet depth, 6n+4 (default: 16)")
     add("--width", type=int, default=4, help="WideResNet width factor (default: 4)")
 
@@ -51,7 +49,4 @@ def model(args):
 def datasets(args):
     from common import data
 
-    return (
-        data.dataset(args.data_dir, args.dataset, train=True, limit=args.limit),
-        data.dataset(args.data_dir, args.dataset, train=False, limit=args.limit),
-    )
+    return tuple(data.dataset(args.data_dir, args.dataset, t, args.limit) for t in (True, False))

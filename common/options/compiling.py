@@ -1,5 +1,5 @@
 """--compile (compiled()): fused kernels; on one GPU, the whole training step, forward, backward
-and update, as one CUDA graph.
+and update, as one CUDA graph; the compiler's seconds in each epoch's row (timed()).
 
 At batch 64 a step of the MNIST Net is some 60 small kernels, each launched from Python: the GPU
 waits for the host (2.0 ms a step on an H200; 0.56 ms replayed as one graph, 0.45 ms with compiled
@@ -17,10 +17,13 @@ A graph holds only work on one GPU: not DDP's all-reduce hooks, which fire betwe
 parts (pytorch/pytorch#128218, #140395), nor DataParallel's thread per GPU, nor --amp's autocast,
 whose cache of cast weights outlives a step; stage 05 compiles each FSDP2 unit and records nothing
 (its gathers and reduce-scatters run between the units). No step reads a tensor on the host, but on
---log-interval steps.
+--log-interval steps. Recording keeps to this thread's CUDA calls (capture_error_mode
+"thread_local", as Inductor's own graphs record): a DataLoader's pin-memory thread allocates pinned
+memory and queries events meanwhile, which would invalidate a "global" capture.
 """
 
 import contextlib
+import time
 
 import torch
 from torch.nn.parallel import DataParallel, DistributedDataParallel
@@ -34,51 +37,67 @@ NO_GRAPHS = {  # what a CUDA graph cannot hold, by the model's wrapper (the modu
 }
 
 
-def compiled(model, device, args):
-    """--compile: torch.compile the model in place (its state dict keeps its names); says once if
-    the step is also one CUDA graph, else why not. Returns the StepGraph to record, or None."""
-    why = next((why for kind, why in NO_GRAPHS.items() if isinstance(model, kind)), None)
+def compiled(step, log, args):
+    """--compile: torch.compile the model in place (its state dict keeps its names), timed in `log`;
+    says once if the step is also one CUDA graph, else why not. Returns the step that runs it."""
+    why = next((why for kind, why in NO_GRAPHS.items() if isinstance(step.model, kind)), None)
     why = "--amp's autocast cannot be recorded" if args.amp else why
-    why = "CUDA graphs need a GPU" if device.type != "cuda" else why
+    why = "CUDA graphs need a GPU" if step.device.type != "cuda" else why
     graph = f"no CUDA graph: {why}" if why else "the step one CUDA graph"
     print0(f"compile: fused kernels, {graph}")
-    model.compile()
-    return None if why else StepGraph()
+    step.model.compile()
+    timed(log)
+    return step if why else step._replace(run=StepGraph(step.run))
 
 
-def run(train_step, step, x, y, args):
-    """`train_step(step, x, y, args)`, replayed as a CUDA graph where step.graph is one."""
-    if step.graph is None:
-        return train_step(step, x, y, args)
-    return step.graph.run(train_step, step, x, y, args)
+def units(units, log):
+    """Stage 05's --compile: each FSDP2 unit compiled in place, timed in `log`. No CUDA graph: the
+    gathers and reduce-scatters run between the units."""
+    for unit in units:
+        unit.compile()
+    timed(log)
+
+
+def timed(log):
+    """When torch.compile starts and ends, in turn, into log.compiles: each epoch's row counts the
+    compiler's seconds in its training (torch._dynamo imports in 1.5 s: only under --compile)."""
+    from torch._dynamo import callback
+
+    callback.on_compile_start(lambda *_: log.compiles.append(time.perf_counter()))
+    callback.on_compile_end(lambda *_: log.compiles.append(time.perf_counter()))
 
 
 class StepGraph:
-    """The recorded step, for the loader's batch shape and the learning rates it holds."""
+    """`eager(step, x, y)` recorded for the loader's batch shape and the learning rates it holds"""
 
     shape = rates = graph = x = y = loss = None  # until the first batch
 
-    def run(self, train_step, step, x, y, args):
+    def __init__(self, eager):
+        self.eager = eager
+
+    def __call__(self, step, x, y):
         shape = (x.shape, y.shape) if torch.is_tensor(x) and torch.is_tensor(y) else None
         self.shape = self.shape or shape  # the first batch's: the loader's batch size
         if shape is None or shape != self.shape:  # a text batch (a dict), an epoch's last batch
-            return train_step(step, x, y, args)
+            return self.eager(step, x, y)
         if [group["lr"] for group in step.optimizer.param_groups] != self.rates:  # a new rate
             if self.rates is None:
-                warm_up(train_step, step, x, y, args)
-            self.record(train_step, step, x, y, args)
+                warm_up(self.eager, step, x, y)
+            self.record(step, x, y)
         self.x.copy_(x)
         self.y.copy_(y)
         self.graph.replay()
         return self.loss
 
-    def record(self, train_step, step, x, y, args):
+    def record(self, step, x, y):
         self.rates = [group["lr"] for group in step.optimizer.param_groups]  # held as numbers
         self.x, self.y = x.clone(), y.clone()
         self.graph = torch.cuda.CUDAGraph()  # the last one's memory goes back
         step.optimizer.zero_grad(set_to_none=True)  # the graph writes the gradients, not adds
-        with capturable(step.optimizer), torch.cuda.graph(self.graph):
-            self.loss = train_step(step, self.x, self.y, args)
+        # this thread's calls alone: a pin-memory thread's would invalidate a "global" capture
+        recording = torch.cuda.graph(self.graph, capture_error_mode="thread_local")
+        with capturable(step.optimizer), recording:
+            self.loss = self.eager(step, self.x, self.y)
 
 
 @contextlib.contextmanager
@@ -109,7 +128,7 @@ def undone(step):
             t.copy_(before[id(t)]) if id(t) in before else t.zero_()
 
 
-def warm_up(train_step, step, x, y, args):
+def warm_up(train_step, step, x, y):
     """WARM_UP eager steps (cuDNN's choice of kernels, the optimizer's state), then undone."""
     for s in step.optimizer.state.values():  # a resumed optimizer's step counts, on the CPU
         s.update({k: v.to(step.device) for k, v in s.items() if k == "step"})
@@ -119,5 +138,5 @@ def warm_up(train_step, step, x, y, args):
         with capturable(step.optimizer), torch.cuda.stream(side):
             for _ in range(WARM_UP):
                 step.optimizer.zero_grad(set_to_none=True)
-                train_step(step, x, y, args)
+                train_step(step, x, y)
         now.wait_stream(side)

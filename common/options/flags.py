@@ -1,0 +1,70 @@
+"""The options' flags, beside the lesson's own (common/cli.py): a stage passes add() to
+cli.parse_args(), stage 05 large() too. Each help names the module that does what the flag turns
+on. Read without torch: a job script's check parses them before torchrun starts its workers."""
+
+
+def add(p):
+    """The options every stage takes."""
+    add = p.add_argument_group("options (common/options/)").add_argument
+    add(
+        "--loader",
+        choices=["batched", "classic", "device"],
+        default="batched",
+        help="whole batches from decoded tensors (default), pytorch/examples' per sample, or all "
+        "on the GPU (loaders.py)",
+    )
+    add(
+        "--num-workers",
+        type=int,
+        help="DataLoader workers per process (default: none for "
+        "--loader batched; for classic, the CPUs per rank but one) (loaders.py)",
+    )
+    add(
+        "--amp",
+        action="store_true",
+        help="mixed precision: bf16, else fp16 with loss scaling (amp.py)",
+    )
+    add(
+        "--compile",
+        action="store_true",
+        help="torch.compile: fused kernels (per block in stage "
+        "05); on one GPU the step one CUDA graph (compiling.py)",
+    )
+    add(
+        "--val-fraction",
+        type=float,
+        default=0.0,
+        help="held out for validation (default: 0) (holdout.py)",
+    )
+    add(
+        "--target",
+        type=float,
+        help="stop once the last --patience evaluations reach this value "
+        "of the task's metric (accuracy: in %%, at least) (holdout.py)",
+    )
+    add("--patience", type=int, default=1, help="see --target (default: 1) (holdout.py)")
+
+
+def large(p):
+    """Stage 05's: the memory savers and the mesh (large.py)."""
+    add = p.add_argument_group("large models (common/options/large.py)").add_argument
+    add(
+        "--grad-accum",
+        type=int,
+        default=1,
+        metavar="N",
+        help="each rank's batch in N "
+        "micro-batches, gradients reduced once after the last (default: 1)",
+    )
+    add(
+        "--full-shard",
+        action="store_true",
+        help="shard across all ranks (FSDP), not within "
+        "each node with a copy per node (HSDP, the default on several nodes)",
+    )
+    add(
+        "--checkpoint-activations",
+        action="store_true",
+        help="keep each block's input alone and "
+        "recompute the rest in the backward: less memory, a forward more of time",
+    )
