@@ -16,6 +16,7 @@ from pathlib import Path
 from common import cli
 from common.environment import count, cpus_per_rank, expand_hostlist, is_rank0, launcher
 from common.guards import options, versions
+from common.guards.ending import Refusal
 
 REQUIRED = object()
 # about float32's largest: optimizers compute in it, and a larger --lr or --weight-decay overflows
@@ -29,7 +30,7 @@ def integer(name, default=REQUIRED, env=os.environ, low=0, high=None):
     value = env.get(name, "").strip()
     if not value:
         if default is REQUIRED:
-            raise SystemExit(
+            raise Refusal(
                 f"error: {name} is not set, and this launch needs it: start the ranks with torchrun or srun (or, "
                 "by hand, set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every rank)"
             )
@@ -37,7 +38,7 @@ def integer(name, default=REQUIRED, env=os.environ, low=0, high=None):
     number = count(value)  # as launcher() reads it: the value checked is the value used
     if number is None or number < low or (high is not None and number > high):
         within = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise SystemExit(
+        raise Refusal(
             f"error: {name}={env[name]!r} is not an integer {within}: the launcher (torchrun, srun) sets it; "
             "if you set it yourself, correct or unset it"
         )
@@ -50,7 +51,7 @@ def check_environment(env=os.environ):
     check_launcher(env)
     launched = "RANK" in env or ("SLURM_PROCID" in env and "SLURM_STEP_ID" in env)  # torchrun, srun
     if not launched and integer("SLURM_NTASKS", 1, env=env) > 1:
-        raise SystemExit(
+        raise Refusal(
             f"error: this job has SLURM_NTASKS={env['SLURM_NTASKS']} but this process is not one of its "
             "tasks (it runs in the batch script or an salloc shell): launch train.py with `srun python "
             "train.py`, or with torchrun"
@@ -65,18 +66,18 @@ def check_launcher(env=os.environ):
     if "RANK" in env:  # torchrun, or by hand
         integer("RANK", env=env), integer("LOCAL_RANK", env=env), integer("WORLD_SIZE", env=env, low=1)
         if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
-            raise SystemExit("error: RANK is set but MASTER_ADDR or MASTER_PORT is not: export both (rank 0's host "
+            raise Refusal("error: RANK is set but MASTER_ADDR or MASTER_PORT is not: export both (rank 0's host "
                              "and a free port), or launch with torchrun")  # fmt: skip
         integer("MASTER_PORT", env=env, low=1, high=65535)
         torchrun = "TORCHELASTIC_RUN_ID" in env  # `srun torchrun`: its RANK wins; else a job exported them
         srun = [count(env.get(k)) for k in ("SLURM_PROCID", "SLURM_NTASKS")] if "SLURM_STEP_ID" in env else None
         if srun and not torchrun and srun != [count(env["RANK"]), count(env["WORLD_SIZE"])]:
-            raise SystemExit(f"error: RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} in an srun task that is "
+            raise Refusal(f"error: RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} in an srun task that is "
                              f"task {srun[0]} of {srun[1]}: unset RANK, WORLD_SIZE and MASTER_ADDR before srun (the "
                              "job exports them into every task), or launch with torchrun")  # fmt: skip
     elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:  # an srun task
         if not env.get("SLURM_JOB_NODELIST"):
-            raise SystemExit("error: SLURM_JOB_NODELIST is not set in this srun task: launch it with srun in a job")
+            raise Refusal("error: SLURM_JOB_NODELIST is not set in this srun task: launch it with srun in a job")
         check_hostlist(env["SLURM_JOB_NODELIST"])
         integer("SLURM_PROCID", env=env), integer("SLURM_LOCALID", env=env), integer("SLURM_NTASKS", env=env, low=1)
         integer("MASTER_PORT", None, env=env, low=1, high=65535) or integer("SLURM_JOB_ID", env=env)
@@ -88,7 +89,7 @@ def check_hostlist(hostlist):
     ranges = [re.fullmatch(r"(\d+)(?:-(\d+))?", part) for part in parts]
     valid = hostlist.count("[") == hostlist.count("]") and all(r and int(r[2] or r[1]) >= int(r[1]) for r in ranges)
     if not valid or not next(expand_hostlist(hostlist), None):  # "," names no host: no group would form
-        raise SystemExit(
+        raise Refusal(
             f"error: cannot read the Slurm hostlist {hostlist!r}: set SLURM_JOB_NODELIST as Slurm writes it"
         )
 
@@ -102,13 +103,13 @@ def check_rendezvous(launch, timeout):
         ip = socket.getaddrinfo(launch.addr, launch.port, type=socket.SOCK_STREAM)[0][4][0]
     except socket.gaierror as err:
         addr = launch.addr if launch.addr.strip() == launch.addr else repr(launch.addr)  # a blank shown
-        raise SystemExit(f"error: MASTER_ADDR {addr} does not resolve on {host} ({err.strerror}): set it to "
+        raise Refusal(f"error: MASTER_ADDR {addr} does not resolve on {host} ({err.strerror}): set it to "
                          "rank 0's host name or address") from None  # fmt: skip
     # an srun task off the first node, rank 0's, that finds a loopback address would wait for itself (under
     # torchrun, torchrun sets MASTER_ADDR)
     off_first = os.environ.get("SLURM_NODEID", "0") != "0" and "TORCHELASTIC_RUN_ID" not in os.environ
     if off_first and ipaddress.ip_address(ip).is_loopback:
-        raise SystemExit(f"error: rank {launch.rank} on {host}: MASTER_ADDR {launch.addr} is {ip}, a loopback address, "
+        raise Refusal(f"error: rank {launch.rank} on {host}: MASTER_ADDR {launch.addr} is {ip}, a loopback address, "
                          "but rank 0 runs on another node: unset MASTER_ADDR (srun tasks find the first node) or set "
                          "it to rank 0's host name")  # fmt: skip
     if launch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 serves the store
@@ -117,13 +118,13 @@ def check_rendezvous(launch, timeout):
             try:
                 probe.bind(("", launch.port))
             except OSError as err:
-                raise SystemExit(port_in_use(launch.port) if err.errno == errno.EADDRINUSE else
+                raise Refusal(port_in_use(launch.port) if err.errno == errno.EADDRINUSE else
                                  f"error: MASTER_PORT {launch.port}: {err.strerror}: choose another port") from None  # fmt: skip
         return
     end = time.monotonic() + timeout
     while not reachable(launch.addr, launch.port):
         if time.monotonic() > end:
-            raise SystemExit(f"error: rank {launch.rank} on {host}: nothing answers at {where} after --dist-timeout "
+            raise Refusal(f"error: rank {launch.rank} on {host}: nothing answers at {where} after --dist-timeout "
                              f"{timeout} s: rank 0 did not start or failed first (did you launch with srun or "
                              "torchrun?), or the address is not rank 0's host")  # fmt: skip
         time.sleep(0.2)
@@ -162,7 +163,7 @@ def refuse(message):
 
 
 def usage(message):
-    raise SystemExit(refuse(message))
+    raise Refusal(refuse(message))
 
 
 def said(err):

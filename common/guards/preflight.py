@@ -19,7 +19,7 @@ from torch.utils.data import IterableDataset
 from common import amp, data
 from common.environment import is_rank0
 from common.guards import options, samples
-from common.guards.ending import stop
+from common.guards.ending import Refusal, stop
 from common.sampling import Seeded, numpy
 
 
@@ -35,12 +35,12 @@ def check_device(args, local_rank):
 def check_launch(launch, args):
     rank, local_rank, world_size = launch.rank, launch.local_rank, launch.world_size
     if not (0 <= rank < world_size and 0 <= local_rank <= rank):
-        raise SystemExit(f"error: inconsistent launch: rank {rank}, local rank {local_rank}, world size {world_size}: "
+        raise Refusal(f"error: inconsistent launch: rank {rank}, local rank {local_rank}, world size {world_size}: "
                          "the launcher sets them (rank < world size, local rank <= rank): set by hand, correct them")  # fmt: skip
     if args.batch_size % world_size:  # every rank alike, so rank 0 alone says it; a resume keeps --batch-size
         # up to 1024 ranks: a divisor search over a typo's 10**12 would keep every rank busy for minutes
         sizes = ", ".join(str(n) for n in range(1, min(args.batch_size, 1024) + 1) if args.batch_size % n == 0)
-        raise SystemExit(f"error: --batch-size {args.batch_size} is the global batch: it must divide by the world size "
+        raise Refusal(f"error: --batch-size {args.batch_size} is the global batch: it must divide by the world size "
                          f"{world_size}: run on {sizes} ranks" if rank == 0 else 1)  # fmt: skip
     per_rank = args.batch_size // world_size
     if hasattr(args, "grad_accum") and args.grad_accum > per_rank and rank == 0:  # torch.chunk makes fewer
@@ -55,17 +55,17 @@ def check_amp(args, launch):
     if not (getattr(args, "amp", False) and hasattr(args, "full_shard")):
         return
     if not launch.addr:  # no launcher: no process group, nothing is sharded
-        raise SystemExit("error: --amp in stage 05 is FSDP's mixed precision, which a plain `python train.py` does "
+        raise Refusal("error: --amp in stage 05 is FSDP's mixed precision, which a plain `python train.py` does "
                          "not use: launch with torchrun or srun (one GPU: torchrun --standalone --nproc_per_node=1 "
                          "train.py --amp)")  # fmt: skip
     if torch.cuda.is_available() and not args.no_cuda and amp.dtype(torch.device("cuda")) != torch.bfloat16:
-        raise SystemExit("error: --amp in stage 05 computes in bf16, which this GPU lacks (fp16 would need a "
+        raise Refusal("error: --amp in stage 05 computes in bf16, which this GPU lacks (fp16 would need a "
                          "sharded loss scaler): drop --amp, or use stage 04 with --amp")  # fmt: skip
 
 
 def check_cpu_options(args):
     if args.sync_bn:
-        raise SystemExit("error: --sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only): drop it on CPUs")
+        raise Refusal("error: --sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only): drop it on CPUs")
 
 
 def check_compile(args, device):
@@ -75,22 +75,22 @@ def check_compile(args, device):
     import torch._dynamo  # here: a run without --compile never loads the compiler stack
 
     if not torch._dynamo.is_dynamo_supported():
-        raise SystemExit(f"error: --compile: torch {torch.__version__} cannot compile on Python {sys.version.split()[0]}: "
+        raise Refusal(f"error: --compile: torch {torch.__version__} cannot compile on Python {sys.version.split()[0]}: "
                          "drop --compile, or use a Python this torch supports")  # fmt: skip
     if device.type == "cpu" and not any(
         shutil.which(cc) for cc in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")
     ):
-        raise SystemExit(
+        raise Refusal(
             "error: --compile on the CPU needs a C++ compiler (g++) on PATH: `module load gcc`, or drop --compile"
         )
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:
-        raise SystemExit("error: --compile on GPUs needs Triton, which this torch lacks: `pip install triton` "
+        raise Refusal("error: --compile on GPUs needs Triton, which this torch lacks: `pip install triton` "
                          "(the version torch pins), or drop --compile")  # fmt: skip
 
 
 def check_gpus(local_rank, visible):
     if visible > 1 and local_rank >= visible:
-        raise SystemExit(
+        raise Refusal(
             f"error: local rank {local_rank} but only {visible} GPUs are visible on {socket.gethostname()}: "
             "ask Slurm for as many tasks per node as GPUs per node (--ntasks-per-node = --gres=gpu:N)"
         )
@@ -110,7 +110,7 @@ def check_interfaces(backend):
     else:
         missing = [n for n in names if n not in here]
     if missing:
-        raise SystemExit(
+        raise Refusal(
             f"error: {name}={wanted} but {socket.gethostname()} has no interface {', '.join(missing)} (it has "
             f"{', '.join(here)}): set it to the interface of the network the nodes share, or unset it"
         )
