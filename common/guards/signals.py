@@ -36,7 +36,7 @@ class Stopped(BaseException):
 
 
 class SavedStop(BaseException):
-    """A stop that every rank agreed on and saved for (rails.Guard.stop_or_save()): it leaves the
+    """A stop that every rank agreed on and saved for (saving.Saving.stop_or_save()): it leaves the
     training loop, and rails.run() ends the run with `code`, 128 + the signal's number. A BaseException,
     as a stop is no error: nothing on its way out catches it."""
 

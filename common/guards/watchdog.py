@@ -68,7 +68,7 @@ class Watchdog:
         self.serves = launch.rank == 0 and not self.agent
         self.store, self.served, self.beat, self.listeners = None, None, None, []
         self.stopping, self.ready, self.saying = threading.Event(), threading.Event(), threading.Lock()
-        self.saving = threading.Event()  # a checkpoint's write until the next step (rails.Guard.writing())
+        self.saving = threading.Event()  # a checkpoint's write until the next step (saving.Saving.writing())
 
     def watch(self):
         """Start the thread that follows the rendezvous setup() makes next, then beats."""
