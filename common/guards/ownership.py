@@ -90,10 +90,16 @@ def read(folder):
 def well_formed(manifest):
     """Each field the guard rails read is of the type claim() writes: an edited one is no AttributeError later."""
     writes, record = manifest.get("writes"), manifest.get("record", {})
-    return (isinstance(manifest.get("run"), str) and isinstance(writes, list) and all(isinstance(n, str) for n in writes)
-            and isinstance(manifest.get("launch"), str | None) and isinstance(record, dict)
-            and isinstance(record.get("flags", {}), dict) and isinstance(record.get("data", ""), str)
-            and isinstance(record.get("parameters", 0), int))  # fmt: skip
+    return (
+        isinstance(manifest.get("run"), str)
+        and isinstance(writes, list)
+        and all(isinstance(n, str) for n in writes)
+        and isinstance(manifest.get("launch"), str | None)
+        and isinstance(record, dict)
+        and isinstance(record.get("flags", {}), dict)
+        and isinstance(record.get("data", ""), str)
+        and isinstance(record.get("parameters", 0), int)
+    )
 
 
 def continues(manifest, env=os.environ):
@@ -120,12 +126,15 @@ def check_fresh(folder, manifest):
     names = entries(folder)
     for name in ("checkpoint.pt", "checkpoint"):
         if name in names:  # whole or sharded, of any stage: a fresh run would overwrite its metrics.csv
-            raise Refusal(f"error: {folder / name} holds the checkpoint of an earlier run: add --resume to continue "
-                             "it (in the stage that wrote it), or choose another --output-dir")  # fmt: skip
+            raise Refusal(
+                f"error: {folder / name} holds the checkpoint of an earlier run: add --resume to continue "
+                "it (in the stage that wrote it), or choose another --output-dir"
+            )
     found = output(folder)
     if manifest and found:
-        raise Refusal(f"error: {folder} holds the output of {whose(manifest)}: add --resume to continue it, or "
-                         f"{ADVICE}")  # fmt: skip
+        raise Refusal(
+            f"error: {folder} holds the output of {whose(manifest)}: add --resume to continue it, or {ADVICE}"
+        )
     if found:
         raise Refusal(f"error: {folder / found[0]} is not this run's, and a run writes that name: {ADVICE}")
 
@@ -142,9 +151,11 @@ def check_resume(folder, manifest, path):
         check_fresh(folder, None)
         return run
     if manifest["run"] != run:
-        raise Refusal(f"error: {folder} holds the output of {whose(manifest)}, "
-                         f"and {path} is of {f'run {run}' if run else 'no run it names'}: resume into {source}, "
-                         "or into an empty --output-dir")  # fmt: skip
+        raise Refusal(
+            f"error: {folder} holds the output of {whose(manifest)}, "
+            f"and {path} is of {f'run {run}' if run else 'no run it names'}: resume into {source}, "
+            "or into an empty --output-dir"
+        )
     if stray := [n for n in entries(folder) if EPOCH.fullmatch(n) and n not in manifest["writes"]]:
         raise Refusal(f"error: {folder / stray[0]} is not this run's (its manifest does not list it): {ADVICE}")
     return run
@@ -156,19 +167,25 @@ def claim(folder, run, sharded, record, export=False, env=os.environ):
     writers left. model.pt is listed where the run will `export` one (--save-model): a model.pt in its folder
     that it did not list is someone else's, which the export would replace."""
     if inside := next((p for p in folder.resolve().parents if os.path.lexists(p / MANIFEST)), None):
-        raise Refusal(f"error: --output-dir {folder} lies inside {inside}, the folder of another run, which may "
-                         "delete its folders: choose a folder outside it")  # fmt: skip
+        raise Refusal(
+            f"error: --output-dir {folder} lies inside {inside}, the folder of another run, which may "
+            "delete its folders: choose a folder outside it"
+        )
     manifest = read(folder)
     below = itertools.chain(folder.glob(f"*/{MANIFEST}"), folder.glob(f"*/*/{MANIFEST}"))  # runs/<stage>/<id>
     if (manifest is None or manifest["run"] != run) and (held := next(below, None)):
-        raise Refusal(f"error: --output-dir {folder} holds {held.parent}, the folder of another run, which could "
-                         "then no longer resume: choose a folder beside it")  # fmt: skip
+        raise Refusal(
+            f"error: --output-dir {folder} holds {held.parent}, the folder of another run, which could "
+            "then no longer resume: choose a folder beside it"
+        )
     if manifest is None or manifest["run"] != run:  # a fresh run, a resume into a new folder, or an adopted one
         kept = [n for n in entries(folder) if named(n) and not TEMPORARY.fullmatch(n)] if run is None else []
         manifest = {"run": run or uuid.uuid4().hex, "since": time.ctime(), "writes": kept}
     if export and "model.pt" not in manifest["writes"] and os.path.lexists(folder / "model.pt"):
-        raise Refusal(f"error: {folder / 'model.pt'} is not this run's (it has not exported one), and "
-                         f"--save-model would replace it: leave out --save-model, or move it away")  # fmt: skip
+        raise Refusal(
+            f"error: {folder / 'model.pt'} is not this run's (it has not exported one), and "
+            f"--save-model would replace it: leave out --save-model, or move it away"
+        )
     listed = [n for n in WRITES[sharded] if n != "model.pt" or export]
     writes = manifest["writes"] + [n for n in listed if n not in manifest["writes"]]
     write(folder, manifest | {"launch": launch(env), "writes": writes, "record": record})

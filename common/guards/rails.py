@@ -24,9 +24,11 @@ from common.guards import (
     divergence,
     early,
     failure,
+    launching,
     lock,
     preflight,
     randomness,
+    rendezvous,
     resume,
     samples,
     signals,
@@ -66,12 +68,12 @@ class Guard:
         outside it (the doctor's start too)."""
         check.check_environment()
         launch = distributed.launcher()
-        preflight.check_launch(launch, args)  # numbers that fit together, before anyone waits for anyone
-        preflight.check_device(args, launch.local_rank)
+        launching.check_launch(launch, args)  # numbers that fit together, before anyone waits for anyone
+        launching.check_device(args, launch.local_rank)
         if not launch.addr:
             return
-        preflight.check_interfaces("nccl" if torch.cuda.is_available() and not args.no_cuda else "gloo")
-        check.check_rendezvous(launch, args.dist_timeout)  # an address that resolves, a port free or answering
+        launching.check_interfaces("nccl" if torch.cuda.is_available() and not args.no_cuda else "gloo")
+        rendezvous.check_rendezvous(launch, args.dist_timeout)  # an address that resolves, a port free or answering
         self.watchdog = Watchdog(launch, args.dist_timeout)
         self.watchdog.watch()  # a second client of setup()'s store: who did not come; then who went silent
 

@@ -30,8 +30,10 @@ class Stopped(BaseException):
 
     def __init__(self, signum):
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} during start-up, before the first step: nothing was saved and nothing "
-                         "is lost; start the run again as it was started")  # fmt: skip
+        super().__init__(
+            f"stopped by {name} during start-up, before the first step: nothing was saved and nothing "
+            "is lost; start the run again as it was started"
+        )
         self.code = 128 + signum
 
 

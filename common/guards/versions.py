@@ -18,9 +18,13 @@ from pathlib import Path
 from common.guards.ending import Refusal
 
 TORCH = {  # by the script's folder, which a copied stage keeps; tools: the doctor
-    "01_single_gpu": "2.3", "02_dataparallel": "2.3", "03_ddp_single_node": "2.7", "04_ddp_multi_node": "2.7",
-    "05_fsdp": "2.9", "tools": "2.7",
-}  # fmt: skip
+    "01_single_gpu": "2.3",
+    "02_dataparallel": "2.3",
+    "03_ddp_single_node": "2.7",
+    "04_ddp_multi_node": "2.7",
+    "05_fsdp": "2.9",
+    "tools": "2.7",
+}
 
 
 def release(version):
