@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from common import metrics, models
-from common.guards import divergence, rails
+from common.guards import divergence, rails, saving
 from common.guards.preemption import Preemption
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -53,8 +53,11 @@ with contextlib.redirect_stdout(io.StringIO()):  # the lines themselves are not 
     plain = lambda: metrics.progress(1, 0, 938, step())  # noqa: E731
     checked = lambda: (metrics.progress(1, 0, 938, step()), divergence.check_loss(1, 0, totals, "runs"))  # noqa: E731
     run = rails.Guard()  # a stage's guard where no signal comes
-    run.args = argparse.Namespace(checkpoint_minutes=None, log_interval=100, batch_size=64, output_dir=Path("runs"))
-    run.preemption = Preemption(None, 30)
+    run.args = argparse.Namespace(
+        checkpoint_minutes=None, log_interval=100, batch_size=64, output_dir=Path("runs"), dist_timeout=30
+    )
+    run.saving = saving.Saving(run.args, {}, False, None, run.progress)
+    run.saving.preemption = Preemption(None, 30)
     stoppable = lambda: (step(), run.end_of_step(1, 1, totals))  # noqa: E731
     for fn in (step, plain, checked, stoppable):
         seconds(fn, 20)  # warm-up

@@ -9,7 +9,7 @@ import torch
 
 from common import cli, distributed
 from common.environment import Launch, expand_hostlist, launcher, master_port
-from common.guards import check, preflight
+from common.guards import check, launching
 from common.options import loaders
 
 
@@ -45,7 +45,7 @@ def test_an_unreadable_hostlist_is_an_error():
 
 def test_sync_bn_on_cpus_is_refused():
     with pytest.raises(SystemExit, match="--sync-bn needs GPUs"):
-        preflight.check_device(SimpleNamespace(no_cuda=True, sync_bn=True, compile=False), 0)
+        launching.check_device(SimpleNamespace(no_cuda=True, sync_bn=True, compile=False), 0)
 
 
 def test_plain_python_is_rank_0_of_1():
@@ -161,8 +161,8 @@ def start(args):
     none of these tests must reach: NOWHERE is no address)."""
     check.check_environment()
     launch = launcher()
-    preflight.check_launch(launch, args)
-    preflight.check_device(args, launch.local_rank)
+    launching.check_launch(launch, args)
+    launching.check_device(args, launch.local_rank)
     return distributed.setup(args)
 
 

@@ -13,7 +13,7 @@ import torch
 from helpers import REPO, clean_env, free_port, one_error, srun_like
 
 from common import cli
-from common.guards import preflight
+from common.guards import launching, preflight
 
 DOCTOR = REPO / "tools" / "doctor.py"
 CHECKS = ["ranks", "ranks per node", "GPU per rank", "NUMA", "CPUs per rank", "python version", "torch version",
@@ -155,10 +155,10 @@ def test_a_socket_interface_the_host_lacks_is_named(monkeypatch, backend, value,
     prefixes, "=" exact names and "^" exclusions; gloo's exact names, each of which must exist."""
     monkeypatch.setenv(f"{backend.upper()}_SOCKET_IFNAME", value)
     if ok:
-        preflight.check_interfaces(backend)
+        launching.check_interfaces(backend)
     else:
         with pytest.raises(SystemExit, match=r"^error: .*_SOCKET_IFNAME=.* has no interface .*\(it has .*lo"):
-            preflight.check_interfaces(backend)
+            launching.check_interfaces(backend)
 
 
 def sysfs(root, gpu_node):

@@ -50,7 +50,7 @@ from helpers import (
 
 from common import cli, data
 from common.checkpoint import atomic
-from common.guards import divergence, lock, preflight, rails, resume
+from common.guards import divergence, lock, preflight, rails, resume, saving
 from common.metrics import Epoch
 from common.options import flags
 
@@ -106,10 +106,9 @@ def test_a_non_finite_tensor_is_never_written(tmp_path):
         model.bias[1] = float("inf")
     assert not divergence.finite({"nested": [model.state_dict()]})
     guard = rails.Guard()  # what a stage checks before every save (the end of an epoch, a signal)
-    guard.args, guard.states = (
-        SimpleNamespace(output_dir=tmp_path),
-        {"model": model, "optimizer": torch.optim.SGD(model.parameters())},
-    )
+    guard.args = SimpleNamespace(output_dir=tmp_path)
+    states = {"model": model, "optimizer": torch.optim.SGD(model.parameters())}
+    guard.saving = saving.Saving(guard.args, states, False, None, guard.progress)
     with pytest.raises(SystemExit, match="not finite"):
         guard.check_epoch(1, Epoch.read(torch.zeros(3, 3)))
     assert not list(tmp_path.iterdir())

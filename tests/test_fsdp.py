@@ -43,7 +43,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from common import data, meta, models, optim
 from common.environment import Launch
-from common.guards import preflight
+from common.guards import launching
 from common.metrics import Sums
 from common.options import amp, loaders
 from common.tasks import sequences
@@ -260,14 +260,14 @@ def test_amp_refusals(monkeypatch):
     ignored."""
     args = SimpleNamespace(amp=True, full_shard=False, no_cuda=False, batch_size=64)  # stage 05's options
     with pytest.raises(SystemExit, match="^error: --amp in stage 05 .* launch with torchrun or srun"):
-        preflight.check_launch(Launch(0, 0, 1), args)
+        launching.check_launch(Launch(0, 0, 1), args)
     torchrun = Launch(0, 0, 1, "localhost", 29500)
-    preflight.check_launch(torchrun, args)  # on CPUs, or a GPU with bf16: FSDP's policy
-    preflight.check_launch(Launch(0, 0, 1), SimpleNamespace(amp=True, batch_size=64))  # autocast before 05
+    launching.check_launch(torchrun, args)  # on CPUs, or a GPU with bf16: FSDP's policy
+    launching.check_launch(Launch(0, 0, 1), SimpleNamespace(amp=True, batch_size=64))  # autocast before 05
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(amp, "dtype", lambda device: torch.float16)  # a GPU without bf16 (V100)
     with pytest.raises(SystemExit, match="^error: --amp in stage 05 computes in bf16, which this GPU lacks"):
-        preflight.check_launch(torchrun, args)
+        launching.check_launch(torchrun, args)
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import os, socket, time
 from types import SimpleNamespace
 import torch.distributed as dist
 from common import distributed
-from common.guards import check, rails
+from common.guards import rails, rendezvous
 
 port = int(os.environ["MASTER_PORT"])
 args = SimpleNamespace(no_cuda=True, batch_size=64, sync_bn=False, compile=False, dist_timeout=10)
@@ -38,9 +38,9 @@ until = time.monotonic() + 10
 while guard.watchdog.phase != "run" and time.monotonic() < until:
     time.sleep(0.05)
 distributed.cleanup()
-print("after cleanup", check.reachable("127.0.0.1", port))
+print("after cleanup", rendezvous.reachable("127.0.0.1", port))
 guard.close(True)
-print("after close", check.reachable("127.0.0.1", port))
+print("after close", rendezvous.reachable("127.0.0.1", port))
 """
 
 

@@ -1,21 +1,18 @@
 """Guard rail: the checks that need no torch, of the options and of the launcher's variables, before anything
-starts, and of the address and port where setup() meets the other ranks, before it does. Run as
+starts (the address and port where setup() meets the other ranks: rendezvous.py). Run as
 `python -m common.guards.check ARGS...` it is a job script's check before torchrun starts its workers: ARGS
 as the stage in this folder takes them, and a torch too old for that stage, in a tenth of a second; a usage
 error ends the job once, not once per worker and restart. Silent on success."""
 
-import errno
-import ipaddress
 import os
 import re
-import socket
 import sys
-import time
 from pathlib import Path
 
 from common import cli
 from common.environment import count, cpus_per_rank, expand_hostlist, is_rank0, launcher
 from common.guards import options, versions
+from common.guards.ending import Refusal
 from common.options import flags
 
 REQUIRED = object()
@@ -30,7 +27,7 @@ def integer(name, default=REQUIRED, env=os.environ, low=0, high=None):
     value = env.get(name, "").strip()
     if not value:
         if default is REQUIRED:
-            raise SystemExit(
+            raise Refusal(
                 f"error: {name} is not set, and this launch needs it: start the ranks with torchrun or srun (or, "
                 "by hand, set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for every rank)"
             )
@@ -38,7 +35,7 @@ def integer(name, default=REQUIRED, env=os.environ, low=0, high=None):
     number = count(value)  # as launcher() reads it: the value checked is the value used
     if number is None or number < low or (high is not None and number > high):
         within = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise SystemExit(
+        raise Refusal(
             f"error: {name}={env[name]!r} is not an integer {within}: the launcher (torchrun, srun) sets it; "
             "if you set it yourself, correct or unset it"
         )
@@ -51,7 +48,7 @@ def check_environment(env=os.environ):
     check_launcher(env)
     launched = "RANK" in env or ("SLURM_PROCID" in env and "SLURM_STEP_ID" in env)  # torchrun, srun
     if not launched and integer("SLURM_NTASKS", 1, env=env) > 1:
-        raise SystemExit(
+        raise Refusal(
             f"error: this job has SLURM_NTASKS={env['SLURM_NTASKS']} but this process is not one of its "
             "tasks (it runs in the batch script or an salloc shell): launch train.py with `srun python "
             "train.py`, or with torchrun"
@@ -66,18 +63,22 @@ def check_launcher(env=os.environ):
     if "RANK" in env:  # torchrun, or by hand
         integer("RANK", env=env), integer("LOCAL_RANK", env=env), integer("WORLD_SIZE", env=env, low=1)
         if not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
-            raise SystemExit("error: RANK is set but MASTER_ADDR or MASTER_PORT is not: export both (rank 0's host "
-                             "and a free port), or launch with torchrun")  # fmt: skip
+            raise Refusal(
+                "error: RANK is set but MASTER_ADDR or MASTER_PORT is not: export both (rank 0's host "
+                "and a free port), or launch with torchrun"
+            )
         integer("MASTER_PORT", env=env, low=1, high=65535)
         torchrun = "TORCHELASTIC_RUN_ID" in env  # `srun torchrun`: its RANK wins; else a job exported them
         srun = [count(env.get(k)) for k in ("SLURM_PROCID", "SLURM_NTASKS")] if "SLURM_STEP_ID" in env else None
         if srun and not torchrun and srun != [count(env["RANK"]), count(env["WORLD_SIZE"])]:
-            raise SystemExit(f"error: RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} in an srun task that is "
-                             f"task {srun[0]} of {srun[1]}: unset RANK, WORLD_SIZE and MASTER_ADDR before srun (the "
-                             "job exports them into every task), or launch with torchrun")  # fmt: skip
+            raise Refusal(
+                f"error: RANK={env['RANK']} and WORLD_SIZE={env['WORLD_SIZE']} in an srun task that is "
+                f"task {srun[0]} of {srun[1]}: unset RANK, WORLD_SIZE and MASTER_ADDR before srun (the "
+                "job exports them into every task), or launch with torchrun"
+            )
     elif "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:  # an srun task
         if not env.get("SLURM_JOB_NODELIST"):
-            raise SystemExit("error: SLURM_JOB_NODELIST is not set in this srun task: launch it with srun in a job")
+            raise Refusal("error: SLURM_JOB_NODELIST is not set in this srun task: launch it with srun in a job")
         check_hostlist(env["SLURM_JOB_NODELIST"])
         integer("SLURM_PROCID", env=env), integer("SLURM_LOCALID", env=env), integer("SLURM_NTASKS", env=env, low=1)
         integer("MASTER_PORT", None, env=env, low=1, high=65535) or integer("SLURM_JOB_ID", env=env)
@@ -89,57 +90,7 @@ def check_hostlist(hostlist):
     ranges = [re.fullmatch(r"(\d+)(?:-(\d+))?", part) for part in parts]
     valid = hostlist.count("[") == hostlist.count("]") and all(r and int(r[2] or r[1]) >= int(r[1]) for r in ranges)
     if not valid or not next(expand_hostlist(hostlist), None):  # "," names no host: no group would form
-        raise SystemExit(
-            f"error: cannot read the Slurm hostlist {hostlist!r}: set SLURM_JOB_NODELIST as Slurm writes it"
-        )
-
-
-def check_rendezvous(launch, timeout):
-    """Before setup() meets the others at MASTER_ADDR:MASTER_PORT: the address resolves and, off the first node,
-    is not a loopback one; the port is free where rank 0 will serve the store, and answers, within `timeout`,
-    where another rank waits for it (torch's client would retry silently past its timeout)."""
-    host, where = socket.gethostname(), f"{launch.addr}:{launch.port}"
-    try:
-        ip = socket.getaddrinfo(launch.addr, launch.port, type=socket.SOCK_STREAM)[0][4][0]
-    except socket.gaierror as err:
-        addr = launch.addr if launch.addr.strip() == launch.addr else repr(launch.addr)  # a blank shown
-        raise SystemExit(f"error: MASTER_ADDR {addr} does not resolve on {host} ({err.strerror}): set it to "
-                         "rank 0's host name or address") from None  # fmt: skip
-    # an srun task off the first node, rank 0's, that finds a loopback address would wait for itself (under
-    # torchrun, torchrun sets MASTER_ADDR)
-    off_first = os.environ.get("SLURM_NODEID", "0") != "0" and "TORCHELASTIC_RUN_ID" not in os.environ
-    if off_first and ipaddress.ip_address(ip).is_loopback:
-        raise SystemExit(f"error: rank {launch.rank} on {host}: MASTER_ADDR {launch.addr} is {ip}, a loopback address, "
-                         "but rank 0 runs on another node: unset MASTER_ADDR (srun tasks find the first node) or set "
-                         "it to rank 0's host name")  # fmt: skip
-    if launch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 serves the store
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's: a port in TIME_WAIT is free
-            try:
-                probe.bind(("", launch.port))
-            except OSError as err:
-                raise SystemExit(port_in_use(launch.port) if err.errno == errno.EADDRINUSE else
-                                 f"error: MASTER_PORT {launch.port}: {err.strerror}: choose another port") from None  # fmt: skip
-        return
-    end = time.monotonic() + timeout
-    while not reachable(launch.addr, launch.port):
-        if time.monotonic() > end:
-            raise SystemExit(f"error: rank {launch.rank} on {host}: nothing answers at {where} after --dist-timeout "
-                             f"{timeout} s: rank 0 did not start or failed first (did you launch with srun or "
-                             "torchrun?), or the address is not rank 0's host")  # fmt: skip
-        time.sleep(0.2)
-
-
-def reachable(addr, port):
-    try:
-        socket.create_connection((addr, port), timeout=1).close()
-        return True
-    except OSError:
-        return False
-
-
-def port_in_use(port):
-    return f"error: MASTER_PORT {port} is in use on {socket.gethostname()} by another program: choose another port"
+        raise Refusal(f"error: cannot read the Slurm hostlist {hostlist!r}: set SLURM_JOB_NODELIST as Slurm writes it")
 
 
 def say(message):
@@ -163,7 +114,7 @@ def refuse(message):
 
 
 def usage(message):
-    raise SystemExit(refuse(message))
+    raise Refusal(refuse(message))
 
 
 def said(err):
@@ -209,12 +160,16 @@ def check_args(args, warn=True, gpus=None):
     path = args.resume
     if isinstance(path, Path) and is_rank0() and not (path.is_file() or (path / "state.pt").is_file()):
         what = "is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist"
-        usage(f"argument --resume: {path} {what}: give a checkpoint file (<output-dir>/checkpoint.pt) or, from "
-              "stage 05, a checkpoint folder (<output-dir>/checkpoint)")  # fmt: skip
+        usage(
+            f"argument --resume: {path} {what}: give a checkpoint file (<output-dir>/checkpoint.pt) or, from "
+            "stage 05, a checkpoint folder (<output-dir>/checkpoint)"
+        )
     for name, value in vars(args).items():
         if not plain(value):  # the run's manifest records them, as JSON
-            usage(f"--{name.replace('_', '-')} is a {type(value).__name__} ({value!r:.60}): an option of a task must "
-                  "be a str, int, float, bool, None or a list of them: give its add_argument() such a type=")  # fmt: skip
+            usage(
+                f"--{name.replace('_', '-')} is a {type(value).__name__} ({value!r:.60}): an option of a task must "
+                "be a str, int, float, bool, None or a list of them: give its add_argument() such a type="
+            )
     cpus = cpus_per_rank()
     if args.num_workers is not None and args.num_workers > cpus:
         if warn:

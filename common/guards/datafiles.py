@@ -17,6 +17,7 @@ import torch
 from common import data
 from common.datafiles import NumpyOnly, read_idx
 from common.environment import regular_file
+from common.guards.ending import Refusal
 
 
 class BadFile(ValueError):
@@ -109,4 +110,4 @@ def check(args):
         for name, train in itertools.product(names, (True, False)):
             check_set(args.data_dir, name, train)
     except BadFile as err:
-        raise SystemExit(f"error: {err}") from None
+        raise Refusal(f"error: {err}") from None

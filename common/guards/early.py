@@ -34,7 +34,7 @@ def tool():
 
 
 def one_line(kind, err, tb):
-    """sys.excepthook: the one line of failure.tool_line(), its traceback kept in a file it names."""
-    from common.guards import failure  # torch, imported by the time a tool fails: not before it has to
+    """sys.excepthook: the one line of described.tool_line(), its traceback kept in a file it names."""
+    from common.guards import described  # torch, imported by the time a tool fails: not before it has to
 
-    print(failure.tool_line(err.with_traceback(tb)), file=sys.stderr, flush=True)
+    print(described.tool_line(err.with_traceback(tb)), file=sys.stderr, flush=True)

@@ -1,5 +1,6 @@
-"""Guard rail: how a process ends. A verdict every rank reached alike is said once, by rank 0 (stop());
-a rank of a process group ends without the interpreter's teardown (end())."""
+"""Guard rail: how a process ends. A guard rail refuses with one exception, Refusal, whose line rails.run() says;
+a verdict every rank reached alike is said once, by rank 0 (stop()); a rank of a process group ends without the
+interpreter's teardown (end())."""
 
 import atexit
 import multiprocessing
@@ -11,9 +12,21 @@ from common.environment import is_rank0
 from common.guards.signals import STOPS
 
 
+class Refusal(SystemExit):
+    """A guard rail's refusal, raised where a check finds what is wrong: `line`, the one line that says it and
+    what to do ("error: ..."), which rails.run() says and ends the process with status 1; or the exit status
+    alone where the line is said already (a usage error, check.usage(): 2). `once`: a verdict every rank reached
+    alike, which rank 0 alone says (the others end with status 1). A SystemExit: a tool that calls a guard rail
+    outside rails.run() still ends with the line, as Python ends any SystemExit, and no caller's `except
+    Exception` takes it for a failure of its own."""
+
+    def __init__(self, line, once=False):
+        super().__init__(1 if once and not is_rank0() else line)
+
+
 def stop(message):
     """End every rank, which all reached the same verdict; rank 0 alone says why."""
-    raise SystemExit(message if is_rank0() else 1)
+    raise Refusal(message, once=True)
 
 
 def end(code, joined):

@@ -1,8 +1,7 @@
 """Guard rail: any failure ends in one line. explain() tailors the line for the failures it knows; any
-other exception that reaches rails.run(), of any class (a BaseException too), gets the line made here: its type,
-its message (one line, bounded) and the place in the user's code that raised it, the task file's line where
-the task raised it; the full traceback is kept in the output folder, traceback-rank<N>.txt, for whoever needs
-it. No exception prints a traceback: tests/test_one_line.py tries the hostile ones.
+other exception that reaches rails.run(), of any class (a BaseException too), gets the line of described.py:
+what, where in the user's code, and the file its traceback is kept in. No exception prints a traceback:
+tests/test_one_line.py tries the hostile ones.
 
 The lesson refuses a value, an object or a file with an ordinary exception whose message is the
 whole line. refusal() knows it by where it was raised: a `raise` statement of the lesson (common/
@@ -16,95 +15,19 @@ import linecache
 import os
 import re
 import shutil
-import sys
-import sysconfig
-import tempfile
 import traceback
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from common import distributed, environment
-from common.checkpoint import atomic
 from common.environment import is_rank0
 from common.guards import ownership, safeload, samples
+from common.guards.described import LIMIT, line, message, place
+from common.guards.ending import Refusal
 
-LIMIT = 300  # characters of a message in the line: a tensor printed into one would fill the log
 LESSON = Path(__file__).resolve().parents[1]  # common/
 REFUSALS = (ValueError, TypeError, FileNotFoundError)  # the lesson's: a value or option, an object, a file
-
-
-def libraries():
-    """Folders of code that is nobody's own here: Python's, the installed packages', torch's."""
-    paths = sysconfig.get_paths()
-    return tuple({paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")} | {os.path.dirname(torch.__file__)})
-
-
-def frames(err):
-    """(file, line, function) of each frame that raised `err`, outermost first, then of its cause (`raise ... from`);
-    then those of a traceback that came as text in its message, innermost: a DataLoader worker's error."""
-    tracebacks = [err.__traceback__] + ([err.__cause__.__traceback__] if err.__cause__ else [])
-    found = [(f.filename, f.lineno, f.name) for tb in tracebacks for f in traceback.extract_tb(tb)]
-    text = message(err)
-    return found + [(m[1], int(m[2]), m[3]) for m in re.finditer(r'File "([^"]+)", line (\d+), in (\S+)', text)]
-
-
-def place(err, task=None):
-    """Where in the user's code `err` was raised: the innermost frame in the task file `task`, else the
-    innermost outside Python, the installed packages and torch; None where every frame is theirs."""
-    ours = [f for f in frames(err) if not f[0].startswith(("<", *libraries()))]
-    mine = [f for f in ours if task is not None and Path(f[0]).resolve() == Path(task).resolve()]
-    return (mine or ours or [None])[-1]
-
-
-def message(err):
-    """str(err), whatever its class makes of it: a __str__ that fails is no second failure."""
-    try:
-        return str(err)
-    except Exception:  # the user's exception class: anything can fail in it
-        return "(its message cannot be printed)"
-
-
-def summary(err):
-    """`Type: message` on one line: the first line of the message, or a DataLoader worker's last (its own
-    error), blanks squeezed, at most LIMIT characters; the type alone where the message is empty."""
-    lines = [line for line in message(err).splitlines() if line.strip()]
-    if "Original Traceback" in message(err):
-        lines = lines[-1:]
-    text = " ".join(lines[0].split()) if lines else ""
-    text = text[:LIMIT] + " [...]" if len(text) > LIMIT or len(lines) > 1 else text
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__
-
-
-def keep(err, path):
-    """The full traceback in the file `path`, switched in whole (a link there replaced, never followed), or None."""
-    try:
-        with atomic(path, "w") as f:
-            f.write("".join(traceback.format_exception(type(err), err, err.__traceback__)))
-    except OSError:  # a full disk, a folder gone: the line is still said
-        return None
-    return path
-
-
-def line(err, task, folder, rank):
-    """The one line for `err`: what, where in the user's code, where its traceback is kept (`folder`, if one)."""
-    kept = keep(err, Path(folder) / f"traceback-rank{rank}.txt") if folder is not None else None
-    return f"error: {described(err, task, kept)}: fix it and run again (with --resume once a checkpoint is saved)"
-
-
-def tool_line(err):
-    """A tool's one line for an error none of its checks names (early.tool()), its traceback kept in TMPDIR."""
-    tool = Path(sys.argv[0]).stem
-    kept = keep(err, Path(tempfile.gettempdir()) / f"traceback-{tool}-{os.getpid()}.txt")
-    return f"error: {described(err, None, kept)}: {tool} met what none of its checks knows"
-
-
-def described(err, task, kept):
-    """What `err` is, where in the user's code it was raised, and the file its traceback is kept in (or None)."""
-    where = place(err, task)
-    at = f" (at {where[0]}:{where[1]}, in {where[2]})" if where else ""
-    return f"{summary(err)}{at}{f'; the traceback is in {kept}' if kept else ''}"
 
 
 def raised_by(err, task):
@@ -163,8 +86,10 @@ def clash(err):
     """The line for a task option that repeats a flag of the stage (argparse's conflict, raised at start)."""
     where = place(err)
     at = f", line {where[1]}" if where else ""
-    return (f"error: --task {where[0] if where else ''}{at}: {message(err)}: a task's options must not repeat the "
-            "stage's flags (see --help): rename it")  # fmt: skip
+    return (
+        f"error: --task {where[0] if where else ''}{at}: {message(err)}: a task's options must not repeat the "
+        "stage's flags (see --help): rename it"
+    )
 
 
 def fallback(err, guard):
@@ -189,48 +114,78 @@ def settle(err, guard):
 
 def explain(err, guard):
     """One line for the errors a run meets from outside its code, or None."""
-    if isinstance(err, argparse.ArgumentError) and guard.args is None:  # the task's add_arguments()
-        return once(clash(err))
-    if guard.args is None and (isinstance(err, SyntaxError) or loading_task(err)):  # the task file
-        where = f", line {err.lineno}" if isinstance(err, SyntaxError) else ""
-        return once(f"error: --task {err.filename}{where}: {getattr(err, 'strerror', None) or err.msg}: give a task "
-                    "file as common/tasks/images.py is one")  # fmt: skip
-    if isinstance(err, AttributeError) and getattr(err.obj, "__name__", "").startswith("task_"):
-        return once(f"error: --task {err.obj.__file__} defines no {err.name}(): a task defines model(args) and "
-                    "datasets(args), as common/tasks/images.py does")  # fmt: skip
-    frames = traceback.extract_tb(err.__traceback__)
-    raised = frames[-1].line or ""  # the source line, where Python finds it
-    if isinstance(err, AttributeError) and err.name == "to" and "task.model(" in raised:  # a stage's model line
-        return once(f"error: --task {guard.args.task}: model(args) returned a {type(err.obj).__name__}, not a "
-                    "torch.nn.Module")  # fmt: skip
-    if isinstance(err, (TypeError, ValueError)) and "task.datasets(" in raised:  # unpacking what datasets() returned
-        return once(f"error: --task {guard.args.task}: datasets(args) must return (training set, test set), two "
-                    f"torch.utils.data Datasets of (input, label) pairs ({message(err)})")  # fmt: skip
+    if said := explain_task(err, guard):
+        return said
     if guard.args is not None and (said := samples.explain(err, guard.args.task)):  # a label, a collate()
         return said
     if guard.watchdog and (silent := guard.watchdog.explain(err)):  # a failed collective: who went silent
         return silent
-    # "DataLoader worker (pid(s) 812) exited unexpectedly", caused by "... (pid 812) is killed by signal: Killed."
-    lost = re.match(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is )?(.*?)\.?\s*$", message(err.__cause__ or err))  # fmt: skip
-    if isinstance(err, RuntimeError) and lost:  # out of memory only where SIGKILL ended it, as the kernel's killer does
-        why = "most likely the out-of-memory killer: use fewer --num-workers, or ask for more memory (#SBATCH --mem)"
-        why = why if "Killed" in lost[2] else "a crash in it (the task's data code, a library): --num-workers 0 shows it"  # fmt: skip
-        return f"error: a DataLoader worker of this rank (pid {lost[1]}) ended ({lost[2]}): {why}; then continue with --resume"  # fmt: skip
+    if isinstance(err, RuntimeError) and (said := worker_lost(err)):
+        return said
     if written(err, guard.args and guard.args.output_dir):  # checkpoint.atomic() removed its temporary file
         folder = guard.args.output_dir if guard.args else "."
-        return (f"error: could not write {err.filename}: {err.strerror} ({free_mib(folder):.0f} MiB free there): the "
-                f"previous {os.path.basename(err.filename)} is kept; free some space or choose another --output-dir, "
-                "then resume")  # fmt: skip
+        return (
+            f"error: could not write {err.filename}: {err.strerror} ({free_mib(folder):.0f} MiB free there): the "
+            f"previous {os.path.basename(err.filename)} is kept; free some space or choose another --output-dir, "
+            "then resume"
+        )
     if type(err).__name__ == "CheckpointException":  # torch.distributed.checkpoint: every rank gets all failures
         verb, folder = (guard.doing or "read or write the checkpoint in --output-dir").split(" ", 1)
         if verb == "read":  # every rank gets every rank's failures: rank 0 says it
-            return once(f"error: cannot load the checkpoint {folder}: {safeload.describe(err)}: resume from a complete one")  # fmt: skip
-        return once(f"error: could not write {folder}: {safeload.describe(err)} ({free_mib(guard.args.output_dir):.0f} MiB free "
-                "there): the previous checkpoint is kept; free some space or choose another --output-dir, then resume")  # fmt: skip
+            return once(
+                f"error: cannot load the checkpoint {folder}: {safeload.describe(err)}: resume from a complete one"
+            )
+        spare = free_mib(guard.args.output_dir)
+        return once(
+            f"error: could not write {folder}: {safeload.describe(err)} ({spare:.0f} MiB free there): the previous "
+            "checkpoint is kept; free some space or choose another --output-dir, then resume"
+        )
+    frames = traceback.extract_tb(err.__traceback__)
     restoring = any(f.filename.endswith(("common/checkpoint.py", "/sharded.py", "/resuming.py")) for f in frames)
     if isinstance(err, RuntimeError) and message(err).startswith("Error(s) in loading state_dict") and restoring:
         return f"error: the checkpoint does not match this model: {message(err).splitlines()[0][:300]}"
     return None
+
+
+def explain_task(err, guard):
+    """One line for a task file that cannot be read, or whose model() or datasets() return what a stage cannot
+    use, or None."""
+    if isinstance(err, argparse.ArgumentError) and guard.args is None:  # the task's add_arguments()
+        return once(clash(err))
+    if guard.args is None and (isinstance(err, SyntaxError) or loading_task(err)):  # the task file
+        where = f", line {err.lineno}" if isinstance(err, SyntaxError) else ""
+        why = getattr(err, "strerror", None) or err.msg
+        return once(f"error: --task {err.filename}{where}: {why}: give a task file as common/tasks/images.py is one")
+    if isinstance(err, AttributeError) and getattr(err.obj, "__name__", "").startswith("task_"):
+        return once(
+            f"error: --task {err.obj.__file__} defines no {err.name}(): a task defines model(args) and "
+            "datasets(args), as common/tasks/images.py does"
+        )
+    raised = traceback.extract_tb(err.__traceback__)[-1].line or ""  # the source line, where Python finds it
+    if isinstance(err, AttributeError) and err.name == "to" and "task.model(" in raised:  # a stage's model line
+        what = type(err.obj).__name__
+        return once(f"error: --task {guard.args.task}: model(args) returned a {what}, not a torch.nn.Module")
+    if isinstance(err, (TypeError, ValueError)) and "task.datasets(" in raised:  # unpacking what datasets() returned
+        return once(
+            f"error: --task {guard.args.task}: datasets(args) must return (training set, test set), two "
+            f"torch.utils.data Datasets of (input, label) pairs ({message(err)})"
+        )
+    return None
+
+
+def worker_lost(err):
+    """The line for a DataLoader worker that died, or None: out of memory only where SIGKILL ended it, as the
+    kernel's killer does."""
+    # "DataLoader worker (pid(s) 812) exited unexpectedly", caused by "... (pid 812) is killed by signal: Killed."
+    pattern = r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is )?(.*?)\.?\s*$"
+    if not (lost := re.match(pattern, message(err.__cause__ or err))):
+        return None
+    why = "most likely the out-of-memory killer: use fewer --num-workers, or ask for more memory (#SBATCH --mem)"
+    if "Killed" not in lost[2]:
+        why = "a crash in it (the task's data code, a library): --num-workers 0 shows it"
+    return (
+        f"error: a DataLoader worker of this rank (pid {lost[1]}) ended ({lost[2]}): {why}; then continue with --resume"
+    )
 
 
 def once(message):
@@ -242,7 +197,7 @@ def free(folder):
     """Does `folder` hold no run's output (ownership.output()), as a folder a fresh run may take?"""
     try:
         return not ownership.output(folder)
-    except SystemExit:  # it cannot be listed
+    except Refusal:  # it cannot be listed
         return False
 
 

@@ -12,6 +12,7 @@ import time
 
 from common.environment import is_rank0
 from common.guards.check import integer
+from common.guards.ending import Refusal
 
 # checkpoint.atomic()'s temporary files of what a run writes (<name>.tmp<pid>): no other name is a run's
 TEMPORARY = re.compile(r"(checkpoint\.pt|checkpoint-previous\.pt|metrics\.csv|model\.pt|run-manifest\.json)\.tmp\d+")
@@ -27,22 +28,15 @@ def claim(output_dir, env=os.environ):
     Returns the open lock file, which the guard rails keep for as long as the run lasts."""
     if not is_rank0(env):
         return None
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "job": env.get("SLURM_JOB_ID"),
-          "restart": integer("SLURM_RESTART_COUNT", 0, env=env), "since": time.ctime()}  # fmt: skip
+    me = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "job": env.get("SLURM_JOB_ID"),
+        "restart": integer("SLURM_RESTART_COUNT", 0, env=env),
+        "since": time.ctime(),
+    }
     path = output_dir / ".lock"
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        # never through a link (its target would be truncated), nor into a FIFO (O_NONBLOCK: no wait)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    except OSError as err:
-        if err.errno == errno.ELOOP:
-            raise SystemExit(f"error: {path} is a link: the lock is never taken through one: remove it") from None
-        raise SystemExit(
-            f"error: cannot write to --output-dir {output_dir}: {err.strerror}: choose a folder you can write"
-        ) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise SystemExit(f"error: {path} is not a regular file: remove it, or choose another --output-dir")
+    fd = opened(path)
     try:
         # a POSIX lock, this process's alone: the DataLoader workers it forks do not inherit it, as they would
         # a flock, which they kept after a SIGKILL of this process until they noticed (seconds). It ends when
@@ -57,7 +51,7 @@ def claim(output_dir, env=os.environ):
         requeued = me["job"] and held.get("job") == me["job"] and held.get("restart", 0) < me["restart"]
         if not requeued or (held.get("host") == me["host"] and alive(held.get("pid"))):
             job = f", Slurm job {held['job']}" if held.get("job") else ""
-            raise SystemExit(
+            raise Refusal(
                 f"error: --output-dir {output_dir} is in use by another run (host {held.get('host', '?')}, pid "
                 f"{held.get('pid', '?')}{job}, since {held.get('since', '?')}): choose another --output-dir, or end that run"
             ) from None
@@ -67,11 +61,29 @@ def claim(output_dir, env=os.environ):
         print(f"warning: {output_dir} cannot be locked ({err.strerror}): make sure no other run uses it", flush=True)
     if (held := os.pread(fd, 4096, 0)) and not (held.startswith(b"{") and b'"pid"' in held):
         os.close(fd)  # a file some other program keeps under this name: never truncated
-        raise SystemExit(
+        raise Refusal(
             f"error: {path} is not a lock this repository wrote: move it away, or choose another --output-dir"
         )
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode(), 0)
+    return fd
+
+
+def opened(path):
+    """The lock file at `path` opened, made with its folder where they are not there yet: never through a link
+    (its target would be truncated), nor into a FIFO (O_NONBLOCK: no wait), nor anything but a regular file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise Refusal(f"error: {path} is a link: the lock is never taken through one: remove it") from None
+        raise Refusal(
+            f"error: cannot write to --output-dir {path.parent}: {err.strerror}: choose a folder you can write"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise Refusal(f"error: {path} is not a regular file: remove it, or choose another --output-dir")
     return fd
 
 

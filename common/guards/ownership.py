@@ -28,6 +28,7 @@ import time
 import uuid
 
 from common.checkpoint import atomic
+from common.guards.ending import Refusal
 from common.guards.lock import TEMPORARY, sweep
 
 MANIFEST = "run-manifest.json"
@@ -37,7 +38,7 @@ WRITES = {  # what a run writes in its folder, by the kind of checkpoint it keep
 }
 NAMED = {*WRITES[False], *WRITES[True], "checkpoint.tmp", MANIFEST}
 EPOCH = re.compile(r"epoch-\d+(-step-\d+)?")  # stage 05's folders
-TRACEBACK = re.compile(r"traceback-rank\d+\.txt")  # a failed run's (failure.keep())
+TRACEBACK = re.compile(r"traceback-rank\d+\.txt")  # a failed run's (described.keep())
 ADVICE = "choose another --output-dir, or move it away"
 
 
@@ -64,7 +65,7 @@ def entries(folder):
     try:
         return sorted(os.listdir(folder))
     except OSError as err:
-        raise SystemExit(f"error: cannot list --output-dir {folder}: {err.strerror}: {ADVICE}") from None
+        raise Refusal(f"error: cannot list --output-dir {folder}: {err.strerror}: {ADVICE}") from None
 
 
 def read(folder):
@@ -83,16 +84,22 @@ def read(folder):
         manifest = None
     if isinstance(manifest, dict) and well_formed(manifest):
         return manifest
-    raise SystemExit(f"error: {path} is not a manifest this repository wrote: {ADVICE}")
+    raise Refusal(f"error: {path} is not a manifest this repository wrote: {ADVICE}")
 
 
 def well_formed(manifest):
     """Each field the guard rails read is of the type claim() writes: an edited one is no AttributeError later."""
     writes, record = manifest.get("writes"), manifest.get("record", {})
-    return (isinstance(manifest.get("run"), str) and isinstance(writes, list) and all(isinstance(n, str) for n in writes)
-            and isinstance(manifest.get("launch"), str | None) and isinstance(record, dict)
-            and isinstance(record.get("flags", {}), dict) and isinstance(record.get("data", ""), str)
-            and isinstance(record.get("parameters", 0), int))  # fmt: skip
+    return (
+        isinstance(manifest.get("run"), str)
+        and isinstance(writes, list)
+        and all(isinstance(n, str) for n in writes)
+        and isinstance(manifest.get("launch"), str | None)
+        and isinstance(record, dict)
+        and isinstance(record.get("flags", {}), dict)
+        and isinstance(record.get("data", ""), str)
+        and isinstance(record.get("parameters", 0), int)
+    )
 
 
 def continues(manifest, env=os.environ):
@@ -119,14 +126,17 @@ def check_fresh(folder, manifest):
     names = entries(folder)
     for name in ("checkpoint.pt", "checkpoint"):
         if name in names:  # whole or sharded, of any stage: a fresh run would overwrite its metrics.csv
-            raise SystemExit(f"error: {folder / name} holds the checkpoint of an earlier run: add --resume to continue "
-                             "it (in the stage that wrote it), or choose another --output-dir")  # fmt: skip
+            raise Refusal(
+                f"error: {folder / name} holds the checkpoint of an earlier run: add --resume to continue "
+                "it (in the stage that wrote it), or choose another --output-dir"
+            )
     found = output(folder)
     if manifest and found:
-        raise SystemExit(f"error: {folder} holds the output of {whose(manifest)}: add --resume to continue it, or "
-                         f"{ADVICE}")  # fmt: skip
+        raise Refusal(
+            f"error: {folder} holds the output of {whose(manifest)}: add --resume to continue it, or {ADVICE}"
+        )
     if found:
-        raise SystemExit(f"error: {folder / found[0]} is not this run's, and a run writes that name: {ADVICE}")
+        raise Refusal(f"error: {folder / found[0]} is not this run's, and a run writes that name: {ADVICE}")
 
 
 def check_resume(folder, manifest, path):
@@ -141,11 +151,13 @@ def check_resume(folder, manifest, path):
         check_fresh(folder, None)
         return run
     if manifest["run"] != run:
-        raise SystemExit(f"error: {folder} holds the output of {whose(manifest)}, "
-                         f"and {path} is of {f'run {run}' if run else 'no run it names'}: resume into {source}, "
-                         "or into an empty --output-dir")  # fmt: skip
+        raise Refusal(
+            f"error: {folder} holds the output of {whose(manifest)}, "
+            f"and {path} is of {f'run {run}' if run else 'no run it names'}: resume into {source}, "
+            "or into an empty --output-dir"
+        )
     if stray := [n for n in entries(folder) if EPOCH.fullmatch(n) and n not in manifest["writes"]]:
-        raise SystemExit(f"error: {folder / stray[0]} is not this run's (its manifest does not list it): {ADVICE}")
+        raise Refusal(f"error: {folder / stray[0]} is not this run's (its manifest does not list it): {ADVICE}")
     return run
 
 
@@ -155,19 +167,25 @@ def claim(folder, run, sharded, record, export=False, env=os.environ):
     writers left. model.pt is listed where the run will `export` one (--save-model): a model.pt in its folder
     that it did not list is someone else's, which the export would replace."""
     if inside := next((p for p in folder.resolve().parents if os.path.lexists(p / MANIFEST)), None):
-        raise SystemExit(f"error: --output-dir {folder} lies inside {inside}, the folder of another run, which may "
-                         "delete its folders: choose a folder outside it")  # fmt: skip
+        raise Refusal(
+            f"error: --output-dir {folder} lies inside {inside}, the folder of another run, which may "
+            "delete its folders: choose a folder outside it"
+        )
     manifest = read(folder)
     below = itertools.chain(folder.glob(f"*/{MANIFEST}"), folder.glob(f"*/*/{MANIFEST}"))  # runs/<stage>/<id>
     if (manifest is None or manifest["run"] != run) and (held := next(below, None)):
-        raise SystemExit(f"error: --output-dir {folder} holds {held.parent}, the folder of another run, which could "
-                         "then no longer resume: choose a folder beside it")  # fmt: skip
+        raise Refusal(
+            f"error: --output-dir {folder} holds {held.parent}, the folder of another run, which could "
+            "then no longer resume: choose a folder beside it"
+        )
     if manifest is None or manifest["run"] != run:  # a fresh run, a resume into a new folder, or an adopted one
         kept = [n for n in entries(folder) if named(n) and not TEMPORARY.fullmatch(n)] if run is None else []
         manifest = {"run": run or uuid.uuid4().hex, "since": time.ctime(), "writes": kept}
     if export and "model.pt" not in manifest["writes"] and os.path.lexists(folder / "model.pt"):
-        raise SystemExit(f"error: {folder / 'model.pt'} is not this run's (it has not exported one), and "
-                         f"--save-model would replace it: leave out --save-model, or move it away")  # fmt: skip
+        raise Refusal(
+            f"error: {folder / 'model.pt'} is not this run's (it has not exported one), and "
+            f"--save-model would replace it: leave out --save-model, or move it away"
+        )
     listed = [n for n in WRITES[sharded] if n != "model.pt" or export]
     writes = manifest["writes"] + [n for n in listed if n not in manifest["writes"]]
     write(folder, manifest | {"launch": launch(env), "writes": writes, "record": record})

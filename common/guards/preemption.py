@@ -29,7 +29,7 @@ from common.distributed import print0
 from common.environment import is_rank0
 from common.guards.ending import stop
 from common.guards.signals import STOPS, shield_worker
-from common.guards.watchdog import fail
+from common.guards.waits import fail
 
 MARGIN = 30  # seconds beyond a save: the step in flight, the requeue, a save slower than the last
 
@@ -113,13 +113,17 @@ class Preemption:
             missing = [k[5:] for k in keys if not store.check([k])]
         except dist.DistError:
             self.fail_without_store()
-        stop(f"error: rank {rank}: {self.signal} came, but rank {', '.join(missing)} did not agree on a step to "
-             f"stop at within --dist-timeout {self.timeout} s: the last checkpoint stays")  # fmt: skip
+        stop(
+            f"error: rank {rank}: {self.signal} came, but rank {', '.join(missing)} did not agree on a step to "
+            f"stop at within --dist-timeout {self.timeout} s: the last checkpoint stays"
+        )
 
     def fail_without_store(self):
         """End this rank in one line: the store, through which the ranks agree on the step to stop at, is gone."""
-        fail(f"error: rank {self.peers[1]}: {self.signal} came, but {self.watchdog.store_gone()}: no step to stop "
-             "at can be agreed, so nothing is saved: the last checkpoint stays; resume from it with --resume")  # fmt: skip
+        fail(
+            f"error: rank {self.peers[1]}: {self.signal} came, but {self.watchdog.store_gone()}: no step to stop "
+            "at can be agreed, so nothing is saved: the last checkpoint stays; resume from it with --resume"
+        )
 
     def exit_code(self):
         """A run stopped by a signal exits as the shell reports a process that signal ended: 128 + its number."""
@@ -134,9 +138,11 @@ class Preemption:
         self.warned = True
         spec = job_signal(os.environ["SLURM_JOB_ID"])
         if spec and lead(spec) < lead_needed(seconds):
-            print0(f"warning: a checkpoint takes {seconds:.0f} s here, and this job's signal (--signal={spec}) comes "
-                   f"{lead(spec)} s before its time limit: set #SBATCH --signal=B:USR1@{lead_needed(seconds)} or "
-                   "more, or the time limit may cut the last save short")  # fmt: skip
+            print0(
+                f"warning: a checkpoint takes {seconds:.0f} s here, and this job's signal (--signal={spec}) comes "
+                f"{lead(spec)} s before its time limit: set #SBATCH --signal=B:USR1@{lead_needed(seconds)} or "
+                "more, or the time limit may cut the last save short"
+            )
 
     def due(self, minutes, step):
         """--checkpoint-minutes, at the end of every step (`step` counted as check() counts): True where every rank
@@ -179,8 +185,10 @@ class Preemption:
             store.wait(keys, datetime.timedelta(seconds=self.timeout))
         except dist.DistError:
             missing = [k.rpartition("/")[2] for k in keys if not store.check([k])]
-            stop(f"error: rank {rank}: --checkpoint-minutes called for a save, but rank {', '.join(missing)} did not "
-                 f"agree on a step to save at within --dist-timeout {self.timeout} s: the last checkpoint stays")  # fmt: skip
+            stop(
+                f"error: rank {rank}: --checkpoint-minutes called for a save, but rank {', '.join(missing)} did not "
+                f"agree on a step to save at within --dist-timeout {self.timeout} s: the last checkpoint stays"
+            )
         return max(int(store.get(key)) for key in keys)
 
 
@@ -188,8 +196,9 @@ def job_signal(job):
     """The --signal of a Slurm job's script (Slurm shows it nowhere else; one given to sbatch's command line is
     not seen), or None."""
     try:
-        script = subprocess.run(["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True,
-                                timeout=10).stdout  # fmt: skip
+        script = subprocess.run(
+            ["scontrol", "write", "batch_script", job, "-"], capture_output=True, text=True, timeout=10
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
     found = re.search(r"^#SBATCH.*--signal[= ](\S+)", script, re.M)

@@ -13,65 +13,46 @@ may skip each of them: the training reads the same without. What each one holds 
   run(main)       any failure ends the run with one line instead of a traceback
 """
 
-import time
 import warnings
-from dataclasses import asdict
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from common import checkpoint, cli, distributed, sharded
-from common.environment import is_rank0
+from common import cli, distributed
 from common.guards import (
     check,
     divergence,
     early,
     failure,
+    launching,
     lock,
-    ownership,
     preflight,
     randomness,
+    rendezvous,
     resume,
     samples,
     signals,
 )
-from common.guards.ending import end
-from common.guards.preemption import Preemption
+from common.guards.ending import Refusal, end
+from common.guards.progress import Progress
+from common.guards.saving import Saving
 from common.guards.watchdog import Watchdog
-from common.metrics import Sums
-
-
-class Position(NamedTuple):
-    """Where the run stands: `step` steps into `epoch`, this rank's training sums there, and
-    `count`, a step count that grows across epochs (evaluation batches counting on)."""
-
-    epoch: int
-    step: int
-    sums: Sums
-    count: int
-
-
-class Cut(NamedTuple):
-    """The lesson's metrics.Log as a checkpoint saved part-way through an epoch keeps it: its rows, and the
-    epoch's time and each rank's training sums so far (common/options/resuming.py hands them back)."""
-
-    log: object
-    cut: dict
-
-    def state_dict(self):
-        return self.log.state_dict() | {"cut": self.cut}
 
 
 class Guard:
+    """The guard rails of one run, in parts with one job each: `progress`, where the run stands (progress.py);
+    `saving`, the agreement on where to stop and save (saving.py), from resume() on; `watchdog`, the bounded waits
+    and heartbeats of a process group (watchdog.py), from meet() on. Each method below is where a stage calls it."""
+
     def __init__(self):
-        self.args, self.lock, self.watchdog, self.preemption = None, None, None, None
-        self.states, self.sharded, self.epoch_done = None, False, None
-        self.doing, self.position = None, None  # a stage 05 checkpoint read or written: for a failure's one line
+        self.args, self.lock, self.watchdog, self.saving, self.progress = None, None, None, None, Progress()
         self.claimed = False  # the folder is this run's (resume()): a failure keeps its traceback there
-        # (epoch, steps) where this run started (resumed part-way: steps > 0), and where it last saved (a stop)
-        self.start_at = self.saved_at = (0, 0)
         self.data, self.sizes = None, None  # the training set's fingerprint, the sets' sizes
+
+    @property
+    def doing(self):
+        """A stage 05 checkpoint read or written, for a failure's one line (failure.explain()), or None."""
+        return self.saving and self.saving.doing
 
     def start(self, args):
         """Claim --output-dir, check the launch, and watch the rendezvous distributed.setup() makes next."""
@@ -87,12 +68,12 @@ class Guard:
         outside it (the doctor's start too)."""
         check.check_environment()
         launch = distributed.launcher()
-        preflight.check_launch(launch, args)  # numbers that fit together, before anyone waits for anyone
-        preflight.check_device(args, launch.local_rank)
+        launching.check_launch(launch, args)  # numbers that fit together, before anyone waits for anyone
+        launching.check_device(args, launch.local_rank)
         if not launch.addr:
             return
-        preflight.check_interfaces("nccl" if torch.cuda.is_available() and not args.no_cuda else "gloo")
-        check.check_rendezvous(launch, args.dist_timeout)  # an address that resolves, a port free or answering
+        launching.check_interfaces("nccl" if torch.cuda.is_available() and not args.no_cuda else "gloo")
+        rendezvous.check_rendezvous(launch, args.dist_timeout)  # an address that resolves, a port free or answering
         self.watchdog = Watchdog(launch, args.dist_timeout)
         self.watchdog.watch()  # a second client of setup()'s store: who did not come; then who went silent
 
@@ -108,114 +89,45 @@ class Guard:
         checks that it is this run's and whole, or that the folder is free for a fresh run, and every rank ends
         with its reason in one line where not. From here on SIGTERM and SIGUSR1 stop the run at a step all ranks
         agree on, and end_of_step() saves it. `states`: the lesson's, watched, for the saves on a stop."""
-        self.states, self.sharded = states, sharded
         early.started()
         if sharded and dist.is_initialized():
             preflight.check_shared(self.args.output_dir)
-        self.preemption = Preemption(self.watchdog, self.args.dist_timeout)
-        self.preemption.catch()
-        if self.watchdog:  # a rank may hear of the stop from the store before its own signal arrives
-            self.watchdog.listen(self.preemption.poll)
+        self.saving = Saving(self.args, states, sharded, self.watchdog, self.progress)
+        self.saving.catch()
         parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
         record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters}
         state = resume.state_to_resume(self.args, path, sharded, record)
         self.claimed = True
         resume.same_columns(state, states["log"].fields)  # the task's metric renamed since: its rows do not fit
         if state is not None and state["folder"]:  # a failure while every rank reads its shards names the folder
-            self.doing = f"read {state['folder']}"
+            self.saving.doing = f"read {state['folder']}"
         if state is not None and state["step"]:  # saved mid-epoch: the lesson trains the rest of it
-            self.start_at = (state["epoch"], state["step"])
+            self.progress.resumed(state["epoch"], state["step"])
             # saved after the epoch's last step: its scheduler steps with none in this process, as it should
             warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before `optimizer")
 
     def end_of_step(self, epoch, batch, sums):
         """After training step `batch` (counted from 0 in this run's part of the epoch): every --log-interval
-        steps, stop if the loss went non-finite on any rank; then stop_or_save()."""
-        args, (start_epoch, start_step) = self.args, self.start_at
-        step = (start_step if epoch == start_epoch else 0) + batch + 1
-        if self.epoch_done is not None:  # the time since check_epoch(): the epoch's checkpoint, an upper bound
-            self.preemption.saved(time.monotonic() - self.epoch_done)
-            self.epoch_done = None
-        self.doing, count = None, epoch * 2**32 + step  # a step count that grows across epochs
-        if self.watchdog:
-            self.watchdog.saving.clear()  # the epoch's checkpoint is whole
-        if batch % args.log_interval == 0:
-            divergence.check_loss(epoch, step - 1, sums, args.output_dir)
-        self.stop_or_save(epoch, step, sums, count)
+        steps, stop if the loss went non-finite on any rank; then a stop or --checkpoint-minutes saves here."""
+        at = self.progress.stepped(epoch, batch, sums)
+        self.saving.stepped()
+        if batch % self.args.log_interval == 0:
+            divergence.check_loss(epoch, at.step - 1, sums, self.args.output_dir)
+        self.saving.stop_or_save(at)
 
     def end_of_batch(self):
         """After each batch of evaluate(), as after a step: a stop or --checkpoint-minutes saves the epoch's
         training, all of it (the resumed run evaluates the epoch again); they count on from its last step."""
-        epoch, step = self.start_at
-        if self.position is None and step:  # resumed with no step left: the training the checkpoint holds
-            _, sums = self.states["log"].carried[epoch]
-            self.position = Position(epoch, step, sums, epoch * 2**32 + step)
-        if self.position:  # None before this run's first step (a test's evaluation): nothing to save
-            at = self.position
-            self.stop_or_save(at.epoch, at.step, at.sums, at.count + 1)
-
-    def stop_or_save(self, epoch, step, sums, count):
-        """`count` steps done (evaluation batches counting on): on a stop, save at the step all ranks agreed on and
-        end the run; with --checkpoint-minutes, save when they have passed."""
-        self.position = Position(epoch, step, sums, count)
-        if self.preemption.check(count):
-            self.save(epoch, step, sums)
-            distributed.print0(f"saved at epoch {epoch}, step {step}: resume with --resume ({self.preemption.signal})")
-            raise signals.SavedStop(self.preemption.exit_code())
-        if self.args.checkpoint_minutes and self.preemption.due(self.args.checkpoint_minutes, count):
-            self.save(epoch, step, sums)
-            distributed.print0(f"saved at epoch {epoch}, step {step} (--checkpoint-minutes {self.args.checkpoint_minutes})")  # fmt: skip
-
-    def save(self, epoch, step, sums):
-        """A checkpoint `step` steps into `epoch`: the sums and time so far go with it (its "cut"),
-        so that the resumed run's row in metrics.csv counts the whole epoch. One there already (a stop in the
-        evaluation a resumed run runs again, a second --checkpoint-minutes in one evaluation) stands as it is:
-        the same step, and writing it again would replace the checkpoint a resume needs while it is written."""
-        if (epoch, step) in (self.start_at, self.saved_at):
-            return
-        started, log, mine = time.monotonic(), self.states["log"], sums.tensor()
-        parts = [mine.clone() for _ in range(dist.get_world_size() if dist.is_initialized() else 1)]
-        if dist.is_initialized():  # each rank's own sums (the epoch's part before a resume included): carried()
-            dist.all_gather(parts, mine)
-        total = asdict(Sums(*torch.stack(parts).sum(0).tolist()))
-        ranks = [asdict(Sums(*part.tolist())) for part in parts]
-        cut = {"epoch": epoch, "seconds": log.seconds(mine.device), "training": total, "ranks": ranks}
-        self.check_weights(f"epoch {epoch} left weights that are")
-        if not self.sharded:
-            resume.keep_previous(self.args.output_dir)
-        self.writing(f"epoch-{epoch}-step-{step}")
-        states = self.states | {"log": Cut(log, cut)}  # the lesson's states as they are, the log with its cut
-        (sharded.save if self.sharded else checkpoint.save)(self.args.output_dir, epoch, states, step)
-        self.preemption.saved(time.monotonic() - started)
-        self.saved_at = (epoch, step)
+        if at := self.progress.evaluated(self.saving.so_far):  # None before this run's first step: nothing to save
+            self.saving.stop_or_save(at)
 
     def check_epoch(self, epoch, sums):
         """Before the epoch's row and checkpoint: its all-reduced losses (metrics.Epoch) and the weights finite, and
         every sample counted; the checkpoint the epoch's replaces stays as the previous one."""
         divergence.check_epoch(epoch, sums, self.args.output_dir)
-        self.check_weights(f"epoch {epoch} left weights that are")
+        self.saving.check_weights(f"epoch {epoch} left weights that are")
         samples.check_counts(epoch, sums, self.sizes, self.args.dry_run)
-        if not self.sharded:
-            resume.keep_previous(self.args.output_dir)
-        self.writing(f"epoch-{epoch}")
-        self.epoch_done = time.monotonic()
-
-    def writing(self, name):
-        """Before a checkpoint is written: stage 05's folder `name` is listed in the run's manifest first. Until the
-        next step, torchrun's end (a third Ctrl-C ends it at once) waits for the save (watchdog.heartbeat())."""
-        self.doing = f"write {self.args.output_dir / name}"
-        if self.watchdog:
-            self.watchdog.saving.set()
-        if self.sharded and is_rank0():
-            ownership.writes(self.args.output_dir, name)
-
-    def check_weights(self, what):
-        model, optimizer = self.states["model"], self.states["optimizer"]
-        if self.sharded:  # each rank sees its own shards: the verdict is all-reduced on the model's device
-            device = next(model.parameters()).device
-            divergence.check_weights([model.state_dict(), optimizer.state_dict()], what, self.args.output_dir, device)
-        else:
-            divergence.check_weights(checkpoint.unwrap(model).state_dict(), what, self.args.output_dir)
+        self.saving.epoch_end(epoch)
 
     def close(self, together):
         """Stop the heartbeat; with `together`, rank 0 (which serves the store, past the process group's end)
@@ -238,7 +150,9 @@ def run(main):
         code = stop.code
     except cli.UsageError as err:  # the parser's, or the task's check()
         code = check.refuse(check.said(err))
-    except SystemExit as stop:  # the end of a run, a verdict every rank reached, a usage error, or the task's own
+    except Refusal as refused:  # a guard rail's: its line (said already for a usage error), or rank 0's verdict
+        code = refused.code if isinstance(refused.code, int) else failure.exit_line(refused.code)
+    except SystemExit as stop:  # the end of a run (--check, the doctor's verdict), or the task's own sys.exit()
         code = stop.code if isinstance(stop.code, int | None) else failure.exit_line(stop.code)
         if failure.raised_by(stop, guard.args and guard.args.task):  # a failure of this rank, even sys.exit(0)
             code, together = failure.settle(stop, guard), False

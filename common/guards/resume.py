@@ -20,7 +20,7 @@ from common.distributed import print0
 from common.environment import is_rank0, restarts
 from common.guards import ownership
 from common.guards.bounded import PICKLE, Refused, torch_file
-from common.guards.ending import stop
+from common.guards.ending import Refusal, stop
 from common.guards.preflight import defining, same
 from common.guards.safeload import Planted, damage
 from common.options.resuming import read
@@ -47,8 +47,7 @@ def again(args, manifest, fingerprint):
     writes its rows anew (returns its id); else one line, as for another run's output."""
     who = ownership.whose(manifest)
     if problem := mismatch(manifest["record"], {"epoch": 1, "step": 0}, args, fingerprint, "run it again"):
-        raise SystemExit(f"error: {args.output_dir} holds the metrics of {who}, which saved no checkpoint and "
-                         f"{problem}")  # fmt: skip
+        raise Refusal(f"error: {args.output_dir} holds the metrics of {who}, which saved no checkpoint and {problem}")
     print0(f"{who} saved no checkpoint: it starts again from epoch 1")
     return manifest["run"]
 
@@ -99,7 +98,7 @@ def state_to_resume(args, path, sharded, record):
         try:
             box[0], run = find(args, path, SHARDED if sharded else WHOLE, restarted, record["data"])
             ownership.claim(args.output_dir, run, sharded, record, args.save_model)
-        except SystemExit as verdict:  # for every rank: they end together, rank 0 says why
+        except Refusal as verdict:  # for every rank: they end together, rank 0 says why
             box[1] = verdict.code
     if dist.is_initialized():
         dist.broadcast_object_list(box)
@@ -119,14 +118,16 @@ def same_columns(state, fields):
     an older version may lack a column, left empty."""
     rows = (state or {}).get("log", {}).get("rows")
     if rows and set(rows[0]) - set(fields):
-        stop(f"error: the checkpoint's rows of metrics.csv hold {', '.join(sorted(set(rows[0]) - set(fields)))}, "
-             f"where this run's task logs {', '.join(sorted(set(fields) - set(rows[0])))}: resume with the task's "
-             "metric as it was trained, or use another --output-dir")  # fmt: skip
+        stop(
+            f"error: the checkpoint's rows of metrics.csv hold {', '.join(sorted(set(rows[0]) - set(fields)))}, "
+            f"where this run's task logs {', '.join(sorted(set(fields) - set(rows[0])))}: resume with the task's "
+            "metric as it was trained, or use another --output-dir"
+        )
 
 
 def find(args, path, name, restarted, fingerprint):
     """Rank 0: the state of the checkpoint at `path` (a stage 05 folder: its state.pt, with "folder" added), or
-    None to start afresh, and the id of the run it continues (None: a new one); a SystemExit saying why where
+    None to start afresh, and the id of the run it continues (None: a new one); a Refusal saying why where
     this run may not. `name`: the stage's own checkpoint in --output-dir; `fingerprint`: that of the training
     set this run reads (preflight.fingerprint()). A restart is this run's only where the folder's manifest
     names this launch (ownership.continues()): else the run starts afresh, in a folder that must be free."""
@@ -148,26 +149,30 @@ def find(args, path, name, restarted, fingerprint):
             held = f": {ownership.whose(manifest)} saved none; the same command without --resume starts it again"
         if path.is_symlink():  # stage 05's link, to a folder deleted or moved: the one before may be whole
             held = f" ({path} names {os.readlink(path)}, which is gone){fallback(args.output_dir, path.resolve())}"
-        raise SystemExit(f"error: no {path.name} in {path.parent} to resume from{held}")
+        raise Refusal(f"error: no {path.name} in {path.parent} to resume from{held}")
     try:
         state = load(path)
     except (Unusable, Planted) as problem:
         hint = fallback(args.output_dir, path.resolve()) if path == own else ""
         if isinstance(problem, Planted):  # nothing of it was run: say so, and what to resume from instead
-            raise SystemExit(f"error: {problem}; delete it or resume from another checkpoint{hint}") from None
+            raise Refusal(f"error: {problem}; delete it or resume from another checkpoint{hint}") from None
         # the run's own file may go; a file --resume names elsewhere is the user's: never advise deleting it
         advice = ": delete it or use another" if path == own else ": resume from another checkpoint"
-        raise SystemExit(f"error: {problem}{hint or advice}") from None
+        raise Refusal(f"error: {problem}{hint or advice}") from None
     if state["folder"] and name == WHOLE:
-        raise SystemExit(f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
-                         "weights with its --save-model")  # fmt: skip
+        raise Refusal(
+            f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
+            "weights with its --save-model"
+        )
     source = path.resolve().parent  # the run folder of a checkpoint.pt, or of a sharded epoch-N folder
     theirs = manifest if source == args.output_dir.resolve() else ownership.read(source)
     if not (run := (theirs or {}).get("record") or state.get("run")):  # a checkpoint.pt copied away alone
-        raise SystemExit(f"error: {path} has no {ownership.MANIFEST} beside it to say what run it is (its options, "
-                         "its data): resume it in its run's folder, or copy that folder whole")  # fmt: skip
+        raise Refusal(
+            f"error: {path} has no {ownership.MANIFEST} beside it to say what run it is (its options, "
+            "its data): resume it in its run's folder, or copy that folder whole"
+        )
     if problem := mismatch(run, state, args, fingerprint):
-        raise SystemExit(f"error: {path} {problem}")
+        raise Refusal(f"error: {path} {problem}")
     return state, ownership.check_resume(args.output_dir, manifest, path)
 
 
@@ -180,12 +185,16 @@ def mismatch(run, state, args, fingerprint, verb="resume"):
     if differ:
         return f"was written with {', '.join(differ)}: {verb} with the same options, or use another --output-dir"
     if run.get("data", fingerprint) != fingerprint:  # <samples>-<hash> (preflight.fingerprint)
-        return (f"was trained on other data: its training set was {run['data']}, here {fingerprint} in --data-dir "
-                f"{args.data_dir}: {verb} on the data it was trained on, or use another --output-dir")  # fmt: skip
+        return (
+            f"was trained on other data: its training set was {run['data']}, here {fingerprint} in --data-dir "
+            f"{args.data_dir}: {verb} on the data it was trained on, or use another --output-dir"
+        )
     epoch, step = state["epoch"], state["step"]
     if args.epochs < epoch:  # "done", and --save-model would export more epochs than asked for, or a part of one
-        return (f"holds epoch {epoch}{f', step {step}' if step else ''}, past --epochs {args.epochs}: nothing to "
-                f"do; give --epochs {epoch if step else epoch + 1} or more to continue it")  # fmt: skip
+        return (
+            f"holds epoch {epoch}{f', step {step}' if step else ''}, past --epochs {args.epochs}: nothing to "
+            f"do; give --epochs {epoch if step else epoch + 1} or more to continue it"
+        )
     return None
 
 
@@ -200,8 +209,9 @@ def load(path):
         torch_file(file)  # its headers against what it declares, before torch allocates what it declares
     except Refused as problem:
         if calls(file):  # no zip: a plain pickle naming a callable
-            raise Planted(f"{file} is not a checkpoint this repository wrote (a pickle that names a callable): it "
-                          "may be planted") from None  # fmt: skip
+            raise Planted(
+                f"{file} is not a checkpoint this repository wrote (a pickle that names a callable): it may be planted"
+            ) from None
         reason = str(problem).removeprefix(str(file)).lstrip(": ")
         raise Unusable(f"{file} is not a checkpoint this code wrote, or is damaged: {reason}") from None
     try:
@@ -209,13 +219,17 @@ def load(path):
     except pickle.UnpicklingError as err:
         if "global" not in str(err).lower() and not calls(file):  # a pickle that calls nothing: a damaged file
             raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged (UnpicklingError)") from None
-        raise Planted(f"{file} is not a checkpoint this repository wrote (torch.load with weights_only=True "
-                      "refuses it): it may be planted") from None  # fmt: skip
+        raise Planted(
+            f"{file} is not a checkpoint this repository wrote (torch.load with weights_only=True "
+            "refuses it): it may be planted"
+        ) from None
     except Exception as err:  # a truncated file
         raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged ({type(err).__name__})") from None
     if not (isinstance(state, dict) and {"epoch", "rng"} <= state.keys() and ("model" in state or folder)):
-        raise Unusable(f"{path} is not a training checkpoint (a --save-model file holds weights only): give "
-                       "<output-dir>/checkpoint.pt")  # fmt: skip
+        raise Unusable(
+            f"{path} is not a training checkpoint (a --save-model file holds weights only): give "
+            "<output-dir>/checkpoint.pt"
+        )
     if folder and (problem := damage(folder)):
         raise Unusable(f"{path} is damaged: {problem}")
     return state | {"folder": folder}

@@ -30,13 +30,15 @@ class Stopped(BaseException):
 
     def __init__(self, signum):
         name = signal.Signals(signum).name
-        super().__init__(f"stopped by {name} during start-up, before the first step: nothing was saved and nothing "
-                         "is lost; start the run again as it was started")  # fmt: skip
+        super().__init__(
+            f"stopped by {name} during start-up, before the first step: nothing was saved and nothing "
+            "is lost; start the run again as it was started"
+        )
         self.code = 128 + signum
 
 
 class SavedStop(BaseException):
-    """A stop that every rank agreed on and saved for (rails.Guard.stop_or_save()): it leaves the
+    """A stop that every rank agreed on and saved for (saving.Saving.stop_or_save()): it leaves the
     training loop, and rails.run() ends the run with `code`, 128 + the signal's number. A BaseException,
     as a stop is no error: nothing on its way out catches it."""
 

@@ -15,10 +15,16 @@ import re
 from importlib import metadata
 from pathlib import Path
 
+from common.guards.ending import Refusal
+
 TORCH = {  # by the script's folder, which a copied stage keeps; tools: the doctor
-    "01_single_gpu": "2.3", "02_dataparallel": "2.3", "03_ddp_single_node": "2.7", "04_ddp_multi_node": "2.7",
-    "05_fsdp": "2.9", "tools": "2.7",
-}  # fmt: skip
+    "01_single_gpu": "2.3",
+    "02_dataparallel": "2.3",
+    "03_ddp_single_node": "2.7",
+    "04_ddp_multi_node": "2.7",
+    "05_fsdp": "2.9",
+    "tools": "2.7",
+}
 
 
 def release(version):
@@ -54,4 +60,4 @@ def require(script):
     Every rank checks for itself: nodes can have different environments (the doctor compares them)."""
     found, need, path = installed(), needs(script), Path(script).resolve()
     if found and release(found) < release(need):
-        raise SystemExit(f"error: {path.parent.name}/{path.name} needs torch ≥ {need} (this is {found}): {fix(need)}")
+        raise Refusal(f"error: {path.parent.name}/{path.name} needs torch ≥ {need} (this is {found}): {fix(need)}")

@@ -1,6 +1,6 @@
 """Guard rail: no wait for other ranks outlasts --dist-timeout by more than a few seconds, and each says what it
 waited for. setup() meets the others in the process group's store at MASTER_ADDR:MASTER_PORT (rank 0's, or
-torchrun's agent's); check.check_rendezvous() looks at both before, and the watchdog is a second client of that
+torchrun's agent's); rendezvous.check_rendezvous() looks at both before, and the watchdog is a second client of that
 store, in a thread from before setup() to the run's end: it names the ranks that did not arrive, or says that the
 process group did not form though all did; then each rank beats in it, so that a failed collective names the ranks
 gone silent (killed, stopped, hung), not a timeout deep in the backend; a worker whose torchrun is gone ends."""
@@ -8,52 +8,15 @@ gone silent (killed, stopped, hung), not a timeout deep in the backend; a worker
 import datetime
 import os
 import socket
-import sys
 import threading
 import time
 
 import torch.distributed as dist
 
-from common.guards import check
+from common.guards import rendezvous
+from common.guards.waits import deadline, fail, within
 
 HEARTBEAT = 1.0  # seconds between a rank's signs of life in the store
-
-
-class deadline:
-    """`with deadline(seconds, then):` calls then() if the block is still running by then: for waits that take
-    no timeout of their own, or ignore it (a TCP connection to a program that accepts it but never answers)."""
-
-    def __init__(self, seconds, then):
-        self.timer = threading.Timer(seconds, then)
-        self.timer.daemon = True
-
-    def __enter__(self):
-        self.timer.start()
-
-    def __exit__(self, *exc):
-        self.timer.cancel()
-
-
-def fail(message):
-    """Print and end this process now, from any thread: a rank stuck in C++ cannot be stopped politely."""
-    print(message, file=sys.stderr, flush=True)
-    os._exit(1)
-
-
-def within(seconds, call):
-    """call()'s result; None where it raised DistError or outlasted `seconds` (a store gone, or stopped)."""
-    result = []
-
-    def ask():
-        try:
-            result.append(call())
-        except dist.DistError:
-            pass
-
-    thread = threading.Thread(target=ask, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    return result[0] if result else None
 
 
 class Watchdog:
@@ -68,7 +31,7 @@ class Watchdog:
         self.serves = launch.rank == 0 and not self.agent
         self.store, self.served, self.beat, self.listeners = None, None, None, []
         self.stopping, self.ready, self.saying = threading.Event(), threading.Event(), threading.Lock()
-        self.saving = threading.Event()  # a checkpoint's write until the next step (rails.Guard.writing())
+        self.saving = threading.Event()  # a checkpoint's write until the next step (saving.Saving.writing())
 
     def watch(self):
         """Start the thread that follows the rendezvous setup() makes next, then beats."""
@@ -79,13 +42,20 @@ class Watchdog:
         """The thread: connect to the store setup() meets in, wait there for every rank until `end` (else one line
         that ends the process: verdict()), then beat until leave()."""
         addr, port, rank = self.launch.addr, self.launch.port, self.rank
-        while not check.reachable(addr, port):  # rank 0's store starts in setup() (check_rendezvous() waited on it)
+        while not rendezvous.reachable(
+            addr, port
+        ):  # rank 0's store starts in setup() (check_rendezvous() waited on it)
             self.waited(end)
         self.phase = "connect"
         try:
             with deadline(end + 5 - time.monotonic(), self.verdict):
-                client = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=self.timeout))  # fmt: skip
+                client = dist.TCPStore(
+                    addr,
+                    port,
+                    is_master=False,
+                    wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=self.timeout),
+                )
         except dist.DistError:
             self.verdict()
         # keys apart from the process group's; fresh for each restart in torchrun's agent's store, which outlives one
@@ -145,26 +115,36 @@ class Watchdog:
         """The line for a rendezvous that did not complete, as far as it got (`phase`)."""
         rank, where, timeout, world_size = self.rank, self.where, self.timeout, self.world_size
         if self.phase == "reach":
-            return f"error: rank {rank}: its rendezvous store at {where} did not start within --dist-timeout {timeout} s"  # fmt: skip
+            return (
+                f"error: rank {rank}: its rendezvous store at {where} did not start within --dist-timeout {timeout} s"
+            )
         if self.phase == "connect":
-            return (f"error: rank {rank}: {where} accepts connections but is no rendezvous store: MASTER_PORT is "
-                    "taken by another program; choose another port")  # fmt: skip
-        missing = self.phase == "arrive" and within(5, lambda: [r for r in range(world_size) if not self.store.check([f"host/{r}"])])  # fmt: skip
+            return (
+                f"error: rank {rank}: {where} accepts connections but is no rendezvous store: MASTER_PORT is "
+                "taken by another program; choose another port"
+            )
+        missing = self.phase == "arrive" and within(
+            5, lambda: [r for r in range(world_size) if not self.store.check([f"host/{r}"])]
+        )
         if missing is None:
             return f"error: rank {rank}: lost the rendezvous store at {where}: rank 0 ended (its message says why)"
         if missing:
-            return (f"error: rank {rank}: ranks {', '.join(map(str, missing))} of {world_size} did not arrive at "
-                    f"{where} within --dist-timeout {timeout} s: were they started (srun with --ntasks = world size, "
-                    "torchrun on every node)? A rank that failed first printed its own error")  # fmt: skip
-        return (f"error: rank {rank}: the process group did not form although every rank arrived: the ranks cannot "
-                "reach each other's addresses; set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the network the "
-                "nodes share")  # fmt: skip
+            return (
+                f"error: rank {rank}: ranks {', '.join(map(str, missing))} of {world_size} did not arrive at "
+                f"{where} within --dist-timeout {timeout} s: were they started (srun with --ntasks = world size, "
+                "torchrun on every node)? A rank that failed first printed its own error"
+            )
+        return (
+            f"error: rank {rank}: the process group did not form although every rank arrived: the ranks cannot "
+            "reach each other's addresses; set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the network the "
+            "nodes share"
+        )
 
     def unmet(self, error):
         """setup()'s error, the process group not formed: the line the thread would say at its deadline."""
         self.saying.acquire()  # the thread says nothing more: one line
         if "EADDRINUSE" in str(error):  # rank 0's port, taken after check_rendezvous()
-            return check.port_in_use(self.launch.port)
+            return rendezvous.port_in_use(self.launch.port)
         return self.why()
 
     def listen(self, fn):
@@ -174,8 +154,10 @@ class Watchdog:
 
     def store_gone(self):
         """In words, why the store fails once the process that served it has ended."""
-        return (f"the rendezvous store at {self.where} is gone: rank 0 (or torchrun), which served it, ended first "
-                "(killed, out of memory; its own error, if it had one, is above)")  # fmt: skip
+        return (
+            f"the rendezvous store at {self.where} is gone: rank 0 (or torchrun), which served it, ended first "
+            "(killed, out of memory; its own error, if it had one, is above)"
+        )
 
     def failed(self, line):
         """This rank's own error, in the store: a failed collective on the others names it (explain()); returns
@@ -211,7 +193,9 @@ class Watchdog:
                 for r in range(self.world_size):
                     last = float(store.get(f"alive/{r}")) if store.check([f"alive/{r}"]) else 0
                     if store.check([f"failed/{r}"]):  # it said why it ended: no guess
-                        stalled.append(f"{r} ({store.get(f'host/{r}').decode()}) failed: {store.get(f'failed/{r}').decode()[7:]}")  # fmt: skip
+                        stalled.append(
+                            f"{r} ({store.get(f'host/{r}').decode()}) failed: {store.get(f'failed/{r}').decode()[7:]}"
+                        )
                     elif now - last > 3 * HEARTBEAT:
                         stalled.append(f"{r} ({store.get(f'host/{r}').decode()}, silent for {now - last:.0f} s)")
             except dist.DistError:  # the store ended with rank 0
@@ -223,12 +207,16 @@ class Watchdog:
         if asking.is_alive():
             cause = f"rank 0, which holds the store at {self.where}, stopped answering"
         elif stalled:
-            cause = (f"rank {', rank '.join(stalled)} ended or stopped answering: its own error, if it had one, is "
-                     "above; else killed (a signal, a crash, the out-of-memory killer), stopped, hung or swapping")  # fmt: skip
+            cause = (
+                f"rank {', rank '.join(stalled)} ended or stopped answering: its own error, if it had one, is "
+                "above; else killed (a signal, a crash, the out-of-memory killer), stopped, hung or swapping"
+            )
         else:
             cause = "every rank still answers: see the collective's error"
-        return (f"error: rank {rank}: a collective failed within --dist-timeout {timeout} s: {cause} "
-                f"[{type(error).__name__}: {str(error).splitlines()[0][:160]}]")  # fmt: skip
+        return (
+            f"error: rank {rank}: a collective failed within --dist-timeout {timeout} s: {cause} "
+            f"[{type(error).__name__}: {str(error).splitlines()[0][:160]}]"
+        )
 
     def leave(self, together=True):
         """Stop the heartbeat; where every rank ends `together` and this one serves the store (rank 0, unless

@@ -1,0 +1,124 @@
+"""Guard rail: a launch that can work, checked before setup() so that it ends in seconds with one line naming the
+fix, instead of a hang or an error deep in torch: numbers that fit together, a device that exists and suits the
+options (--sync-bn, stage 05's --amp, what --compile needs), and the network interfaces the options name."""
+
+import importlib.util
+import os
+import shutil
+import socket
+import sys
+
+import torch
+
+from common.guards.ending import Refusal
+from common.options import amp
+
+
+def check_device(args, local_rank):
+    """The device setup() will pick must exist and suit the options."""
+    if not torch.cuda.is_available() or args.no_cuda:
+        check_cpu_options(args)
+        return check_compile(args, torch.device("cpu"))
+    check_gpus(local_rank, torch.cuda.device_count())
+    check_compile(args, torch.device("cuda"))
+
+
+def check_launch(launch, args):
+    rank, local_rank, world_size = launch.rank, launch.local_rank, launch.world_size
+    if not (0 <= rank < world_size and 0 <= local_rank <= rank):
+        raise Refusal(
+            f"error: inconsistent launch: rank {rank}, local rank {local_rank}, world size {world_size}: "
+            "the launcher sets them (rank < world size, local rank <= rank): set by hand, correct them"
+        )
+    if args.batch_size % world_size:  # every rank alike, so rank 0 alone says it; a resume keeps --batch-size
+        # up to 1024 ranks: a divisor search over a typo's 10**12 would keep every rank busy for minutes
+        sizes = ", ".join(str(n) for n in range(1, min(args.batch_size, 1024) + 1) if args.batch_size % n == 0)
+        raise Refusal(
+            f"error: --batch-size {args.batch_size} is the global batch: it must divide by the world size "
+            f"{world_size}: run on {sizes} ranks"
+            if rank == 0
+            else 1
+        )
+    per_rank = args.batch_size // world_size
+    if hasattr(args, "grad_accum") and args.grad_accum > per_rank and rank == 0:  # torch.chunk makes fewer
+        print(
+            f"warning: --grad-accum {args.grad_accum} is more than the {per_rank} images each rank computes per "
+            f"step: each rank runs {per_rank} micro-batches of one image",
+            flush=True,
+        )
+    check_amp(args, launch)
+
+
+def check_amp(args, launch):
+    """Stage 05's --amp is FSDP's mixed precision (amp.policies()), in bf16: refused, never ignored, where there
+    is no FSDP to use it or no bf16 (fp16 would need a sharded loss scaler). Stage 05 alone has --full-shard."""
+    if not (getattr(args, "amp", False) and hasattr(args, "full_shard")):
+        return
+    if not launch.addr:  # no launcher: no process group, nothing is sharded
+        raise Refusal(
+            "error: --amp in stage 05 is FSDP's mixed precision, which a plain `python train.py` does "
+            "not use: launch with torchrun or srun (one GPU: torchrun --standalone --nproc_per_node=1 "
+            "train.py --amp)"
+        )
+    if torch.cuda.is_available() and not args.no_cuda and amp.dtype(torch.device("cuda")) != torch.bfloat16:
+        raise Refusal(
+            "error: --amp in stage 05 computes in bf16, which this GPU lacks (fp16 would need a "
+            "sharded loss scaler): drop --amp, or use stage 04 with --amp"
+        )
+
+
+def check_cpu_options(args):
+    if args.sync_bn:
+        raise Refusal("error: --sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only): drop it on CPUs")
+
+
+def check_compile(args, device):
+    """--compile needs what torch.compile generates code with: a C++ compiler for the CPU, Triton for GPUs."""
+    if not getattr(args, "compile", False):  # the doctor's options have no --compile
+        return
+    import torch._dynamo  # here: a run without --compile never loads the compiler stack
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise Refusal(
+            f"error: --compile: torch {torch.__version__} cannot compile on Python {sys.version.split()[0]}: "
+            "drop --compile, or use a Python this torch supports"
+        )
+    if device.type == "cpu" and not any(
+        shutil.which(cc) for cc in (os.environ.get("CXX", "g++"), "g++", "c++", "clang++")
+    ):
+        raise Refusal(
+            "error: --compile on the CPU needs a C++ compiler (g++) on PATH: `module load gcc`, or drop --compile"
+        )
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise Refusal(
+            "error: --compile on GPUs needs Triton, which this torch lacks: `pip install triton` "
+            "(the version torch pins), or drop --compile"
+        )
+
+
+def check_gpus(local_rank, visible):
+    if visible > 1 and local_rank >= visible:
+        raise Refusal(
+            f"error: local rank {local_rank} but only {visible} GPUs are visible on {socket.gethostname()}: "
+            "ask Slurm for as many tasks per node as GPUs per node (--ntasks-per-node = --gres=gpu:N)"
+        )
+
+
+def check_interfaces(backend):
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME must name interfaces this host has: gloo would stop with a
+    C++ stack trace, NCCL at its first collective. NCCL takes prefixes ("ib" for ib0), "=" exact names and
+    "^" names to avoid; gloo exact names, each of which must exist."""
+    name = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+    wanted, here = os.environ.get(name, ""), sorted(n for _, n in socket.if_nameindex())
+    if not wanted or wanted.startswith("^"):
+        return
+    names = wanted.lstrip("=").split(",")
+    if backend == "nccl":  # one matching interface is enough
+        missing = [] if any(h == n or (wanted[0] != "=" and h.startswith(n)) for h in here for n in names) else names
+    else:
+        missing = [n for n in names if n not in here]
+    if missing:
+        raise Refusal(
+            f"error: {name}={wanted} but {socket.gethostname()} has no interface {', '.join(missing)} (it has "
+            f"{', '.join(here)}): set it to the interface of the network the nodes share, or unset it"
+        )

@@ -1,0 +1,67 @@
+"""Guard rail: the address and port where setup() meets the other ranks, checked before it does
+(check_rendezvous()): one line naming the fix, instead of a wait that ends in a timeout or never."""
+
+import errno
+import ipaddress
+import os
+import socket
+import time
+
+from common.guards.ending import Refusal
+
+
+def check_rendezvous(launch, timeout):
+    """Before setup() meets the others at MASTER_ADDR:MASTER_PORT: the address resolves and, off the first node,
+    is not a loopback one; the port is free where rank 0 will serve the store, and answers, within `timeout`,
+    where another rank waits for it (torch's client would retry silently past its timeout)."""
+    host, where = socket.gethostname(), f"{launch.addr}:{launch.port}"
+    try:
+        ip = socket.getaddrinfo(launch.addr, launch.port, type=socket.SOCK_STREAM)[0][4][0]
+    except socket.gaierror as err:
+        addr = launch.addr if launch.addr.strip() == launch.addr else repr(launch.addr)  # a blank shown
+        raise Refusal(
+            f"error: MASTER_ADDR {addr} does not resolve on {host} ({err.strerror}): set it to "
+            "rank 0's host name or address"
+        ) from None
+    # an srun task off the first node, rank 0's, that finds a loopback address would wait for itself (under
+    # torchrun, torchrun sets MASTER_ADDR)
+    off_first = os.environ.get("SLURM_NODEID", "0") != "0" and "TORCHELASTIC_RUN_ID" not in os.environ
+    if off_first and ipaddress.ip_address(ip).is_loopback:
+        raise Refusal(
+            f"error: rank {launch.rank} on {host}: MASTER_ADDR {launch.addr} is {ip}, a loopback address, "
+            "but rank 0 runs on another node: unset MASTER_ADDR (srun tasks find the first node) or set "
+            "it to rank 0's host name"
+        )
+    if launch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # rank 0 serves the store
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's: a port in TIME_WAIT is free
+            try:
+                probe.bind(("", launch.port))
+            except OSError as err:
+                raise Refusal(
+                    port_in_use(launch.port)
+                    if err.errno == errno.EADDRINUSE
+                    else f"error: MASTER_PORT {launch.port}: {err.strerror}: choose another port"
+                ) from None
+        return
+    end = time.monotonic() + timeout
+    while not reachable(launch.addr, launch.port):
+        if time.monotonic() > end:
+            raise Refusal(
+                f"error: rank {launch.rank} on {host}: nothing answers at {where} after --dist-timeout "
+                f"{timeout} s: rank 0 did not start or failed first (did you launch with srun or "
+                "torchrun?), or the address is not rank 0's host"
+            )
+        time.sleep(0.2)
+
+
+def reachable(addr, port):
+    try:
+        socket.create_connection((addr, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def port_in_use(port):
+    return f"error: MASTER_PORT {port} is in use on {socket.gethostname()} by another program: choose another port"

@@ -1,0 +1,122 @@
+"""Guard rail: the agreement on where to stop and save. From Guard.resume() on, a stop (SIGTERM, SIGUSR1, Ctrl-C)
+or --checkpoint-minutes saves at a step every rank agrees on (preemption.py), part-way through an epoch or
+between two evaluation batches; nothing non-finite is ever saved; and while a checkpoint is written, a failure's
+line names it and torchrun's end waits for it (watchdog.heartbeat())."""
+
+import time
+from dataclasses import asdict
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from common import checkpoint, distributed, sharded
+from common.environment import is_rank0
+from common.guards import divergence, ownership, resume, signals
+from common.guards.preemption import Preemption
+from common.metrics import Sums
+
+
+class Cut(NamedTuple):
+    """The lesson's metrics.Log as a checkpoint saved part-way through an epoch keeps it: its rows, and the
+    epoch's time and each rank's training sums so far (common/options/resuming.py hands them back)."""
+
+    log: object
+    cut: dict
+
+    def state_dict(self):
+        return self.log.state_dict() | {"cut": self.cut}
+
+
+class Saving:
+    """The saves of a run whose `states` (the lesson's, watched) may be `sharded` (stage 05), where `progress`
+    (progress.Progress) says it started; `watchdog`: the process group's (None without one). `doing`: the
+    checkpoint being read or written, for a failure's line."""
+
+    def __init__(self, args, states, sharded, watchdog, progress):
+        self.args, self.states, self.sharded, self.watchdog, self.progress = args, states, sharded, watchdog, progress
+        self.doing, self.saved_at, self.epoch_done = None, (0, 0), None  # saved_at: (epoch, step) of a stop's save
+        self.preemption = None
+
+    def catch(self):
+        """From here on, SIGTERM and SIGUSR1 stop the run at a step all ranks agree on (preemption.py)."""
+        self.preemption = Preemption(self.watchdog, self.args.dist_timeout)
+        self.preemption.catch()
+        if self.watchdog:  # a rank may hear of the stop from the store before its own signal arrives
+            self.watchdog.listen(self.preemption.poll)
+
+    def stepped(self):
+        """After a training step: the epoch's checkpoint, if one was written since, is whole."""
+        if self.epoch_done is not None:  # the time since check_epoch(): the epoch's checkpoint, an upper bound
+            self.preemption.saved(time.monotonic() - self.epoch_done)
+            self.epoch_done = None
+        self.doing = None
+        if self.watchdog:
+            self.watchdog.saving.clear()
+
+    def stop_or_save(self, at):
+        """At `at` (a progress.Position): on a stop, save at the step all ranks agreed on and end the run; with
+        --checkpoint-minutes, save when they have passed."""
+        minutes = self.args.checkpoint_minutes
+        if self.preemption.check(at.count):
+            self.save(at.epoch, at.step, at.sums)
+            distributed.print0(
+                f"saved at epoch {at.epoch}, step {at.step}: resume with --resume ({self.preemption.signal})"
+            )
+            raise signals.SavedStop(self.preemption.exit_code())
+        if minutes and self.preemption.due(minutes, at.count):
+            self.save(at.epoch, at.step, at.sums)
+            distributed.print0(f"saved at epoch {at.epoch}, step {at.step} (--checkpoint-minutes {minutes})")
+
+    def save(self, epoch, step, sums):
+        """A checkpoint `step` steps into `epoch`: the sums and time so far go with it (its "cut"),
+        so that the resumed run's row in metrics.csv counts the whole epoch. One there already (a stop in the
+        evaluation a resumed run runs again, a second --checkpoint-minutes in one evaluation) stands as it is:
+        the same step, and writing it again would replace the checkpoint a resume needs while it is written."""
+        if (epoch, step) in (self.progress.start_at, self.saved_at):
+            return
+        started, log, mine = time.monotonic(), self.states["log"], sums.tensor()
+        parts = [mine.clone() for _ in range(dist.get_world_size() if dist.is_initialized() else 1)]
+        if dist.is_initialized():  # each rank's own sums (the epoch's part before a resume included): carried()
+            dist.all_gather(parts, mine)
+        total = asdict(Sums(*torch.stack(parts).sum(0).tolist()))
+        ranks = [asdict(Sums(*part.tolist())) for part in parts]
+        cut = {"epoch": epoch, "seconds": log.seconds(mine.device), "training": total, "ranks": ranks}
+        self.check_weights(f"epoch {epoch} left weights that are")
+        if not self.sharded:
+            resume.keep_previous(self.args.output_dir)
+        self.writing(f"epoch-{epoch}-step-{step}")
+        states = self.states | {"log": Cut(log, cut)}  # the lesson's states as they are, the log with its cut
+        (sharded.save if self.sharded else checkpoint.save)(self.args.output_dir, epoch, states, step)
+        self.preemption.saved(time.monotonic() - started)
+        self.saved_at = (epoch, step)
+
+    def so_far(self, epoch):
+        """The training sums of `epoch` the checkpoint this run resumed holds (the log carries them)."""
+        _, sums = self.states["log"].carried[epoch]
+        return sums
+
+    def epoch_end(self, epoch):
+        """Before the epoch's checkpoint: the one it replaces stays as the previous one."""
+        if not self.sharded:
+            resume.keep_previous(self.args.output_dir)
+        self.writing(f"epoch-{epoch}")
+        self.epoch_done = time.monotonic()
+
+    def writing(self, name):
+        """Before a checkpoint is written: stage 05's folder `name` is listed in the run's manifest first. Until the
+        next step, torchrun's end (a third Ctrl-C ends it at once) waits for the save (watchdog.heartbeat())."""
+        self.doing = f"write {self.args.output_dir / name}"
+        if self.watchdog:
+            self.watchdog.saving.set()
+        if self.sharded and is_rank0():
+            ownership.writes(self.args.output_dir, name)
+
+    def check_weights(self, what):
+        """The weights and the optimizer's state finite, or every rank ends in one line (divergence.py)."""
+        model, optimizer = self.states["model"], self.states["optimizer"]
+        if self.sharded:  # each rank sees its own shards: the verdict is all-reduced on the model's device
+            device = next(model.parameters()).device
+            divergence.check_weights([model.state_dict(), optimizer.state_dict()], what, self.args.output_dir, device)
+        else:
+            divergence.check_weights(checkpoint.unwrap(model).state_dict(), what, self.args.output_dir)
