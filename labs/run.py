@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 STAGE = REPO / "03_ddp_single_node" / "train.py"
 LABS = sorted(p.parent for p in (REPO / "labs").glob("[1-9]_*/patch.py"))
 QUIET = 5  # seconds without output after the banner: py-spy looks, and again every QUIET s while it lasts
+TIMEOUT = 20  # --dist-timeout: how long a collective waits
 GRACE = 10  # seconds a job may take to end after its first error line
 LIMIT = 75  # seconds a lab's job may run in all: --dist-timeout, start-up and the ending
 
@@ -73,8 +74,8 @@ def diff(before, after, name):
 
 def options(folder, module, args):
     out = Path(args.output_dir or REPO / "runs" / "labs" / folder.name)
-    return out, ["--no-cuda", "--dist-timeout", "20", "--data-dir", str(args.data_dir), "--output-dir", str(out),
-                 *module.ARGS]  # fmt: skip
+    common = ["--no-cuda", "--dist-timeout", str(TIMEOUT), "--data-dir", str(args.data_dir)]
+    return out, [*common, "--output-dir", str(out), *module.ARGS]
 
 
 def end_all(pid):
@@ -138,7 +139,8 @@ def launch(script, train_args, env, tools):
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     lines = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in job.stdout], daemon=True).start()
-    output, stacks, last, began, end = [], None, time.monotonic(), False, time.monotonic() + LIMIT
+    output, stacks, places, last, began = [], None, "", time.monotonic(), False
+    end = time.monotonic() + LIMIT
     looked = 0  # when py-spy last looked: it looks every QUIET seconds without output, and shows the last look
     failed = None  # when the first `error:` line came: the diagnosis is in; the job has GRACE seconds to end
     try:
@@ -148,8 +150,9 @@ def launch(script, train_args, env, tools):
             except queue.Empty:
                 quiet = time.monotonic() - max(last, looked)
                 if "py-spy" in tools and began and not failed and quiet > QUIET:  # again while it is quiet
-                    stacks, looked = dump(job.pid), time.monotonic()
-                    places = where(stacks, script)  # now: the ranks' environments name them
+                    found, looked = dump(job.pid), time.monotonic()
+                    if looked - last < TIMEOUT - 2:  # after that, a collective may have failed: no longer the hang
+                        stacks, places = found, where(found, script)  # now: the ranks' environments name them
                 continue
             print(line, end="", flush=True)
             output.append(line)
@@ -168,8 +171,7 @@ def launch(script, train_args, env, tools):
         print(line, end="")
         output.append(line)
     if stacks:
-        ago = f"{(failed or time.monotonic()) - looked:.0f} s before {'the first error line' if failed else 'the end'}"
-        print(f"== py-spy dump --subprocesses --pid {job.pid}   (torchrun's pid; its last look, {ago})")
+        print(f"== py-spy dump --subprocesses --pid {job.pid}   (torchrun's pid; its last look while all waited)")
         print(stacks, flush=True)
         print(f"== where each process waited in {script.name} (py-spy's innermost frame there)")
         print(places or "(none)", flush=True)
@@ -185,10 +187,10 @@ def drawn(output):
     for rank, epochs in sorted(seen.items()):
         firsts = [epochs[e] for e in sorted(epochs)]
         if len(firsts) > 1 and len(set(firsts)) == 1:
-            lines.append(f"rank {rank} drew the same batches in epochs {', '.join(map(str, sorted(epochs)))}: "
-                         "each epoch is in the same order (is sampler.set_epoch(epoch) called?)")  # fmt: skip
+            lines.append(f"rank {rank} drew the same first batch in epochs {', '.join(map(str, sorted(epochs)))}: "
+                         "every epoch in one order (is sampler.set_epoch(epoch) called before each?)")  # fmt: skip
         elif len(firsts) > 1:
-            lines.append(f"rank {rank} drew other batches in each epoch: a new order every epoch")
+            lines.append(f"rank {rank} drew another first batch in each epoch: a new order every epoch")
     return "\n".join(lines) or "no probe lines: did the run reach a second epoch?"
 
 
