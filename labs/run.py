@@ -5,8 +5,9 @@ change replaces, or goes before, the one line of train.py that holds its anchor,
 error naming it. The patched copy is written to runs/lab<n>.py (in runs/, one folder below the repository, it
 finds common/ as the stage does), shown as a diff against the stage, and run on two gloo ranks on the CPU,
 a small --dist-timeout bounding every wait. Then the lab's tools read what went wrong: `py-spy dump` of the
-job while it hangs, the run's `error:` lines, or what each rank drew per epoch. The run is a process group of
-its own, ended whole: nothing outlives the lab.
+job while it hangs, the run's `error:` lines, or what each rank drew per epoch. A job still running 10 s after
+its first `error:` line is ended with everything it started (the ranks, a session each, and their DataLoader
+workers): nothing outlives the lab.
 """
 
 import argparse
@@ -33,7 +34,7 @@ LIMIT = 75  # seconds a lab's job may run in all: --dist-timeout, start-up and t
 
 
 def lab(number):
-    """The folder of lab `number` and its patch module (PATCH, ARGS, ENV, TOOLS)."""
+    """The folder of lab `number` and its patch module (PATCH, ARGS, TOOLS)."""
     found = [p for p in LABS if p.name.split("_")[0] == str(number)]
     if not found:
         sys.exit(f"error: no lab {number}: the labs are {', '.join(p.name for p in LABS)}")
@@ -73,9 +74,14 @@ def diff(before, after, name):
 
 
 def options(folder, module, args):
+    """train.py's options. The lab's own folder is emptied first (an earlier run's checkpoint
+    would be refused); one given with --output-dir must not exist yet."""
     out = Path(args.output_dir or REPO / "runs" / "labs" / folder.name)
+    if args.output_dir and out.exists():
+        sys.exit(f"error: --output-dir {out} exists: give a new folder, the lab's run starts afresh")
+    shutil.rmtree(out, ignore_errors=True)
     common = ["--no-cuda", "--dist-timeout", str(TIMEOUT), "--data-dir", str(args.data_dir)]
-    return out, [*common, "--output-dir", str(out), *module.ARGS]
+    return [*common, "--output-dir", str(out), *module.ARGS]
 
 
 def end_all(pid):
@@ -129,11 +135,12 @@ def where(stacks, script):
     return "\n".join(found)
 
 
-def launch(script, train_args, env, tools):
-    """torchrun with two ranks, its output echoed; py-spy's dump once it hangs (`tools`). (output, dump)."""
+def launch(script, train_args, tools):
+    """torchrun with two ranks, its output echoed and returned; with "py-spy" in `tools`, the last of py-spy's
+    looks while the job was silent, and where each process waited."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     print(f"== {' '.join(['torchrun', *cmd[3:]])} {' '.join(train_args)}", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **env}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     job = subprocess.Popen([*cmd, *train_args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
@@ -175,7 +182,7 @@ def launch(script, train_args, env, tools):
         print(stacks, flush=True)
         print(f"== where each process waited in {script.name} (py-spy's innermost frame there)")
         print(places or "(none)", flush=True)
-    return "".join(output), stacks or ""
+    return "".join(output)
 
 
 def drawn(output):
@@ -213,12 +220,11 @@ def main():
     print(diff(stage, lines, name), end="", flush=True)
     if args.diff:
         return
+    train_args = options(folder, module, args)
     script = REPO / name
     script.parent.mkdir(exist_ok=True)
     script.write_text("".join(lines))
-    out, train_args = options(folder, module, args)
-    shutil.rmtree(out, ignore_errors=True)  # a fresh run: the lab's folder of an earlier one holds a checkpoint
-    output, _ = launch(script, train_args, module.ENV, module.TOOLS)
+    output = launch(script, train_args, module.TOOLS)
     if "drawn" in module.TOOLS:
         print("== what each rank drew first, epoch by epoch (the probe's lines)")
         print(drawn(output))

@@ -6,5 +6,4 @@ PATCH = [
      "    dist.barrier()"),
 ]  # fmt: skip
 ARGS = ["--epochs", "1", "--limit", "512"]
-ENV = {}
 TOOLS = ["py-spy"]

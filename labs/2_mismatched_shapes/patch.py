@@ -6,5 +6,4 @@ PATCH = [
      "    totals = torch.cat([totals, totals[:1]])"),
 ]  # fmt: skip
 ARGS = ["--epochs", "1", "--limit", "512"]
-ENV = {}
 TOOLS = ["py-spy"]

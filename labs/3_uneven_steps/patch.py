@@ -7,5 +7,4 @@ PATCH = [
      "for batch_idx, (x, y) in enumerate(batches):"),
 ]  # fmt: skip
 ARGS = ["--epochs", "1", "--limit", "512"]
-ENV = {}
 TOOLS = []

@@ -7,5 +7,4 @@ PATCH = [
      "    print(f\"rank {dist.get_rank()} epoch {epoch} drew labels {y[:12].tolist()}\", flush=True)"),
 ]  # fmt: skip
 ARGS = ["--epochs", "2", "--limit", "256"]
-ENV = {}
 TOOLS = ["drawn"]

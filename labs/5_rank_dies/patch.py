@@ -6,5 +6,4 @@ PATCH = [
      "    raise torch.OutOfMemoryError(\"lab 5: out of memory on rank 1 alone\")"),
 ]  # fmt: skip
 ARGS = ["--epochs", "1", "--limit", "512"]
-ENV = {}
 TOOLS = []

@@ -16,5 +16,4 @@ PATCH = [
      "    held.acquire()"),
 ]  # fmt: skip
 ARGS = ["--epochs", "1", "--limit", "512", "--num-workers", "1"]
-ENV = {}
 TOOLS = ["py-spy"]
