@@ -81,3 +81,21 @@ def test_each_lab_prints_what_its_readme_quotes(number, tiny_data, tmp_path):
     for line in quoted(number):
         assert any(pattern(line).search(printed) for printed in lines), f"lab {number}: {line!r} not in\n{out.stdout}"
     assert seconds < labs.LIMIT + 15, seconds  # the runner's bound on its job, and its own start and end
+
+
+@pytest.mark.slow
+def test_lab_4s_probe_sees_a_new_order_each_epoch_where_set_epoch_is_called(tiny_data, tmp_path, capsys):
+    """The control of lab 4: its probe alone, in stage 03 as it is, draws another first batch in each epoch."""
+    folder, module = labs.lab(4)
+    probe = [change for change in module.PATCH if change[1] == "before"]
+    script = REPO / "runs" / f"lab4-control-{uuid.uuid4().hex[:8]}.py"
+    script.parent.mkdir(exist_ok=True)
+    script.write_text("".join(labs.patched(S03.read_text().splitlines(keepends=True), probe, folder.name)))
+    args = type("Args", (), {"output_dir": tmp_path / "run", "data_dir": tiny_data})
+    try:
+        output = labs.launch(script, labs.options(folder, module, args), module.TOOLS)
+    finally:
+        script.unlink()
+    assert labs.drawn(output).splitlines() == [
+        f"rank {rank} drew another first batch in each epoch: a new order every epoch" for rank in (0, 1)
+    ], capsys.readouterr().out[-3000:]
