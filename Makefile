@@ -10,7 +10,7 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 DATA := data/MNIST/raw/train-images-idx3-ubyte
 STAGES := 01_single_gpu 02_dataparallel 03_ddp_single_node 04_ddp_multi_node 05_fsdp
 
-.PHONY: install help test test-all test-min test-slurm data run diff profile lint clean bench benchmarks plan plot scaling doctor
+.PHONY: install help test test-all test-min test-slurm data run diff profile lint clean bench benchmarks plan plot scaling doctor lab
 
 install: .venv/installed  ## the default: a .venv with requirements.txt (torch, tests, lint, plots)
 .venv/installed: requirements.txt pyproject.toml
@@ -60,6 +60,11 @@ run: $(VENV) $(DATA)  ## stage 01, one epoch on real MNIST, on this machine's GP
 
 doctor: $(VENV) $(DATA)  ## check this machine as a cluster, two gloo ranks (a cluster: cd tools && sbatch doctor.slurm); ARGS=...
 	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 tools/doctor.py --no-cuda $(ARGS)
+
+# A broken variant of stage 03 (labs/README.md), patched at run time, on two gloo ranks on the CPU: the diff, the
+# run, then what py-spy, the run's error line or the probe's lines say; N= none lists them
+lab: $(VENV) $(DATA)  ## a hang-triage lab: N=1..6, a broken stage 03 and the tools that find why (labs/README.md)
+	$(PYTHON) labs/run.py $(N)
 
 # diff -u of two train.py below their opening docstrings (the rule of code() in tests/test_budgets.py), which
 # describe each stage rather than change it; the names and line numbers are those of the files.
