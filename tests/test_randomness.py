@@ -1,4 +1,4 @@
-"""The run owns every random generator (common/sampling.py, common/guards/randomness.py): a random augmentation drawn from torch,
+"""The run owns every random generator (common/options/loaders.py, common/guards/randomness.py): a random augmentation drawn from torch,
 numpy or `random` in DataLoader workers resumes bit-identical, draws its own numbers per sample and per
 --seed, the same with any number of workers; the fingerprint sees the data, not one draw; the repository's
 own data set is chosen by its type, and the banner names the workers that run."""
@@ -106,7 +106,7 @@ def test_a_collate_that_draws_draws_the_same_with_any_workers_and_spends_none_of
 
 
 def test_a_data_set_with_an_images_attribute_is_read_sample_by_sample():
-    """The loader draws a task's own data set sample by sample, each seeded (sampling.Seeded): only Images, by
+    """The loader draws a task's own data set sample by sample, each seeded (loaders.Seeded): only Images, by
     type, are read in whole batches."""
     options = SimpleNamespace(loader="batched", num_workers=0, seed=1)
     batches = list(loaders.loader(Draws(), range(12), 4, torch.device("cpu"), options))

@@ -1,6 +1,6 @@
 """Guard rail: the run owns every random generator a step can draw from. The stage seeds torch's from --seed;
 seed() seeds numpy's and Python's `random` alike, so that a task drawing from them in the process that trains
-(outside its data set, which common/sampling.py seeds per sample) starts the same in every run; checkpoints
+(outside its data set, which common/options/loaders.py seeds per sample) starts the same in every run; checkpoints
 save all of them (common/checkpoint.py run_state()). What cannot be owned: a generator of the task's own
 (numpy.random.default_rng(), a torch.Generator made in the data set) and anything outside the process (time,
 os.urandom).

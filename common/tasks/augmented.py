@@ -8,7 +8,7 @@ image tasks are trained. Copy this file to start your own (README, "Your own mod
 
 What to expect: with --limit 2000, one epoch of stage 01 on a CPU reaches about 68 % test accuracy.
 The augmentation draws from torch's generator (numpy's or `random` would do as well); the stages
-seed it for each sample from --seed, the epoch and the sample (common/sampling.py), so a
+seed it for each sample from --seed, the epoch and the sample (common/options/loaders.py), so a
 run stopped by SIGTERM and resumed with --resume ends with the same weights, to the last bit, as one
 never stopped, with any --num-workers. The test set is not augmented."""
 
