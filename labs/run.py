@@ -188,7 +188,8 @@ def launch(script, train_args, tools):
 def drawn(output):
     """What each rank drew first in each epoch (lab 4's probe lines), compared."""
     seen = {}
-    for rank, epoch, labels in re.findall(r"^rank (\d+) epoch (\d+) drew labels (\[.*\])$", output, re.M):
+    # two ranks' lines may interleave on one line of the log: each probe found wherever it stands
+    for rank, epoch, labels in re.findall(r"rank (\d+) epoch (\d+) drew labels (\[[^\]]*\])", output):
         seen.setdefault(rank, {})[int(epoch)] = labels
     lines = []
     for rank, epochs in sorted(seen.items()):

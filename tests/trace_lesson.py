@@ -30,11 +30,20 @@ def trace(seen):
 if __name__ == "__main__":
     out, script = Path(sys.argv.pop(1)), sys.argv[1]
     sys.argv = sys.argv[1:]  # the stage's own command line, as cli.parse_args() reads it
-    seen = set()
+    seen, ended = set(), os._exit
+
+    def dump():
+        sys.settrace(None)
+        (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(sorted(seen)))
+
+    def exit_after_dump(code):  # a rank of a process group ends by os._exit (common/guards/ending.py)
+        dump()
+        ended(code)
+
+    os._exit = exit_after_dump
     sys.settrace(trace(seen))
     threading.settrace(trace(seen))
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
-        sys.settrace(None)
-        (out / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(sorted(seen)))
+        dump()
