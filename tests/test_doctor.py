@@ -61,13 +61,12 @@ def test_faults_on_one_rank_are_fail_lines_naming_it(tiny_data, tmp_path):
     shutil.copytree(tiny_data, nodes[1] / "data")
     (nodes[1] / "data/MNIST/raw/t10k-labels-idx1-ubyte").unlink()
     (nodes[1] / "out").touch()
-    start = time.monotonic()
-    codes, (rank0, rank1) = srun_like(
-        2, DOCTOR, "--data-dir", "data", "--output-dir", "out", "--dist-timeout", 10, cwds=nodes, timeout=60,
+    codes, (rank0, rank1) = srun_like(  # no clock: a hang ends in --dist-timeout's error line, refused below
+        2, DOCTOR, "--data-dir", "data", "--output-dir", "out", "--dist-timeout", 60, cwds=nodes, timeout=180,
         CUDA_VISIBLE_DEVICES="0", PYTHONPATH=f"{REPO / 'tests/inject'}:{REPO}", FAULT_RANK=1, FAULT_SLOW=10,
         FAULT_TORCH="2.0.0",
     )  # fmt: skip
-    assert codes == [1, 1] and time.monotonic() - start < 10 + 20, rank0 + rank1
+    assert codes == [1, 1], rank0 + rank1
     assert "Traceback" not in rank0 + rank1 and "error:" not in rank0 + rank1 and not rank1.strip()
     rows = table(rank0)
     failed = {check: rest for check, (status, rest) in rows.items() if status == "FAIL"}
