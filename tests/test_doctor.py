@@ -200,4 +200,8 @@ def test_the_numa_line_names_a_rank_whose_cpus_are_off_its_gpus_node(tmp_path):
     _, status, detail = line(True, near, far)
     assert status == "WARN" and detail == "rank 1 (n1): 4 of its 8 CPUs off NUMA node 1, its GPU's (0-3)", detail
     assert line(True, None, None)[1:] == ("PASS", "unknown: sysfs gives no GPU's NUMA node (one node, or not said)")
+    socket0 = {"rank": 1, "host": "n1", "cpus": 4, "beside_gpu": doctor.beside_gpu({0, 1, 2, 3}, "0000:3b:00.0", root)}
+    [(_, status, detail, *_)] = doctor.check_numa(SimpleNamespace(everyone=[socket0], gpu=True))  # none on its node
+    assert status == "WARN" and detail.startswith("rank 1 (n1): 4 of its 4 CPUs off NUMA node 1"), detail
+    assert "none on it, so torchrun --numa-binding=node cannot bind it (the job scripts run unbound" in detail, detail
     assert line(False, None, None)[1:] == ("PASS", "skipped: no GPU")
