@@ -118,7 +118,8 @@ def main(guard):
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # gradients are averaged across ranks during backward(), overlapped with it
-        model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+        model = DDP(model, device_ids=[device] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)  # grads in its buckets: no copy  # fmt: skip
     graph = graphs.compiled(model, device, args) if args.compile else None  # fused, one CUDA graph
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)

@@ -92,7 +92,7 @@ def test_fsdp_cost_bare_loop_shards_and_steps_as_stage_05(tmp_path):
 SMALLEST = {  # each bench script on the CPU at its smallest size: (arguments, environment)
     "bench.py": (["--rounds", "1", "--out", "{tmp}", "--", "--epochs", "1", "--limit", "64"], {}),
     "check_cost.py": ([], {}),
-    "ddp_profile.py": ([], {}),
+    "ddp_profile.py": (["--eager", "--steps", "2"], {}),
     "fsdp_cost.py": (["--rounds", "1", "--limit", "16", "--batch-size", "4"], {}),
     "gpu/step_probe.py": ([], {"N": "2"}),
     "gpu/fsdp_probe.py": ([], {"N": "2"}),
