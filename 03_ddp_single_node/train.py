@@ -123,8 +123,8 @@ def main(guard):
     if dist.is_initialized():  # a plain `python train.py` has no process group: nothing to wrap
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        # gradients are averaged across ranks during backward(), overlapped with it
-        model = DDP(model, device_ids=[device] if device.type == "cuda" else None)
+        ids = [device] if device.type == "cuda" else None  # gradients: averaged during backward(),
+        model = DDP(model, device_ids=ids, gradient_as_bucket_view=True)  # overlapped, in buckets
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits

@@ -5,11 +5,13 @@ checkpoint (common.guards.divergence.finite), and the guard rails' work at the e
 01's Net at batch 64, on this machine's GPU or CPU.
 
     python bench/check_cost.py
+    N=5 python bench/check_cost.py      # steps per round (default 100): the smallest run, a check of the script
 """
 
 import argparse
 import contextlib
 import io
+import os
 import time
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from common.guards import divergence, rails, saving
 from common.guards.preemption import Preemption
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+N = int(os.environ.get("N", "100"))
 model = models.build("net", 1, 10, 28, 16, 4).to(device)
 optimizer = torch.optim.Adadelta(model.parameters())
 x, y = torch.randn(64, 1, 28, 28, device=device), torch.randint(0, 10, (64,), device=device)
@@ -60,13 +63,13 @@ with contextlib.redirect_stdout(io.StringIO()):  # the lines themselves are not 
     run.saving.preemption = Preemption(None, 30)
     stoppable = lambda: (step(), run.end_of_step(1, 1, totals))  # noqa: E731
     for fn in (step, plain, checked, stoppable):
-        seconds(fn, 20)  # warm-up
+        seconds(fn, min(N, 20))  # warm-up
     runs = {"step": [], "plain": [], "checked": [], "stoppable": []}
     for _ in range(5):  # alternated, so that drifts in clock or load hit all of them alike
         for name, fn in (("step", step), ("plain", plain), ("checked", checked), ("stoppable", stoppable)):
-            runs[name].append(seconds(fn, 100))
+            runs[name].append(seconds(fn, N))
 per = {name: sorted(times)[2] for name, times in runs.items()}  # the median of five
-scan = seconds(lambda: divergence.finite([model.state_dict(), optimizer.state_dict()]), 20)
+scan = seconds(lambda: divergence.finite([model.state_dict(), optimizer.state_dict()]), min(N, 20))
 print(f"{device.type}: a step {per['step'] * 1e3:.3f} ms; a step with the plain progress line "
       f"{per['plain'] * 1e3:.3f} ms, with the checked one {per['checked'] * 1e3:.3f} ms: "
       f"{(per['checked'] - per['plain']) * 1e6:+.1f} us per --log-interval (100 steps by default); "

@@ -1,8 +1,9 @@
-"""What stage 05 costs per training step beyond FSDP's own: the step time of a bare loop (stage 01's Net,
-fully_shard on each layer stage 05 shards and at the root, Adadelta, one batch over and over, no data loading
-or logging) against stage 05's train.py on the same model, batch and threads, each under torchrun at world size
-1, in turn, --rounds times; medians. The stage's figure is its last epoch's training seconds (metrics.csv) over
-its steps. On the CPU a small batch leaves the host's work, which is what differs, most of the step.
+"""What stage 05 costs per training step beyond FSDP's own: the step time of a bare loop (stage 01's Net
+sharded as stage 05 shards it: fully_shard on its units and at the root; Adadelta by foreach, as stage 05 steps;
+one batch over and over, no data loading or logging) against stage 05's train.py on the same model, batch and
+threads, each under torchrun at world size 1, in turn, --rounds times; medians. The stage's figure is its last
+epoch's training seconds (metrics.csv) over its steps. On the CPU a small batch leaves the host's work, which is
+what differs, most of the step.
 
     python bench/fsdp_cost.py                      # CPU, gloo: batch 4, 1024 images, 3 rounds
     python bench/fsdp_cost.py --batch-size 64 --limit 6400 --cuda
@@ -20,25 +21,34 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def built(device):
+    """The bare loop's model and optimizer as stage 05 builds them at world size 1: fully_shard on its units
+    (models.gathered: for the Net, fc1 alone) and at the root; Adadelta by foreach, as common/optim.py steps
+    sharded weights. Every block sharded, or a loop over the tensors, would time another set-up than the stage's."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from common import models
+
+    torch.manual_seed(0)
+    model = models.build("net", 1, 10, 28).to(device)
+    for block in models.gathered(models.blocks(model)):
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.Adadelta(model.parameters(), foreach=True)
+
+
 def bare(args):
     """Run under torchrun: print the bare loop's milliseconds per step."""
     sys.path.insert(0, str(REPO))
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.fsdp import fully_shard
-
-    from common import models
 
     device = torch.device("cuda" if args.cuda else "cpu")
     dist.init_process_group("nccl" if args.cuda else "gloo")
-    torch.manual_seed(0)
+    model, opt = built(device)
     x, y = torch.randn(args.batch_size, 1, 28, 28, device=device), torch.randint(10, (args.batch_size,), device=device)
-    model = models.build("net", 1, 10, 28).to(device)
-    for block in models.blocks(model):
-        fully_shard(block)
-    fully_shard(model)
-    opt = torch.optim.Adadelta(model.parameters())
 
     def steps(n):
         for _ in range(n):

@@ -239,6 +239,9 @@ def kill_rank_1_after_a_checkpoint(script, args, checkpoint):
     assert proc.returncode == 0 and "torchrun restart 1" in output, output
 
 
+KILL_WAIT = 30  # Slurm's default KillWait: a stopped run that outlasts it, after its signal, is killed unsaved
+
+
 def python(script, *args, timeout=120, **env):
     start = time.monotonic()
     out = run([sys.executable, str(script), *map(str, args)], env=clean_env(**env), timeout=timeout)

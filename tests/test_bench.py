@@ -2,10 +2,23 @@
 one its README gives; a run that failed or is missing is a dash, never a figure."""
 
 import importlib.util
+import re
+import sys
+from types import SimpleNamespace
 
-from helpers import REPO
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import REPO, clean_env, run
 
 GPU = REPO / "bench" / "gpu"
+
+
+def load(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def table(lines):
@@ -44,3 +57,56 @@ def test_the_gpu_table_reads_the_cuda_graph_run_as_its_readme_gives_it():
     assert rows[best] == "1.62 s, mean of 4 of 5 seeds (2.29, 1.39, 1.22, 1.58)"  # seed 3 fell short: not averaged
     readme = (GPU / "README.md").read_text()
     assert all(f"| {what} | {measured} |" in readme for what, measured in rows.items() if measured != "–"), rows
+
+
+def test_measure_sh_reads_the_compile_line_graphs_py_prints(capsys):
+    """measure.sh's compile note greps the runs' logs for the line graphs.compiled() prints: it grepped
+    '^compile: mode', which nothing printed, and its note was always empty."""
+    from common import graphs
+
+    graphs.compiled(torch.nn.Linear(2, 2), torch.device("cpu"), SimpleNamespace(amp=False))
+    printed = capsys.readouterr().out.splitlines()
+    patterns = re.findall(r"grep -m1 '(\^compile[^']*)'", (GPU / "measure.sh").read_text())
+    assert patterns and all(any(re.search(p, line) for line in printed) for p in patterns), (patterns, printed)
+
+
+def test_fsdp_cost_bare_loop_shards_and_steps_as_stage_05(tmp_path):
+    """bench/fsdp_cost.py's stage/bare ratio compares one set-up: its bare loop shards stage 05's units (for the
+    Net, fc1 alone: models.gathered) and the root, not every block, and steps Adadelta by foreach, as stage 05."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from common import models
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model, optimizer = load(REPO / "bench" / "fsdp_cost.py").built(torch.device("cpu"))
+        units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        plain = models.build("net", 1, 10, 28)
+        named = {m: name for name, m in plain.named_modules()}
+        assert units == ["", *(named[m] for m in models.gathered(models.blocks(plain)))] == ["", "fc1"], units
+        assert optimizer.defaults["foreach"] is True
+    finally:
+        dist.destroy_process_group()
+
+
+SMALLEST = {  # each bench script on the CPU at its smallest size: (arguments, environment). Not bench.py (make
+    # benchmarks): its CPU rows compile stage 01, minutes on a CPU at any size
+    "check_cost.py": ([], {"N": "5"}),
+    "ddp_profile.py": (["--eager", "--steps", "2"], {}),
+    "fsdp_cost.py": (["--rounds", "1", "--limit", "16", "--batch-size", "4"], {}),
+    "gpu/step_probe.py": ([], {"N": "2"}),
+    "gpu/fsdp_probe.py": ([], {"N": "2"}),
+    "gpu/recipes.py": (["1", "1"], {"QUICK": "1"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SMALLEST)
+def test_each_bench_script_runs_on_the_cpu_at_its_smallest_size(script, tmp_path):
+    args, env = SMALLEST[script]
+    cmd = [sys.executable, str(REPO / "bench" / script), *(a.format(tmp=tmp_path) for a in args)]
+    out = run(cmd, env=clean_env(**env), timeout=900)
+    assert out.returncode == 0 and "Traceback" not in out.stderr and out.stdout.strip(), (
+        out.stdout,
+        out.stderr[-3000:],
+    )

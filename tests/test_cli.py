@@ -4,7 +4,6 @@ defined by, and `python -m common.guards.check` as the job scripts' check before
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -100,11 +99,10 @@ def test_other_usage_errors_are_one_line(argv, text, capsys):
 
 
 def test_stage_refuses_nan_in_one_line():
-    start = time.monotonic()
     out = run([sys.executable, "01_single_gpu/train.py", "--lr", "nan"], env=clean_env(), timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr
+    # refused before any data is read: argparse's line, not the data's (no clock: a busy machine is slow)
     assert out.stderr.splitlines() == ["error: argument --lr: must be a number in (0, 3.4e38], got nan (see --help)"]
-    assert time.monotonic() - start < 30  # refused before any data is read: the time is torch's import
 
 
 @pytest.mark.parametrize(
@@ -184,12 +182,11 @@ def test_resume_needs_a_regular_file(tmp_path, monkeypatch, capsys):
 
 
 def test_module_checks_arguments_fast_without_torch():
-    start = time.monotonic()
+    """Fast because it imports no torch (checked below), not by a clock, which a busy machine would break."""
     bad = run([sys.executable, "-m", "common.guards.check", "--lr", "nan"], timeout=30)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--lr" in bad.stderr and not bad.stdout
     good = run([sys.executable, "-m", "common.guards.check", "--epochs", "1", "--num-workers", "1000"], timeout=30)
     assert (good.returncode, good.stdout, good.stderr) == (0, "", "")  # silent: the workers warn themselves
-    assert time.monotonic() - start < 10
     code = "import sys, common.guards.check; sys.exit('torch' in sys.modules)"
     assert run([sys.executable, "-c", code], timeout=30).returncode == 0
 

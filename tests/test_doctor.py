@@ -54,20 +54,19 @@ def test_faults_on_one_rank_are_fail_lines_naming_it(tiny_data, tmp_path):
     relative --data-dir data and --output-dir out. Both are given the same GPU (CUDA_VISIBLE_DEVICES=0, the
     identity the doctor reads where torch sees no GPU); rank 1 sees a data set without one file, finds a
     file where its output folder should be, and, through tests/inject, reports another torch and computes
-    ten times slower. Each fault is its own FAIL line naming rank 1 (both ranks for the shared GPU); the
-    checks around them still pass."""
+    thirty times slower (ten times, on two cores shared with other work, once came out under the FAIL line's 3x).
+    Each fault is its own FAIL line naming rank 1 (both ranks for the shared GPU); the checks around them pass."""
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     shutil.copytree(tiny_data, nodes[0] / "data")
     shutil.copytree(tiny_data, nodes[1] / "data")
     (nodes[1] / "data/MNIST/raw/t10k-labels-idx1-ubyte").unlink()
     (nodes[1] / "out").touch()
-    start = time.monotonic()
-    codes, (rank0, rank1) = srun_like(
-        2, DOCTOR, "--data-dir", "data", "--output-dir", "out", "--dist-timeout", 10, cwds=nodes, timeout=60,
-        CUDA_VISIBLE_DEVICES="0", PYTHONPATH=f"{REPO / 'tests/inject'}:{REPO}", FAULT_RANK=1, FAULT_SLOW=10,
+    codes, (rank0, rank1) = srun_like(  # no clock: a hang ends in --dist-timeout's error line, refused below
+        2, DOCTOR, "--data-dir", "data", "--output-dir", "out", "--dist-timeout", 60, cwds=nodes, timeout=180,
+        CUDA_VISIBLE_DEVICES="0", PYTHONPATH=f"{REPO / 'tests/inject'}:{REPO}", FAULT_RANK=1, FAULT_SLOW=30,
         FAULT_TORCH="2.0.0",
     )  # fmt: skip
-    assert codes == [1, 1] and time.monotonic() - start < 10 + 20, rank0 + rank1
+    assert codes == [1, 1], rank0 + rank1
     assert "Traceback" not in rank0 + rank1 and "error:" not in rank0 + rank1 and not rank1.strip()
     rows = table(rank0)
     failed = {check: rest for check, (status, rest) in rows.items() if status == "FAIL"}
@@ -201,4 +200,8 @@ def test_the_numa_line_names_a_rank_whose_cpus_are_off_its_gpus_node(tmp_path):
     _, status, detail = line(True, near, far)
     assert status == "WARN" and detail == "rank 1 (n1): 4 of its 8 CPUs off NUMA node 1, its GPU's (0-3)", detail
     assert line(True, None, None)[1:] == ("PASS", "unknown: sysfs gives no GPU's NUMA node (one node, or not said)")
+    socket0 = {"rank": 1, "host": "n1", "cpus": 4, "beside_gpu": doctor.beside_gpu({0, 1, 2, 3}, "0000:3b:00.0", root)}
+    [(_, status, detail, *_)] = doctor.check_numa(SimpleNamespace(everyone=[socket0], gpu=True))  # none on its node
+    assert status == "WARN" and detail.startswith("rank 1 (n1): 4 of its 4 CPUs off NUMA node 1"), detail
+    assert "none on it, so torchrun --numa-binding=node cannot bind it (the job scripts run unbound" in detail, detail
     assert line(False, None, None)[1:] == ("PASS", "skipped: no GPU")

@@ -1,5 +1,6 @@
 """The claims DDP makes, checked with the stages' own functions on gloo."""
 
+import ast
 import importlib.util
 import time
 from types import SimpleNamespace
@@ -50,12 +51,22 @@ def model_without_dropout():
     return model
 
 
-def ddp_rank(rank, world_size, port, data_dir, result):
+def ddp_options(name):
+    """The keyword arguments of a stage's one DDP(...) call but device_ids, read from its train.py."""
+    [call] = [node for node in ast.walk(ast.parse((REPO / name / "train.py").read_text()))
+              if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "DDP"]  # fmt: skip
+    return {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "device_ids"}
+
+
+OPTIONS = ddp_options("03_ddp_single_node")
+
+
+def ddp_rank(rank, world_size, port, data_dir, result, options=OPTIONS):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     sampler = DistributedSampler(range(BATCH * STEPS), num_replicas=world_size, rank=rank, shuffle=False)
     loader = loaders.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, CPU, ARGS)
-    model = DDP(model_without_dropout())
+    model = DDP(model_without_dropout(), **options)  # as the stage builds it
     stage("03_ddp_single_node").train(step(model), loader, 1, metrics.Sums.zeros(CPU), ARGS, RUN)
     if rank == 0:
         torch.save(model.module.state_dict(), result)
@@ -73,6 +84,36 @@ def test_two_ranks_with_half_batches_equal_one_process(tiny_data, tmp_path):
     for name, value in model.state_dict().items():
         assert not torch.equal(value, start[name])  # training moved every tensor...
         torch.testing.assert_close(ddp[name], value, rtol=0, atol=1e-6)  # ...and both runs moved it alike
+
+
+def test_the_stages_ddp_options_train_bit_identically_to_plain_ddp(tiny_data, tmp_path):
+    """Stages 03 and 04 wrap the model alike, and their DDP options (gradient_as_bucket_view=True: the gradients
+    views of DDP's buckets, no copy; bench/ddp_profile.py) change no bit of training: one rank, two epochs of 6
+    steps, with dropout."""
+    assert ddp_options("03_ddp_single_node") == ddp_options("04_ddp_multi_node")
+    loader = data.loader(data.dataset(tiny_data, "mnist", train=True), range(BATCH * STEPS), BATCH, CPU)
+    trained = []
+    for options in ({}, OPTIONS):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg{len(trained)}", rank=0, world_size=1)
+        try:
+            torch.manual_seed(0)
+            model = DDP(Net(), **options)
+            for epoch in (1, 2):
+                stage("03_ddp_single_node").train(step(model), loader, epoch, metrics.Sums.zeros(CPU), ARGS, RUN)
+            trained.append(model.module.state_dict())
+        finally:
+            dist.destroy_process_group()
+    assert trained[0].keys() == trained[1].keys()
+    assert all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0]), OPTIONS
+
+
+@pytest.mark.slow
+def test_the_stages_ddp_options_train_bit_identically_on_two_ranks(tiny_data, tmp_path):
+    """Two ranks with half batches, the stage's DDP options against none: the same bits."""
+    for options, name in (({}, "plain.pt"), (OPTIONS, "stage.pt")):
+        mp.spawn(ddp_rank, args=(2, free_port(), tiny_data, tmp_path / name, options), nprocs=2)
+    plain, stage_ = (torch.load(tmp_path / name, weights_only=True) for name in ("plain.pt", "stage.pt"))
+    assert all(torch.equal(plain[k], stage_[k]) for k in plain), OPTIONS
 
 
 def assert_counted_once(output, model_file, data_dir, val_fraction=0.0):

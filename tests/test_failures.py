@@ -55,6 +55,7 @@ from common.metrics import Epoch
 from common.options import flags
 
 STEPS = 4  # optimizer steps per epoch: 256 training images, batch 64
+DIST_TIMEOUT = 120  # far above a start-up on a busy machine (two cores shared: 20 s): a bound that says "no wait"
 
 
 def kept(folder, epochs):
@@ -258,8 +259,7 @@ def test_an_unwritable_output_folder_fails_before_the_data_is_read(where, tmp_pa
     if where == "readonly" and os.access(tmp_path / "readonly", os.W_OK):
         pytest.skip("root writes anywhere")
     out = python(S01, *stage_args(tmp_path / "no-data-here", folder))  # the data would fail next
-    one_error(out, f"cannot write to --output-dir {folder}")
-    assert out.seconds < 15
+    one_error(out, f"cannot write to --output-dir {folder}")  # not the data's error: before it is read
 
 
 # --- a resumed run is the same run --------------------------------------------------------------------
@@ -354,10 +354,11 @@ def test_a_real_full_disk_keeps_the_previous_checkpoint(full, small_disk, tiny_d
 @pytest.mark.parametrize("flag, other, named", [("--seed", 2, "--seed: rank 0: 1, rank 1: 2"), pytest.param(
     "--batch-size", 32, "--batch-size: rank 0: 64, rank 1: 32", marks=pytest.mark.slow)])  # fmt: skip
 def test_ranks_started_with_different_options_stop_naming_the_option(flag, other, named, tiny_data, tmp_path):
-    args = stage_args(tiny_data, tmp_path, "--dist-timeout", 20)
-    rank0, rank1 = finish(ranks(S03, [args, [*args, flag, other]]))
+    """Before any wait: rank 0 ends well before a --dist-timeout far above its start-up (a busy machine's too)."""
+    args = stage_args(tiny_data, tmp_path, "--dist-timeout", DIST_TIMEOUT)
+    rank0, rank1 = finish(ranks(S03, [args, [*args, flag, other]]), timeout=2 * DIST_TIMEOUT)
     one_error(rank0, named)
-    assert rank1.returncode != 0 and rank0.seconds < 20
+    assert rank1.returncode != 0 and rank0.seconds < DIST_TIMEOUT
 
 
 @pytest.mark.slow
@@ -406,9 +407,11 @@ def test_a_timed_save_is_made_by_every_rank_at_one_step_without_a_collective_per
 
 
 def test_an_unresolvable_master_addr_fails_at_once(tiny_data, tmp_path):
-    (rank1,) = finish(ranks(S03, [None, stage_args(tiny_data, tmp_path)], addr="no-such-host.invalid"))
+    """At once: well before a --dist-timeout far above its start-up, which a retrying rank would wait out."""
+    args = stage_args(tiny_data, tmp_path, "--dist-timeout", DIST_TIMEOUT)
+    (rank1,) = finish(ranks(S03, [None, args], addr="no-such-host.invalid"), timeout=2 * DIST_TIMEOUT)
     one_error(rank1, "MASTER_ADDR no-such-host.invalid does not resolve")
-    assert rank1.seconds < 15
+    assert rank1.seconds < DIST_TIMEOUT
 
 
 @pytest.mark.slow
@@ -434,7 +437,8 @@ def test_a_rank_that_never_starts_is_named_within_the_timeout(started, tiny_data
         one_error(out, "ranks 1 of 2 did not arrive", "within --dist-timeout 3 s", "srun")
     else:
         one_error(out, "nothing answers at 127.0.0.1", "did you launch with srun or torchrun?")
-    assert out.seconds < 3 + 12
+    # no upper clock (a busy machine's start-up is long): a rank that hung is killed by finish(), without its line
+    assert started or out.seconds >= 3  # rank 0 waited out --dist-timeout for rank 1
 
 
 @pytest.mark.slow

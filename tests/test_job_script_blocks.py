@@ -83,18 +83,20 @@ def test_a_job_whose_tasks_per_node_differ_from_its_gpus_stops_in_one_line():
         )
 
 
-def fake_launch(tmp_path, *tools):
+def fake_launch(tmp_path, *tools, numa=None):
     """A PATH where `srun` records its arguments and environment and exits 0, `scontrol` names one node, `python -c
     "import torch"` succeeds at once (any other python is this one) and each of `tools` (numactl, nvidia-smi)
-    exists and does nothing: a job script runs to its srun line without Slurm."""
+    exists and does nothing: a job script runs to its srun line without Slurm. `numa`: what `python -m
+    common.guards.numa` prints instead (the binding decided on GPUs this machine lacks)."""
     import sys
 
     bin_ = tmp_path / "bin"
     bin_.mkdir()
+    numa = "" if numa is None else f'[ "$2" = common.guards.numa ] && echo "{numa}" && exit 0; '
     scripts = {
         "srun": f'printf "%s\\n" "$@" >{tmp_path}/srun.args; env >{tmp_path}/srun.env',
         "scontrol": "echo node1",
-        "python": f'[ "$1" = -c ] && [ "$2" = "import torch" ] && exit 0; exec {sys.executable} "$@"',
+        "python": f'[ "$1" = -c ] && [ "$2" = "import torch" ] && exit 0; {numa}exec {sys.executable} "$@"',
     } | {tool: "exit 0" for tool in tools}
     for name, body in scripts.items():
         (bin_ / name).write_text(f"#!/bin/sh\n{body}\n")
@@ -159,9 +161,45 @@ def test_the_flight_recorders_names_are_those_the_installed_torch_reads():
 
 
 @pytest.mark.slow
-def test_torchrun_binds_ranks_to_their_gpus_numa_node_where_it_can(tmp_path):
-    """Given numactl and GPUs (nvidia-smi), torchrun gets --numa-binding=node where its torch has it (this one)."""
-    path = fake_launch(tmp_path, "numactl", "nvidia-smi")
+@pytest.mark.parametrize("numa", ["--numa-binding=node", ""])
+def test_torchrun_binds_ranks_to_their_gpus_numa_node_where_it_can(numa, tmp_path):
+    """torchrun gets --numa-binding=node where common.guards.numa finds every rank's CPUs meet its GPU's node, else
+    no flag (given numactl and GPUs, the scripts once added it where torch stops the run: no CPU to bind to)."""
+    path = fake_launch(tmp_path, "numactl", "nvidia-smi", numa=numa)
     for script in ("03_ddp_single_node/job.slurm", "04_ddp_multi_node/job_torchrun.slurm"):
         args, _ = launch(script, tmp_path, path, "--epochs", 1, "--output-dir", tmp_path / "out")
-        assert args[args.index("torchrun") + 1] == "--numa-binding=node", args
+        assert (args[args.index("torchrun") + 1] == "--numa-binding=node") == bool(numa), args
+
+
+def two_sockets(root):
+    """A two-socket node as sysfs gives it: NUMA node 0 holds CPUs 0-7, node 1 CPUs 8-15; GPU 0 (0000:3b:00.0) sits
+    on node 0, GPU 1 (0000:af:00.0) on node 1."""
+    for node, cpus in ((0, "0-7\n"), (1, "8-15\n")):
+        (root / f"devices/system/node/node{node}").mkdir(parents=True)
+        (root / f"devices/system/node/node{node}/cpulist").write_text(cpus)
+    for bus, node in (("0000:3b:00.0", 0), ("0000:af:00.0", 1)):
+        (root / "bus/pci/devices" / bus).mkdir(parents=True)
+        (root / "bus/pci/devices" / bus / "numa_node").write_text(f"{node}\n")
+    return root
+
+
+def test_numa_binding_only_where_each_ranks_cpus_meet_its_gpus_node(tmp_path, capsys):
+    """1 task, 8 CPUs, --gres=gpu:2 on a two-socket node: Slurm gave CPUs 0-7 (socket 0) and both GPUs, and
+    torchrun --numa-binding=node stops the run at start ('Must bind to a non-empty set of CPU indices') binding
+    local rank 1 to node 1's CPUs. The job script then runs the ranks unbound, saying so once; CPUs on both
+    sockets bind; a GPU whose node sysfs does not give runs unbound; no GPU or numactl: no flag, nothing said."""
+    from common.guards import numa
+
+    root, gpus = two_sockets(tmp_path / "sys"), ["0000:3b:00.0", "0000:AF:00.0"]
+    assert numa.flag(gpus, set(range(8)), root) == ""
+    said = capsys.readouterr().err
+    assert said.count("\n") == 1 and said.startswith("NUMA: the ranks run unbound: local rank 1's GPU (0000:AF:00.0)")
+    assert "NUMA node 1 (CPUs 8-15), where the job may use none of its CPUs (0-7)" in said, said
+    assert numa.flag(gpus, {0, 1, 2, 3, 8, 9, 10, 11}, root) == numa.FLAG  # 2 tasks' worth, one on each socket
+    assert numa.flag(gpus[:1], set(range(8)), root) == numa.FLAG  # one GPU, beside the job's CPUs
+    assert (
+        numa.flag(["0000:00:01.0"], set(range(8)), root) == "" and "sysfs gives no NUMA node" in capsys.readouterr().err
+    )
+    (root / "bus/pci/devices/0000:3b:00.0/numa_node").write_text("-1\n")  # one node, or not said: torch takes node 0
+    assert numa.flag(gpus[:1], set(range(8)), root) == numa.FLAG
+    assert numa.flag([], set(range(8)), root) == "" and not capsys.readouterr().err

@@ -326,6 +326,8 @@ def check_numa(run):
     near it. A rank whose CPUs span nodes, unbound, has some of them far."""
     told = [f for f in run.everyone if f["beside_gpu"]]
     far = [f"{who([f])}: {len(off)} of its {f['cpus']} CPUs off NUMA node {node}, its GPU's ({ranges(off)})"
+           + (": none on it, so torchrun --numa-binding=node cannot bind it (the job scripts run unbound, "
+              "common/guards/numa.py)" if len(off) == f["cpus"] else "")
            for f in told for node, off in [f["beside_gpu"]] if off]  # fmt: skip
     fix = ("bind each rank beside its GPU: torchrun --numa-binding=node (torch >= 2.9); srun --cpu-bind=cores with "
            "the GPUs' cores in gres.conf (Cores=), or --cpu-bind=map_ldom:<the GPUs' nodes>")  # fmt: skip

@@ -1,5 +1,6 @@
 """Where stage 05's step time goes at world size 1: ms per training step of the MNIST Net at batch 64, plain, DDP,
-FSDP2 per block and at the root (as stage 05), at the root only, per block without resharding; the best of two
+FSDP2 on stage 05's units (models.gathered: fc1) and at the root, Adadelta by foreach (as stage 05), per block and at
+the root, at the root only, per block without resharding (these with Adadelta's default); the best of two
 rounds of N steps (N=300); then torch.profiler's top host costs of the per-block step. Run from the project's root."""
 
 import os
@@ -16,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.getcwd())
 from common import models  # noqa: E402
 
-KINDS = ("plain", "ddp", "fsdp-blocks", "fsdp-root", "fsdp-noreshard")
+KINDS = ("plain", "ddp", "fsdp-stage05", "fsdp-blocks", "fsdp-root", "fsdp-noreshard")
 
 
 def build(kind, device):
@@ -26,7 +27,8 @@ def build(kind, device):
         return DDP(model)
     if kind.startswith("fsdp"):
         if kind != "fsdp-root":
-            for block in models.blocks(model):
+            units = models.gathered(models.blocks(model)) if kind == "fsdp-stage05" else models.blocks(model)
+            for block in units:
                 fully_shard(block, reshard_after_forward=kind != "fsdp-noreshard")
         fully_shard(model)
     return model
@@ -55,7 +57,7 @@ def main():
     for _ in range(2):
         for kind in KINDS:
             model = build(kind, device)
-            optimizer = torch.optim.Adadelta(model.parameters())
+            optimizer = torch.optim.Adadelta(model.parameters(), foreach=True if kind == "fsdp-stage05" else None)
             steps(model, optimizer, batch, 20)  # warm-up
             start = time.perf_counter()
             steps(model, optimizer, batch, n)
