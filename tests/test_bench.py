@@ -59,12 +59,14 @@ def test_the_gpu_table_reads_the_cuda_graph_run_as_its_readme_gives_it():
     assert all(f"| {what} | {measured} |" in readme for what, measured in rows.items() if measured != "–"), rows
 
 
-def test_measure_sh_reads_the_compile_line_graphs_py_prints(capsys):
-    """measure.sh's compile note greps the runs' logs for the line graphs.compiled() prints: it grepped
+def test_measure_sh_reads_the_compile_line_compiling_py_prints(capsys):
+    """measure.sh's compile note greps the runs' logs for the line compiling.compiled() prints: it grepped
     '^compile: mode', which nothing printed, and its note was always empty."""
-    from common import graphs
+    from common import optim
+    from common.options import compiling
 
-    graphs.compiled(torch.nn.Linear(2, 2), torch.device("cpu"), SimpleNamespace(amp=False))
+    step = optim.Step(torch.nn.Linear(2, 2), torch.device("cpu"), None, None, None, None)
+    compiling.compiled(step, SimpleNamespace(compiles=[]), SimpleNamespace(amp=False))
     printed = capsys.readouterr().out.splitlines()
     patterns = re.findall(r"grep -m1 '(\^compile[^']*)'", (GPU / "measure.sh").read_text())
     assert patterns and all(any(re.search(p, line) for line in printed) for p in patterns), (patterns, printed)

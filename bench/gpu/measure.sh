@@ -55,7 +55,7 @@ if has speedup; then  # the --compile rows alone: 01, 03 and 05 at batch 64, eag
     run p03c 150 "${TR[@]}" 03_ddp_single_node/train.py --epochs $EP --compile "${LIM[@]}"
     run p05 120 "${TR[@]}" 05_fsdp/train.py --epochs $EP05 "${LIM[@]}"
     run p05c 150 "${TR[@]}" 05_fsdp/train.py --epochs $EP05 --compile "${LIM[@]}"
-    note "compile: $(for n in p01c p03c; do grep -m1 '^compile: ' "$RUNS/$n.log" 2>/dev/null |  # graphs.py's line
+    note "compile: $(for n in p01c p03c; do grep -m1 '^compile: ' "$RUNS/$n.log" 2>/dev/null |  # compiling.py's line
         sed "s/^compile:/$n/"; done | tr '\n' ';')"
     note "-- speedup done at $(($(date +%s) - T0)) s"
 fi
