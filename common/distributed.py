@@ -102,10 +102,8 @@ def banner(args, rank, local_rank, world_size, device, loader):
     """Each log's head: what ran, where and how (a sweep's logs tell apart), then who runs where."""
     job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
     workers = getattr(loader, "num_workers", 0)
-    print0(
-        f"torch {torch.__version__} | device {device.type} | world size {world_size} | job {job}"
-    )
-    print0(f"loader {args.loader}, {workers} workers | output {args.output_dir}")
+    print0(f"torch {torch.__version__} | device {device.type} | world size {world_size}")
+    print0(f"job {job} | loader {args.loader}, {workers} workers | output {args.output_dir}")
     print0(f"options: {' '.join(sys.argv[1:]) or '(the defaults)'}")
     here = (rank, local_rank, os.environ.get("SLURMD_NODENAME", socket.gethostname()), str(device))
     everyone = [here] * world_size
