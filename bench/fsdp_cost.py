@@ -77,9 +77,9 @@ def in_stage(args, argv):
 
     clock, found = metrics.Log.start, []
 
-    def start(log, epoch):
+    def start(log, epoch, device):
         found.append(time.process_time())
-        clock(log, epoch)
+        return clock(log, epoch, device)
 
     def seconds(log, device, elapsed=metrics.Log.seconds):
         wall = elapsed(log, device)
