@@ -24,15 +24,10 @@ import torch
 from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, Dataset, default_collate, get_worker_info
 
-from common.checkpoint import generators
+from common.checkpoint import generators, numpy  # numpy: None where it is not installed
 from common.data import Images, normalize
 from common.environment import cpus_per_rank
 from common.options.resuming import set_generators
-
-try:  # numpy comes with torch's stack; where it does not, no task can draw from it
-    import numpy
-except ImportError:
-    numpy = None
 
 
 def pipeline(args, task):

@@ -16,14 +16,9 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Sampler
 
 from common import shards
-from common.checkpoint import SPLIT, unwrap
+from common.checkpoint import SPLIT, numpy, unwrap
 from common.environment import is_rank0
 from common.metrics import Sums
-
-try:  # numpy comes with torch's stack; where it does not, no task can draw from it
-    import numpy
-except ImportError:
-    numpy = None
 
 
 def read_on_rank0(path):
