@@ -1,8 +1,9 @@
 """Checkpoints: a run that is stopped continues where it stopped.
 
-What a checkpoint holds: the epoch (and, saved mid-epoch, the step), the random generators' states,
-and the state_dict() of every object in `states`, the dict a stage makes of what it trains with: the
-model, the optimizer, the learning-rate schedule and the metrics so far (--amp: the loss scaler).
+What a checkpoint holds: the epoch (and, saved mid-epoch, the step) and the state_dict() of every
+object in `states`, the dict a stage makes of what it trains with: the model, the optimizer, the
+learning-rate schedule and the metrics so far (--amp: the loss scaler; the guard rails add the
+random generators, common/guards/randomness.py).
 
 Global rank 0 writes <output-dir>/checkpoint.pt at the end of every epoch, atomically: a crash
 mid-write leaves the previous checkpoint whole. Files are loaded with `weights_only=True`: a
@@ -17,17 +18,11 @@ every rank, so that only rank 0's node needs the checkpoint.
 
 import contextlib
 import os
-import random
 
 import torch
 import torch.distributed as dist
 
 from common.environment import is_rank0, restarts
-
-try:  # numpy comes with torch's stack; where it does not, no task can draw from it
-    import numpy
-except ImportError:
-    numpy = None
 
 WHOLE, SHARDED = "checkpoint.pt", "checkpoint"  # 01-04's file; 05's link to its newest epoch-N
 SPLIT = ("model", "optimizer")  # what stage 05 writes as shards; the rest of `states`: state.pt
@@ -61,10 +56,8 @@ def atomic(path, mode="wb"):
 
 def run_state(epoch, step, states):
     """What a checkpoint holds besides stage 05's shards: plain values and small tensors."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    rng = generators() | {"cuda": cuda}  # every generator a step may draw from
     saved = {name: unwrap(thing).state_dict() for name, thing in states.items()}
-    return {"epoch": epoch, "step": step, "rng": rng} | saved
+    return {"epoch": epoch, "step": step} | saved
 
 
 def save(output_dir, epoch, states, step=0):
@@ -88,12 +81,3 @@ def restarted():
     if dist.is_initialized():
         dist.all_gather_object(everyone, everyone[0])
     return any(everyone)
-
-
-def generators():
-    """torch's CPU generator, numpy's and random's, as a checkpoint loads them (weights_only)."""
-    found = {"cpu": torch.get_rng_state(), "python": random.getstate(), "numpy": None}
-    if numpy is not None:
-        kind, words, position, has_gauss, gauss = numpy.random.get_state()
-        found["numpy"] = (kind, torch.from_numpy(words.astype("int64")), position, has_gauss, gauss)
-    return found

@@ -14,10 +14,9 @@ from helpers import REPO, S01, S03, assert_same_state, checkpoint, clean_env, py
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2, stopped_and_resumed
 from torch.utils.data import Dataset
 
-from common import checkpoint as lesson
 from common import distributed, sampling
 from common.guards import preflight, randomness
-from common.options import loaders, resuming
+from common.options import loaders
 
 EXAMPLE = REPO / "common" / "tasks" / "augmented.py"
 EVERY_GENERATOR = """from common.tasks.augmented import *
@@ -121,11 +120,11 @@ def test_the_fingerprint_sees_the_data_not_a_draw_of_the_augmentation():
 
 def test_numpy_and_random_are_saved_and_restored():
     randomness.seed(7)
-    saved = lesson.generators()
+    saved = randomness.Generators().state_dict()  # what the guard rails add to every checkpoint
     expected = numpy.random.rand(), random.random(), torch.rand(1)
     torch.save(saved, buffer := __import__("io").BytesIO())
     buffer.seek(0)
-    resuming.set_generators(torch.load(buffer, weights_only=True))  # as a checkpoint is read
+    randomness.Generators().load_state_dict(torch.load(buffer, weights_only=True))  # as a checkpoint is read
     assert (numpy.random.rand(), random.random(), torch.rand(1)) == expected
 
 

@@ -88,8 +88,10 @@ class Guard:
         """Before the lesson loads the checkpoint at `path` it chose (checkpoint.latest(); None: afresh): rank 0
         checks that it is this run's and whole, or that the folder is free for a fresh run, and every rank ends
         with its reason in one line where not. From here on SIGTERM and SIGUSR1 stop the run at a step all ranks
-        agree on, and end_of_step() saves it. `states`: the lesson's, watched, for the saves on a stop."""
+        agree on, and end_of_step() saves it. `states`: the lesson's, watched, for the saves on a stop, and with the
+        random generators added, which every checkpoint holds from here."""
         early.started()
+        states["rng"] = randomness.Generators()  # a resumed run draws as the uninterrupted one would have
         if sharded and dist.is_initialized():
             preflight.check_shared(self.args.output_dir)
         self.saving = Saving(self.args, states, sharded, self.watchdog, self.progress)

@@ -225,7 +225,7 @@ def load(path):
         ) from None
     except Exception as err:  # a truncated file
         raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged ({type(err).__name__})") from None
-    if not (isinstance(state, dict) and {"epoch", "rng"} <= state.keys() and ("model" in state or folder)):
+    if not (isinstance(state, dict) and "epoch" in state and ("model" in state or folder)):
         raise Unusable(
             f"{path} is not a training checkpoint (a --save-model file holds weights only): give "
             "<output-dir>/checkpoint.pt"

@@ -24,10 +24,9 @@ import torch
 from PIL import Image
 from torch.utils.data import BatchSampler, DataLoader, Dataset, default_collate, get_worker_info
 
-from common.checkpoint import generators, numpy  # numpy: None where it is not installed
 from common.data import Images, normalize
 from common.environment import cpus_per_rank
-from common.options.resuming import set_generators
+from common.guards.randomness import generators, numpy, set_generators  # numpy: None without it
 
 
 def pipeline(args, task):

@@ -9,14 +9,13 @@ trains on the samples, drawn alike, that the uninterrupted run would have.
 
 import itertools
 import math
-import random
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler, Sampler
 
 from common import shards
-from common.checkpoint import SPLIT, numpy, unwrap
+from common.checkpoint import SPLIT, unwrap
 from common.environment import is_rank0
 from common.metrics import Sums
 
@@ -46,15 +45,11 @@ def restore(path, states, sampler):
 
 
 def restore_rest(state, states, sampler):
-    """Everything but the model and the optimizer, and the random generators."""
+    """Everything but the model and the optimizer: the random generators (the guard rails' "rng")
+    among them."""
     for name, thing in states.items():
         if name not in SPLIT:
             thing.load_state_dict(state[name])
-    if "python" in state["rng"]:  # a checkpoint of an older version holds torch's alone
-        set_generators(state["rng"])
-    torch.set_rng_state(state["rng"]["cpu"])
-    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["rng"]["cuda"])
     if state["step"]:  # saved part-way: the epoch's time and each rank's sums go on from its cut
         states["log"].carried[state["epoch"]] = carried(state["log"]["cut"], states["model"])
     sampler.resume_at(state["epoch"], state["step"])
@@ -121,15 +116,6 @@ def set_buffers(model, saved):
             if name in saved[0]:
                 own = [ranks_own[name] for ranks_own in saved]
                 buffer.copy_(own[rank] if len(own) == ranks else sum(own) / len(own))
-
-
-def set_generators(saved):
-    torch.set_rng_state(saved["cpu"])
-    version, words, gauss = saved["python"]
-    random.setstate((version, tuple(words), gauss))
-    if saved["numpy"] is not None and numpy is not None:
-        kind, words, position, has_gauss, gauss = saved["numpy"]
-        numpy.random.set_state((kind, words.numpy().astype("uint32"), position, has_gauss, gauss))
 
 
 class Resumable(Sampler):
