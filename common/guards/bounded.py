@@ -7,8 +7,8 @@ doctor.json (text()), the file's headers are read, never its data: memory stays 
 limits below, whatever the file claims.
 
 torch.save writes a zip of stored (uncompressed) records: a pickle, data.pkl, and one record per storage. A
-file is refused, in words naming it, where its central directory is larger than DIRECTORY, a record is
-compressed, named twice, reaches past the file or into another record; where data.pkl is larger than PICKLE
+file is refused, in words naming it, where its zip layer is not what it declares (common/guards/zipped.py:
+a record compressed, named twice, reaching past the file or into another); where data.pkl is larger than PICKLE
 or names a storage whose record does not hold its declared bytes; where a tensor's elements are more than its
 storage holds, its extent reaches past it, or a size or stride is negative; where the pickle nests deeper
 than DEPTH (a loop nests for ever) or calls one of torch's tensor rebuilds the stages never write. The pickle
@@ -21,40 +21,13 @@ import io
 import os
 import pickle
 import stat
-import struct
-import zipfile
 
 from common.environment import regular_file
+from common.guards.zipped import Refused, Window, directory
 
-DIRECTORY, PICKLE, DEPTH = 16 * 2**20, 16 * 2**20, 32  # a checkpoint of 10^4 tensors needs 2 MiB of each
+PICKLE, DEPTH = 16 * 2**20, 32  # a checkpoint of 10^4 tensors needs 2 MiB of data.pkl
 TENSORS = ("_rebuild_tensor_v2", "_rebuild_tensor_v3")  # how torch.save writes a tensor on a storage
 WRAPS = ("_rebuild_parameter", "_rebuild_parameter_with_state")  # around a tensor built by one of those
-
-
-class Refused(Exception):
-    """A file whose contents are not what it declares, or would take far more memory than its size: the
-    message names the file and what is wrong."""
-
-
-class Window(io.RawIOBase):
-    """`length` bytes of the open file `f` from `start`, as a file of its own: one piece of a DCP shard."""
-
-    def __init__(self, f, start, length):
-        super().__init__()
-        self.f, self.start, self.length, self.at = f, start, length, 0
-
-    def seek(self, offset, whence=0):
-        self.at = max(0, (0, self.at, self.length)[whence] + offset)
-        return self.at
-
-    def tell(self):
-        return self.at
-
-    def readinto(self, buffer):
-        self.f.seek(self.start + self.at)
-        count = self.f.readinto(memoryview(buffer)[: max(0, min(len(buffer), self.length - self.at))])
-        self.at += count
-        return count
 
 
 def regular(path):
@@ -103,56 +76,6 @@ def torch_file(path, start=0, length=None):
         except Exception as err:  # cut short, or calls with the wrong arguments: a dozen kinds of error
             raise Refused(f"{path}: its data.pkl is no pickle torch.save writes ({type(err).__name__})") from None
     nesting(found, path)
-
-
-def directory(f, path, length):
-    """{record name: (where its data starts, its size)} of the zip `f` and the name of its top folder; Refused
-    where a record is compressed, named twice, or reaches past the file or into another record."""
-    entries, size, offset = end_record(f, path, length)
-    if size > DIRECTORY or entries > DIRECTORY // 46:  # 46 bytes: the smallest entry of a central directory
-        raise Refused(f"{path} declares a zip directory of {entries} records in {size} bytes: too large")
-    try:
-        infos = zipfile.ZipFile(f).infolist()
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as err:
-        raise Refused(f"{path} is not a zip archive torch can read ({err})") from None
-    records, end = {}, 0
-    for info in sorted(infos, key=lambda i: i.header_offset):
-        f.seek(info.header_offset)
-        head = f.read(30)
-        if len(head) < 30 or head[:4] != b"PK\x03\x04":
-            raise Refused(f"{path}: the record {info.filename} does not start where the zip directory says")
-        start = info.header_offset + 30 + sum(struct.unpack("<HH", head[26:30]))
-        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-            raise Refused(f"{path} holds a compressed record ({info.filename}), which torch would inflate in "
-                          "memory: torch.save writes none")  # fmt: skip
-        if info.filename in records:
-            raise Refused(f"{path} holds two records named {info.filename}")
-        if info.header_offset < end or start + info.file_size > offset:
-            raise Refused(f"{path}: the record {info.filename} overlaps another, or reaches past the file")
-        records[info.filename], end = (start, info.file_size), start + info.file_size
-    return records, (infos[0].filename.split("/")[0] if infos else "")
-
-
-def end_record(f, path, length):
-    """(records, size, offset) of the zip's central directory, as its end record (zip64's too) declares."""
-    f.seek(max(0, length - 65557))  # the end record (22 bytes) and a comment of up to 65535 bytes
-    tail_start, tail = f.tell(), f.read()
-    at = len(tail) - 22 if tail[-22:-18] == b"PK\x05\x06" else tail.rfind(b"PK\x05\x06")  # as zipfile finds it
-    if at < 0 or len(tail) < at + 22:
-        raise Refused(f"{path} is not a complete zip archive (no end record): it may be truncated")
-    entries, size, offset = struct.unpack("<6xHLL", tail[at + 4 : at + 20])
-    where = tail_start + at  # the directory ends where the end record starts, as torch.save writes it
-    locator = tail[at - 20 : at] if at >= 20 else b""
-    if locator[:4] == b"PK\x06\x07":  # zip64 (torch.save writes it always): its own end record says
-        where = struct.unpack("<8xQ", locator[:16])[0]
-        f.seek(where)
-        record = f.read(56)
-        if record[:4] != b"PK\x06\x06" or len(record) < 56:
-            raise Refused(f"{path} is not a zip archive torch can read (its zip64 end record is missing)")
-        entries, size, offset = struct.unpack("<32xQQQ", record)
-    if offset + size != where:
-        raise Refused(f"{path}: its zip directory is not where its end record says")
-    return entries, size, offset
 
 
 class _Kind:
@@ -210,8 +133,10 @@ class _Unpickler(pickle.Unpickler):
         _, kind, key, _, numel = pid
         record = self.records.get(f"{self.prefix}/data/{key}")
         if record is None or type(numel) is not int or kind.itemsize < 1 or record[1] != numel * kind.itemsize:
-            raise Refused(f"{self.path} declares a storage {key} of {numel} elements of {kind.itemsize} bytes, "
-                          f"where its record holds {record[1] if record else 'no'} bytes")  # fmt: skip
+            raise Refused(
+                f"{self.path} declares a storage {key} of {numel} elements of {kind.itemsize} bytes, "
+                f"where its record holds {record[1] if record else 'no'} bytes"
+            )
         return _Storage(record[1], kind.itemsize)
 
     def tensor(self, storage, offset, size, stride, *rest):
@@ -227,8 +152,10 @@ class _Unpickler(pickle.Unpickler):
             elements *= n
         reach = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True)) + 1 if elements else 0
         if elements * itemsize > storage.bytes or reach * itemsize > storage.bytes:
-            raise Refused(f"{self.path} holds a tensor of {elements} elements (size {size}, stride {stride}) on a "
-                          f"storage of {storage.bytes} bytes: it declares more than it holds")  # fmt: skip
+            raise Refused(
+                f"{self.path} holds a tensor of {elements} elements (size {size}, stride {stride}) on a "
+                f"storage of {storage.bytes} bytes: it declares more than it holds"
+            )
         return _Stand(storage.bytes)
 
 

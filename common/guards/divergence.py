@@ -45,11 +45,12 @@ def check_epoch(epoch, sums, output_dir):
     """`sums`: the all-reduced sums of an epoch (metrics.Epoch), the same on every rank."""
     for name, part in sums._asdict().items():  # training, validation, test
         if not math.isfinite(part.loss):
-            stop(f"error: epoch {epoch} ended with a non-finite {name} loss ({part.loss}): "
-                 + advice(output_dir))  # fmt: skip
+            stop(f"error: epoch {epoch} ended with a non-finite {name} loss ({part.loss}): " + advice(output_dir))
         if not math.isfinite(part.score):  # the task's score(): e.g. a relative error of a target of 0
-            stop(f"error: epoch {epoch} ended with a non-finite {name} score ({part.score}): the task's score() must "
-                 f"sum finite values over a batch; the checkpoint in {output_dir} keeps the last epoch before")  # fmt: skip
+            stop(
+                f"error: epoch {epoch} ended with a non-finite {name} score ({part.score}): the task's score() must "
+                f"sum finite values over a batch; the checkpoint in {output_dir} keeps the last epoch before"
+            )
 
 
 def check_weights(states, what, output_dir, device=None):

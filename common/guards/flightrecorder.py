@@ -43,8 +43,11 @@ def variables(prefix, torch_version=None):
     version = torch_version or versions.installed() or "0"
     if versions.release(version) >= (2, 9):
         return {"TORCH_FR_BUFFER_SIZE": ENTRIES, "TORCH_FR_DUMP_TEMP_FILE": prefix, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-    return {"TORCH_NCCL_TRACE_BUFFER_SIZE": ENTRIES, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}  # fmt: skip
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": ENTRIES,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    }
 
 
 def exports(argv):

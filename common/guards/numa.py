@@ -50,8 +50,10 @@ def unbindable(buses, allowed, sysfs=Path("/sys")):
             return f"sysfs gives no NUMA node for local rank {rank}'s GPU ({bus})"
         node, near = found
         if not near & allowed:
-            return (f"local rank {rank}'s GPU ({bus}) sits on NUMA node {node} (CPUs {ranges(near)}), where the job "
-                    f"may use none of its CPUs ({ranges(allowed)})")  # fmt: skip
+            return (
+                f"local rank {rank}'s GPU ({bus}) sits on NUMA node {node} (CPUs {ranges(near)}), where the job "
+                f"may use none of its CPUs ({ranges(allowed)})"
+            )
     return None
 
 

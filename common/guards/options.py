@@ -9,54 +9,96 @@ import math
 # What a run computes: stored in its checkpoint, compared on resume and across the ranks. (--epochs
 # too under --scheduler cosine: see preflight.defining().)
 DEFINING = (
-    "task", "dataset", "model", "depth", "width", "sync_bn",  # the network and what it learns
+    "task",
+    "dataset",
+    "model",
+    "depth",
+    "width",
+    "sync_bn",  # the network and what it learns
     # the global batch, the training set and its shuffles
-    "batch_size", "val_fraction", "limit", "seed",
+    "batch_size",
+    "val_fraction",
+    "limit",
+    "seed",
     # the updates
-    "optimizer", "lr", "lr_scaling", "momentum", "weight_decay", "scheduler", "gamma", "step_size",
+    "optimizer",
+    "lr",
+    "lr_scaling",
+    "momentum",
+    "weight_decay",
+    "scheduler",
+    "gamma",
+    "step_size",
     "amp",  # the precision, and the scaler state a checkpoint holds
     # compiled kernels round differently from eager ones: the same run only with the same choice
     "compile",
     # one batch per epoch: its checkpoints are no part of a real run; ranks that differ hang
     "dry_run",
-)  # fmt: skip
+)
 FREE = (
     # a resumed run may be given more or fewer epochs to go (not under cosine: defining())
     "epochs",
     # what is printed and written, not computed
-    "log_interval", "save_model", "output_dir", "resume", "check",
+    "log_interval",
+    "save_model",
+    "output_dir",
+    "resume",
+    "check",
     # where batches come from: the three loaders give the same batches
-    "data_dir", "num_workers", "loader",
+    "data_dir",
+    "num_workers",
+    "loader",
     "test_batch_size",  # evaluation sums do not depend on how they are split into batches
     # where it runs and how long a collective waits: checkpoints load on any device
-    "no_cuda", "dist_timeout",
+    "no_cuda",
+    "dist_timeout",
     # stage 05: how the same global batch fits in memory (not BatchNorm's statistics, which see the
     # micro-batches); a job requeued onto fewer GPUs may need more accumulation than before
-    "grad_accum", "checkpoint_activations",
+    "grad_accum",
+    "checkpoint_activations",
     "full_shard",  # the mesh: a sharded checkpoint loads into any
     # when to stop early: a resumed run may change its mind
-    "target", "patience",
+    "target",
+    "patience",
     # how often a run saves mid-epoch: the saves change nothing that is computed
     "checkpoint_minutes",
-)  # fmt: skip
+)
 
 # What each number may be: a value outside is a usage error, in one line (check.check_args()). The
 # stages' numbers and the built-in tasks' (common/tasks/); 3.4e38 is about float32's largest, which
 # optimizers compute in.
 POSITIVE, FRACTION = "[1, inf)", "[0, 1)"
 RANGES = {
-    "batch_size": POSITIVE, "test_batch_size": POSITIVE, "epochs": POSITIVE, "log_interval": POSITIVE,
-    "limit": POSITIVE, "step_size": POSITIVE, "patience": POSITIVE, "grad_accum": POSITIVE,
-    "lr": "(0, 3.4e38]", "weight_decay": "[0, 3.4e38]", "gamma": "(0, 1]", "momentum": FRACTION,
-    "val_fraction": FRACTION, "target": "(-inf, inf)", "num_workers": "[0, inf)",
+    "batch_size": POSITIVE,
+    "test_batch_size": POSITIVE,
+    "epochs": POSITIVE,
+    "log_interval": POSITIVE,
+    "limit": POSITIVE,
+    "step_size": POSITIVE,
+    "patience": POSITIVE,
+    "grad_accum": POSITIVE,
+    "lr": "(0, 3.4e38]",
+    "weight_decay": "[0, 3.4e38]",
+    "gamma": "(0, 1]",
+    "momentum": FRACTION,
+    "val_fraction": FRACTION,
+    "target": "(-inf, inf)",
+    "num_workers": "[0, inf)",
     "checkpoint_minutes": "(0, inf)",
     "seed": "[0, 4294967295]",  # numpy.random.seed's limit; past 2**64 torch.manual_seed crashes
     # a collective that waits a day is a hang: a larger value is a typo (milliseconds?), and past
     # datetime.timedelta's range it would crash the process group's setup
     "dist_timeout": "[1, 86400]",
-    "depth": POSITIVE, "width": POSITIVE, "dim": POSITIVE, "layers": POSITIVE, "heads": POSITIVE,
-    "vocab": POSITIVE, "samples": POSITIVE, "seq_len": POSITIVE, "max_len": POSITIVE,
-}  # fmt: skip
+    "depth": POSITIVE,
+    "width": POSITIVE,
+    "dim": POSITIVE,
+    "layers": POSITIVE,
+    "heads": POSITIVE,
+    "vocab": POSITIVE,
+    "samples": POSITIVE,
+    "seq_len": POSITIVE,
+    "max_len": POSITIVE,
+}
 
 
 def outside(value, interval):

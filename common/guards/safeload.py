@@ -21,12 +21,16 @@ def metadata(folder):
     from torch.distributed.checkpoint.metadata import Metadata
 
     if regular(folder / ".metadata") > METADATA:
-        raise Refused(f"{folder / '.metadata'} is larger than {METADATA // 2**20} MiB: no checkpoint of these stages "
-                      "has so many tensors")  # fmt: skip
+        raise Refused(
+            f"{folder / '.metadata'} is larger than {METADATA // 2**20} MiB: no checkpoint of these stages "
+            "has so many tensors"
+        )
     found = shards.index(folder)
     if not isinstance(found, Metadata):
-        raise Planted(f"{folder / '.metadata'} is not a checkpoint this repository wrote (it holds a "
-                      f"{type(found).__name__}): it may be planted")  # fmt: skip
+        raise Planted(
+            f"{folder / '.metadata'} is not a checkpoint this repository wrote (it holds a "
+            f"{type(found).__name__}): it may be planted"
+        )
     return found
 
 

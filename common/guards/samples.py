@@ -28,11 +28,15 @@ def check_metric(args, task):
     if (metric is not None or scored) and not (
         scored and isinstance(metric, tuple) and len(metric) == 2 and metric[1] in ("higher", "lower")
     ):
-        stop(f'error: --task {args.task}: a metric is `metric = (name, "higher" or "lower")` with a function '
-             "score(output, target) that sums it over a batch: it defines one without the other, or another kind")  # fmt: skip
+        stop(
+            f'error: --task {args.task}: a metric is `metric = (name, "higher" or "lower")` with a function '
+            "score(output, target) that sums it over a batch: it defines one without the other, or another kind"
+        )
     if metric is not None and metric[0] in ("loss", ""):  # metrics.csv: test_<name> beside test_loss
-        stop(f"error: --task {args.task}: a metric named {metric[0]!r} would take the loss's columns in metrics.csv "
-             '(test_loss): name it after what score() sums, e.g. `metric = ("mae", "lower")`')  # fmt: skip
+        stop(
+            f"error: --task {args.task}: a metric named {metric[0]!r} would take the loss's columns in metrics.csv "
+            '(test_loss): name it after what score() sums, e.g. `metric = ("mae", "lower")`'
+        )
 
 
 def check_weights(args, task):
@@ -57,8 +61,11 @@ def check_weights(args, task):
         else:
             if not (isinstance(found, dict) and found and all(torch.is_tensor(v) for v in found.values())):
                 problem = "holds no state dict, names of tensors (a training checkpoint? --save-model writes one)"
-    box = [problem and f"error: --task {args.task}: its weights(args) file {path} {problem}: give a torch.save'd "
-                       "state dict of the task's model"]  # fmt: skip
+    box = [
+        problem
+        and f"error: --task {args.task}: its weights(args) file {path} {problem}: give a torch.save'd "
+        "state dict of the task's model"
+    ]
     if dist.is_initialized():
         dist.broadcast_object_list(box)
     if box[0]:
@@ -72,15 +79,21 @@ def check_collate(args, task, name, samples):
         batch = collate(samples)
     except Exception as err:  # the user's samples or collate: anything can fail here
         fix = "" if hasattr(task, "collate") else ": define collate(samples) in the task to pad them (README)"
-        stop(f"error: --task {args.task}: {what} fails on the first samples of its {name} set, of shapes "
-             f"{shapes(samples)} ({type(err).__name__}: {str(err)[:150]}){fix}")  # fmt: skip
+        stop(
+            f"error: --task {args.task}: {what} fails on the first samples of its {name} set, of shapes "
+            f"{shapes(samples)} ({type(err).__name__}: {str(err)[:150]}){fix}"
+        )
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        stop(f"error: --task {args.task}: {what} must return a pair (inputs, labels), each a tensor or a dict, list or "
-             f"tuple of them; of its {name} set's first samples it returns {shapes(batch)}")  # fmt: skip
+        stop(
+            f"error: --task {args.task}: {what} must return a pair (inputs, labels), each a tensor or a dict, list or "
+            f"tuple of them; of its {name} set's first samples it returns {shapes(batch)}"
+        )
     if count(batch[1]) != len(samples):  # flattened labels: an evaluation would count tokens as samples
-        stop(f"error: --task {args.task}: {what} of {len(samples)} samples of its {name} set returns labels of "
-             f"shapes {shapes(batch[1])}: the stages count a batch's samples by its labels' first dimension (each "
-             "test sample once, images/s): keep it the batch's, and flatten in loss() and score()")  # fmt: skip
+        stop(
+            f"error: --task {args.task}: {what} of {len(samples)} samples of its {name} set returns labels of "
+            f"shapes {shapes(batch[1])}: the stages count a batch's samples by its labels' first dimension (each "
+            "test sample once, images/s): keep it the batch's, and flatten in loss() and score()"
+        )
 
 
 def check_counts(epoch, sums, sizes, dry_run):
@@ -90,8 +103,10 @@ def check_counts(epoch, sums, sizes, dry_run):
     for (name, part), size in zip(sums._asdict().items(), sizes, strict=True):
         if size < 2**24 and (part.samples < size if name == "training" else part.samples != size):  # float32: exact
             if name != "training" or not dry_run:
-                stop(f"error: epoch {epoch}'s {name} counted {int(part.samples)} of its {size} samples: its loader "
-                     "ended early (a data set whose __len__ counts more items than it serves?)")  # fmt: skip
+                stop(
+                    f"error: epoch {epoch}'s {name} counted {int(part.samples)} of its {size} samples: its loader "
+                    "ended early (a data set whose __len__ counts more items than it serves?)"
+                )
 
 
 def explain(err, task):
@@ -102,20 +117,28 @@ def explain(err, task):
     losses = [f.f_locals["input"] for f in frames if f.f_code.co_name in ("cross_entropy", "nll_loss")]
     if outside and losses and torch.is_tensor(losses[0]) and losses[0].ndim > 1:
         count = losses[0].shape[1]
-        return (f"error: --task {task}: a label {outside[1]}, but the model has {count} outputs (labels 0 to "
-                f"{count - 1}): give model(args) one output per class, or labels in that range")  # fmt: skip
+        return (
+            f"error: --task {task}: a label {outside[1]}, but the model has {count} outputs (labels 0 to "
+            f"{count - 1}): give model(args) one output per class, or labels in that range"
+        )
     if "Expected more than 1 value per channel when training" in str(err):  # BatchNorm, a batch of one sample
-        return (f"error: --task {task}: a training batch of one sample reached BatchNorm, which needs two to "
-                "normalize: choose a --batch-size (per rank) that leaves no last batch of one, or --limit the set")  # fmt: skip
+        return (
+            f"error: --task {task}: a training batch of one sample reached BatchNorm, which needs two to "
+            "normalize: choose a --batch-size (per rank) that leaves no last batch of one, or --limit the set"
+        )
     collates = [f for f in frames if "collate" in f.f_code.co_name]
     if collates:
         code = collates[0].f_code
         samples = collates[0].f_locals.get(code.co_varnames[0]) if code.co_argcount else None
-        return (f"error: --task {task}: batching samples of shapes {shapes(samples)} failed ({type(err).__name__}: "
-                f"{str(err).splitlines()[0][:150]}): define (or fix) collate(samples) in the task (README)")  # fmt: skip
+        return (
+            f"error: --task {task}: batching samples of shapes {shapes(samples)} failed ({type(err).__name__}: "
+            f"{str(err).splitlines()[0][:150]}): define (or fix) collate(samples) in the task (README)"
+        )
     if "in DataLoader worker" in str(err) and "collate" in str(err):  # the worker's traceback, as text
-        return (f"error: --task {task}: batching samples failed in a DataLoader worker ({str(err).splitlines()[-1][:150]}): "
-                "--num-workers 0 names their shapes; define (or fix) collate(samples) in the task (README)")  # fmt: skip
+        return (
+            f"error: --task {task}: batching samples failed in a DataLoader worker ({str(err).splitlines()[-1][:150]}): "
+            "--num-workers 0 names their shapes; define (or fix) collate(samples) in the task (README)"
+        )
     return None
 
 
