@@ -215,7 +215,10 @@ def test_resume_restores_everything(launch, uninterrupted, tiny_data, tmp_path):
 
     # conftest.py: the uninterrupted run, shared with the tests that kill it
     whole = uninterrupted(*(("python", S01) if launch == "python" else (2, S03)), "--epochs", 3)
-    train(tmp_path / "parts", 1)
+    if launch == "python":
+        trained(uninterrupted, tmp_path / "parts", S01, "--epochs", 1)  # the run of one epoch, shared
+    else:
+        train(tmp_path / "parts", 1)
     assert "resumed after epoch 1" in train(tmp_path / "parts", 3, "--resume")
     assert_same_state(checkpoint(tmp_path / "parts"), checkpoint(whole))
     finished = train(tmp_path / "parts", 3, "--resume")  # all epochs done: report and exit 0

@@ -61,21 +61,25 @@ def ddp_options(name):
 OPTIONS = ddp_options("03_ddp_single_node")
 
 
-def ddp_rank(rank, world_size, port, data_dir, result, options=OPTIONS):
+def ddp_rank(rank, world_size, port, data_dir, runs):
+    """For each (file, DDP options) of `runs`, one after another in one process group: a fresh model, one epoch
+    of stage 03's train(); rank 0 saves its weights to the file."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     sampler = DistributedSampler(range(BATCH * STEPS), num_replicas=world_size, rank=rank, shuffle=False)
-    loader = loaders.loader(data.dataset(data_dir, "mnist", train=True), list(sampler), BATCH // world_size, CPU, ARGS)
-    model = DDP(model_without_dropout(), **options)  # as the stage builds it
-    stage("03_ddp_single_node").train(step(model), loader, 1, metrics.Sums.zeros(CPU), ARGS, RUN)
-    if rank == 0:
-        torch.save(model.module.state_dict(), result)
+    for result, options in runs:
+        train_set = data.dataset(data_dir, "mnist", train=True)
+        loader = loaders.loader(train_set, list(sampler), BATCH // world_size, CPU, ARGS)
+        model = DDP(model_without_dropout(), **options)  # as the stage builds it
+        stage("03_ddp_single_node").train(step(model), loader, 1, metrics.Sums.zeros(CPU), ARGS, RUN)
+        if rank == 0:
+            torch.save(model.module.state_dict(), result)
     dist.destroy_process_group()
 
 
 def test_two_ranks_with_half_batches_equal_one_process(tiny_data, tmp_path):
     """DDP over 2 ranks with B/2 each ends with the parameters of one process with batch B."""
-    mp.spawn(ddp_rank, args=(2, free_port(), tiny_data, tmp_path / "ddp.pt"), nprocs=2)
+    mp.spawn(ddp_rank, args=(2, free_port(), tiny_data, [(tmp_path / "ddp.pt", OPTIONS)]), nprocs=2)
     loader = loaders.loader(data.dataset(tiny_data, "mnist", train=True), range(BATCH * STEPS), BATCH, CPU, ARGS)
     model = model_without_dropout()
     stage("01_single_gpu").train(step(model), loader, 1, metrics.Sums.zeros(CPU), ARGS, RUN)
@@ -109,9 +113,10 @@ def test_the_stages_ddp_options_train_bit_identically_to_plain_ddp(tiny_data, tm
 
 @pytest.mark.slow
 def test_the_stages_ddp_options_train_bit_identically_on_two_ranks(tiny_data, tmp_path):
-    """Two ranks with half batches, the stage's DDP options against none: the same bits."""
-    for options, name in (({}, "plain.pt"), (OPTIONS, "stage.pt")):
-        mp.spawn(ddp_rank, args=(2, free_port(), tiny_data, tmp_path / name, options), nprocs=2)
+    """Two ranks with half batches, the stage's DDP options against none: the same bits. Both trainings run in
+    one pair of processes, one after the other, each from a fresh model."""
+    runs = [(tmp_path / "plain.pt", {}), (tmp_path / "stage.pt", OPTIONS)]
+    mp.spawn(ddp_rank, args=(2, free_port(), tiny_data, runs), nprocs=2)
     plain, stage_ = (torch.load(tmp_path / name, weights_only=True) for name in ("plain.pt", "stage.pt"))
     assert all(torch.equal(plain[k], stage_[k]) for k in plain), OPTIONS
 

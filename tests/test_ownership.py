@@ -208,16 +208,16 @@ def test_stage05_refuses_a_folder_with_stale_or_foreign_epoch_folders(uninterrup
 
 
 @pytest.mark.slow
-def test_hostile_folders_are_refused_in_one_line(tiny_data, tmp_path):
+def test_hostile_folders_are_refused_in_one_line(uninterrupted, tiny_data, tmp_path):
     """A folder inside another run's (whose rotation may delete it) or a new one holding one (which blocked its
     resume), a manifest that is a link or not JSON, a .lock that is a folder, an --output-dir that is a file: one
     line each, nothing of the user's touched."""
     other = tmp_path / "runs" / "other"
-    assert small(S05, tiny_data, other, "--epochs", 1).returncode == 0
+    trained(uninterrupted, other, S05, "--limit", 64, "--epochs", 2)  # small()'s run, shared
     one_error(small(S01, tiny_data, other / "epoch-1" / "nested", "--epochs", 1), "lies inside", str(other))
     for above in (other.parent, tmp_path):  # a new run above it would block its resume: refused, not the resume
         one_error(small(S01, tiny_data, above, "--epochs", 1), f"holds {other}, the folder of another run")
-    assert small(S05, tiny_data, other, "--epochs", 2, "--resume").returncode == 0
+    assert small(S05, tiny_data, other, "--epochs", 3, "--resume").returncode == 0
     cases = {
         "link": lambda f: (f / ownership.MANIFEST).symlink_to(other / ownership.MANIFEST),
         "garbage": lambda f: (f / ownership.MANIFEST).write_text("{not json"),
