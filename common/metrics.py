@@ -29,10 +29,10 @@ FIELDS = [  # accuracy: or the task's metric; better: its direction, "higher" or
 
 
 def accuracy(output, target):
-    """Correct answers in a batch: the largest output's class, or for a single logit, 1 above 0."""
+    """Right answers: each sample's share of labels (B, ...) its top class (B, C, ...) hits."""
     if output.ndim == 1 or output.shape[1] == 1:
         return ((output.reshape(-1) > 0).long() == target.reshape(-1).long()).sum()
-    return (output.argmax(dim=1) == target).sum()
+    return (output.argmax(dim=1) == target).reshape(len(target), -1).float().mean(1).sum()
 
 
 class Metric(NamedTuple):

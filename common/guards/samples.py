@@ -29,7 +29,8 @@ def check_metric(args, task):
         scored and isinstance(metric, tuple) and len(metric) == 2 and metric[1] in ("higher", "lower")
     ):
         stop(f'error: --task {args.task}: a metric is `metric = (name, "higher" or "lower")` with a function '
-             "score(output, target) that sums it over a batch: it defines one without the other, or another kind")  # fmt: skip
+             "score(output, target) that returns it per sample, shape (B,): it defines one without the other, "
+             "or another kind")  # fmt: skip
     if metric is not None and metric[0] in ("loss", ""):  # metrics.csv: test_<name> beside test_loss
         stop(f"error: --task {args.task}: a metric named {metric[0]!r} would take the loss's columns in metrics.csv "
              '(test_loss): name it after what score() sums, e.g. `metric = ("mae", "lower")`')  # fmt: skip
