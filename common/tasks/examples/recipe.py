@@ -11,19 +11,20 @@ import math
 
 import torch
 
-from common.tasks.sequences import check, datasets, model  # noqa: F401: the task's own
-from common.tasks.sequences import add_arguments as sequences_arguments
+from common.tasks import sequences
+
+check, datasets, model = sequences.check, sequences.datasets, sequences.model
 
 
 def add_arguments(group):
-    sequences_arguments(group)
+    sequences.add_arguments(group)
     group.add_argument("--warmup", type=int, default=20, help="warm-up steps (default: 20)")
 
 
-def optimizer(args, model):
+def optimizer(args, net):
     """AdamW at --lr; biases and normalisation weights (one dimension) are not decayed."""
-    decayed = [p for p in model.parameters() if p.ndim > 1]
-    plain = [p for p in model.parameters() if p.ndim <= 1]
+    decayed = [p for p in net.parameters() if p.ndim > 1]
+    plain = [p for p in net.parameters() if p.ndim <= 1]
     groups = [{"params": decayed, "weight_decay": 0.05}, {"params": plain, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=args.lr)
 
@@ -35,6 +36,7 @@ def scheduler(args, optimizer):
     def factor(step):
         if step < args.warmup:
             return (step + 1) / args.warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1, (step - args.warmup) / max(1, steps - args.warmup))))
+        done = min(1, (step - args.warmup) / max(1, steps - args.warmup))
+        return 0.5 * (1 + math.cos(math.pi * done))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
