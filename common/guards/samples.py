@@ -39,9 +39,9 @@ def check_metric(args, task):
 def check_weights(args, task):
     """The task's `weights(args)` file, which rank 0 alone reads (meta.load_whole()): checked there against what
     it declares, headers only, before it is trusted; a FIFO blocked rank 0 for ever, a file cut short was torch's
-    "central directory" error naming no file. Every rank ends with rank 0's verdict. Stage 05 alone has
-    --full-shard, and reads the file."""
-    if not (hasattr(args, "full_shard") and getattr(task, "weights", None)):
+    "central directory" error naming no file; keys that do not fit model(args) were torch's message, the keys
+    elided. Every rank ends with rank 0's verdict. Every stage starts from the file (common/options/hooks.py)."""
+    if not getattr(task, "weights", None):
         return
     path, problem = is_rank0() and task.weights(args), None
     path = path and Path(path)
@@ -58,12 +58,42 @@ def check_weights(args, task):
         else:
             if not (isinstance(found, dict) and found and all(torch.is_tensor(v) for v in found.values())):
                 problem = "holds no state dict, names of tensors (a training checkpoint? --save-model writes one)"
-    box = [problem and f"error: --task {args.task}: its weights(args) file {path} {problem}: give a torch.save'd "
-                       "state dict of the task's model"]  # fmt: skip
+            elif misfit := misfits(found, task, args):
+                problem = f"does not fit model(args): {misfit}"
+    fix = "give a torch.save'd state dict of the task's model"
+    if problem and problem.startswith("does not fit"):
+        fix = 'name the keys to leave at their initialisation (a new head) in the task: FRESH = ("fc.",)'
+    box = [problem and f"error: --task {args.task}: its weights(args) file {path} {problem}: {fix}"]
     if dist.is_initialized():
         dist.broadcast_object_list(box)
     if box[0]:
         stop(box[0])
+
+
+def misfits(found, task, args):
+    """The keys of `found` that do not fit model(args), built on the meta device (shapes alone), but FRESH's: the
+    first few missing, unexpected and mis-shaped ones and their counts; None if it fits or cannot be built so."""
+    fresh = tuple(getattr(task, "FRESH", ()))
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = task.model(args).state_dict()
+    except Exception:  # its own load names what fails
+        return None
+    want = {k: list(t.shape) for k, t in model.items() if not k.startswith(fresh)}
+    got = {k: list(t.shape) for k, t in found.items() if not k.startswith(fresh)}
+    kinds = {
+        "missing": [k for k in want if k not in got],
+        "unexpected": [k for k in got if k not in want],
+        "mis-shaped": [
+            f"{k} {got[k]} in the file, {want[k]} in the model" for k in want if got.get(k, want[k]) != want[k]
+        ],
+    }
+    said = [
+        f"{len(keys)} {kind} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+        for kind, keys in kinds.items()
+        if keys
+    ]
+    return "; ".join(said) or None
 
 
 def check_collate(args, task, name, samples):
