@@ -15,7 +15,7 @@ OWN = {"metric", "loss"}  # a task defining either is measured here: accuracy co
 
 
 def metric(task):
-    """The task's `metric = ("mae", "lower")` with score(output, target), one value per sample, summed
+    """The task's `metric = ("mae", "lower")` with score(output, target), a value per sample, summed
     here: the epoch lines, metrics.csv (test_mae), --target and the tools follow it. A task with a
     loss() and no metric of its own: its mean loss, lower is better, never an accuracy."""
     if not hasattr(task, "metric"):
@@ -67,7 +67,8 @@ def recipe(step, states, task, args):
 class Schedule:
     """The scheduler the stage steps once an epoch: the stage's own, or the task's, stepped after
     every optimizer step instead. The rate the optimizer used last (the epoch line, metrics.csv);
-    what defines the recipe, saved with it: a resume with another optimizer or schedule is refused."""
+    what defines the recipe, saved with it: a resume with another optimizer or schedule is refused.
+    """
 
     def __init__(self, optimizer, inner, per_step, clip):
         self.optimizer, self.inner, self.per_step, self.clip = optimizer, inner, per_step, clip
@@ -108,8 +109,8 @@ class Schedule:
     def load_state_dict(self, state):
         if state.get("recipe") != self.recipe():
             raise ValueError(
-                f"the checkpoint was trained with {state.get('recipe', 'the stage optimizer')}, this "
-                f"run defines {self.recipe()}: resume with the same optimizer() and scheduler()"
+                f"the checkpoint was trained with {state.get('recipe', 'the stage optimizer')}, "
+                f"this run defines {self.recipe()}: resume with the same optimizer(), scheduler()"
             )
         self.inner.load_state_dict(state["inner"])
         self.used = state["used"]
