@@ -14,6 +14,7 @@ DEFINING = (
     "batch_size", "val_fraction", "limit", "seed",
     # the updates
     "optimizer", "lr", "lr_scaling", "momentum", "weight_decay", "scheduler", "gamma", "step_size",
+    "clip_grad",
     "amp",  # the precision, and the scaler state a checkpoint holds
     # compiled kernels round differently from eager ones: the same run only with the same choice
     "compile",
@@ -49,7 +50,7 @@ RANGES = {
     "limit": POSITIVE, "step_size": POSITIVE, "patience": POSITIVE, "grad_accum": POSITIVE,
     "lr": "(0, 3.4e38]", "weight_decay": "[0, 3.4e38]", "gamma": "(0, 1]", "momentum": FRACTION,
     "val_fraction": FRACTION, "target": "(-inf, inf)", "num_workers": "[0, inf)",
-    "checkpoint_minutes": "(0, inf)",
+    "checkpoint_minutes": "(0, inf)", "clip_grad": "(0, 3.4e38]",
     "seed": "[0, 4294967295]",  # numpy.random.seed's limit; past 2**64 torch.manual_seed crashes
     # a collective that waits a day is a hang: a larger value is a typo (milliseconds?), and past
     # datetime.timedelta's range it would crash the process group's setup
