@@ -4,11 +4,13 @@ line, its optimizer() and scheduler() (stepped per optimizer step), --clip-grad,
 refused. The examples of common/tasks/examples/ through the stages are the slow tests at the end."""
 
 import argparse
+import signal
 import types
 
 import pytest
 import torch
-from helpers import REPO, S01, S03, S05, metrics, python, torchrun
+from helpers import REPO, S01, S03, S05, assert_same_state, checkpoint, clean_env, metrics, python, start, torchrun
+from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
@@ -80,6 +82,24 @@ def test_a_weights_file_that_does_not_fit_is_one_line_naming_the_keys(tmp_path):
     samples.check_weights(args, task(FRESH=("2.",), **vars(small)))  # the new head left fresh: it fits
 
 
+def test_a_model_that_loads_its_own_weights_is_refused_in_stage_05_pointing_to_weights(tmp_path):
+    """The torchvision idiom, resnet18(weights=...): stage 05 built it on the meta device and trained from a
+    random start."""
+    saved = nn.Linear(4, 2).state_dict()
+
+    def loads_itself(args):
+        made = nn.Linear(4, 2)
+        made.load_state_dict(saved)
+        return made
+
+    stage05 = argparse.Namespace(task=tmp_path / "task.py", full_shard=False)
+    with pytest.raises(SystemExit) as stop:
+        samples.check_meta_load(stage05, task(model=loads_itself))
+    assert "model(args) loads weights itself" in stop.value.code and "weights(args)" in stop.value.code
+    samples.check_meta_load(stage05, task(model=lambda args: nn.Linear(4, 2)))  # built alone: no word
+    samples.check_meta_load(stage05, task(model=loads_itself, META=False))  # built whole: its weights kept
+
+
 def test_every_stage_starts_from_weights_and_a_fresh_head_keeps_its_initialisation(tmp_path):
     path = tmp_path / "whole.pt"
     torch.save(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 10)).state_dict(), path)
@@ -91,8 +111,19 @@ def test_every_stage_starts_from_weights_and_a_fresh_head_keeps_its_initialisati
 
 
 def recipe_step(model, clip=None):
-    args = argparse.Namespace(optimizer="sgd", lr=0.1, momentum=0.0, weight_decay=0.0, scheduler="step",
-                              step_size=1, gamma=0.7, epochs=2, clip_grad=clip, batch_size=64, lr_scaling="none")  # fmt: skip
+    args = argparse.Namespace(
+        optimizer="sgd",
+        lr=0.1,
+        momentum=0.0,
+        weight_decay=0.0,
+        scheduler="step",
+        step_size=1,
+        gamma=0.7,
+        epochs=2,
+        clip_grad=clip,
+        batch_size=64,
+        lr_scaling="none",
+    )
     optimizer = optim.optimizer(args, model.parameters())
     states = dict(model=model, optimizer=optimizer, scheduler=optim.scheduler(args, optimizer))
     return optim.Step(model, torch.device("cpu"), optimizer, F.mse_loss, None, None), states, args
@@ -138,23 +169,133 @@ def test_a_tasks_optimizer_and_scheduler_step_per_optimizer_step_and_clip():
 
 
 # The examples, as a user brings them: each through stage 01, 03 and 05 at two ranks (make test-all)
-SEGMENTATION = ("segmentation.py", "--samples", 60, "--batch-size", 20, "--test-batch-size", 20)
-RECIPE = ("recipe.py", "--samples", 256, "--batch-size", 32, "--clip-grad", 1, "--lr", 0.003, "--warmup", 4)
+EXAMPLE = {
+    "segmentation": ("segmentation.py", "accuracy", "--samples", 60, "--batch-size", 20, "--test-batch-size", 20),
+    "recipe": (
+        "recipe.py",
+        "accuracy",
+        "--samples",
+        256,
+        "--batch-size",
+        32,
+        "--clip-grad",
+        1,
+        "--lr",
+        0.003,
+        "--warmup",
+        4,
+    ),
+    "multilabel": ("multilabel.py", "f1", "--samples", 256, "--batch-size", 32, "--optimizer", "adam", "--lr", 0.01),
+    "bytes": (
+        "bytes.py",
+        "token_accuracy",
+        "--samples",
+        64,
+        "--seq-len",
+        16,
+        "--dim",
+        32,
+        "--batch-size",
+        16,
+        "--optimizer",
+        "adam",
+        "--lr",
+        0.003,
+    ),
+    "finetune": (
+        "finetune.py",
+        "accuracy",
+        "--batch-size",
+        8,
+        "--test-batch-size",
+        9,
+        "--optimizer",
+        "sgd",
+        "--lr",
+        0.01,
+    ),
+}
+
+
+def folder_of_photos(root):
+    """train/ and test/ ImageFolders of three colours, 24 and 9 images, and a 10-class resnet18's weights."""
+    from PIL import Image
+    from torchvision.models import resnet18
+
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 24), ("test", 9)):
+        for c, colour in enumerate([(200, 30, 30), (30, 200, 30), (30, 30, 200)]):
+            (root / split / f"c{c}").mkdir(parents=True)
+            for i in range(n // 3):
+                noise = torch.randint(0, 60, (20, 20, 3), generator=g)
+                pixels = (torch.tensor(colour) + noise).clamp(0, 255).to(torch.uint8).numpy()
+                Image.fromarray(pixels).save(root / split / f"c{c}" / f"{i}.png")
+    torch.save(resnet18(num_classes=10).state_dict(), root / "pretrained.pt")
+    return ["--folder", root, "--weights-file", root / "pretrained.pt"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("example", [SEGMENTATION, RECIPE], ids=["segmentation", "recipe"])
+@pytest.mark.parametrize("example", EXAMPLE)
 def test_an_example_trains_alike_in_stages_01_03_and_05(example, tmp_path):
-    name, *extra = example
+    name, figure, *extra = EXAMPLE[example]
+    if example == "finetune":
+        extra += folder_of_photos(tmp_path / "photos")
     common = ["--task", EXAMPLES / name, "--epochs", 1, *extra]
     runs = {
-        "01": python(S01, *common, "--output-dir", tmp_path / "01", timeout=300),
-        "03": torchrun(2, S03, *common, "--output-dir", tmp_path / "03", timeout=300),
-        "05": torchrun(2, S05, *common, "--output-dir", tmp_path / "05", timeout=300),
+        "01": python(S01, *common, "--output-dir", tmp_path / "01", timeout=600),
+        "03": torchrun(2, S03, *common, "--output-dir", tmp_path / "03", timeout=600),
+        "05": torchrun(2, S05, *common, "--output-dir", tmp_path / "05", timeout=600),
     }
     for stage, out in runs.items():
         assert out.returncode == 0, (stage, out.stderr[-2000:])
         row = metrics(tmp_path / stage)[0]
-        assert 0 <= float(row["test_accuracy"]) <= 100, row  # pixels right over pixels
+        assert 0 <= float(row[f"test_{figure}"]) <= (100 if figure == "accuracy" else 1), row
+        assert "samples/s" in out.stdout and "img/s" not in out.stdout
     losses = [float(metrics(tmp_path / stage)[0]["train_loss"]) for stage in runs]
-    assert max(losses) - min(losses) < 0.1, losses  # the same global batch in each
+    assert max(losses) - min(losses) < 0.1, losses  # the same global batch in each, the same start
+
+
+SLOWED = """
+import os, time
+from common.tasks.examples import recipe
+from common.tasks.examples.recipe import *
+
+
+def optimizer(args, net):  # each step first sleeps STEP_SLEEP seconds: time to signal mid-epoch
+    made = recipe.optimizer(args, net)
+    made.register_step_pre_hook(lambda *_: time.sleep(float(os.environ.get("STEP_SLEEP", 0))))
+    return made
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example, ranks", [("recipe", 2), ("segmentation", 1), ("multilabel", 1)])
+def test_an_example_stopped_mid_epoch_resumes_bit_identical(example, ranks, tmp_path):
+    """A per-step warm-up and clipping (recipe, two ranks), per-pixel labels, multi-hot labels and their F1."""
+    name, _, *extra = EXAMPLE[example]
+    task, slow = EXAMPLES / name, SLOW  # SLOW: Adadelta's steps sleep
+    extra = [*extra, "--samples", 256, "--batch-size", 32]  # 8 steps an epoch, as test_preemption's
+    if example == "recipe":  # AdamW, the task's own: its steps sleep
+        task, slow = tmp_path / name, {"STEP_SLEEP": 0.3}
+        task.write_text(SLOWED)
+    else:
+        extra += ["--optimizer", "adadelta", "--lr", 1.0]
+
+    def options(out, *more):
+        return ["--task", task, "--epochs", 2, *extra, "--output-dir", out, *more]
+
+    def run(out, *more):
+        ran = torchrun(2, S03, *options(out, *more), timeout=600) if ranks == 2 else python(S01, *options(out, *more))
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        return ran
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run(whole)
+    proc = start(S03 if ranks == 2 else S01, *options(cut), nproc=ranks if ranks > 1 else None, env=clean_env(**slow))
+    output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
+    step = saved_mid_epoch(cut, output, proc.returncode, proc)
+    resumed = run(cut, "--resume")
+    assert f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stdout[-2000:]
+    for part in ("model", "optimizer", "scheduler"):
+        assert_same_state(checkpoint(cut)[part], checkpoint(whole)[part], part)
+    assert [r["lr"] for r in metrics(cut)] == [r["lr"] for r in metrics(whole)]

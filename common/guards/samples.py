@@ -4,10 +4,12 @@ epoch that counted fewer samples than its sets hold; and its file of whole weigh
 it."""
 
 import re
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.data import default_collate
 
@@ -28,9 +30,11 @@ def check_metric(args, task):
     if (metric is not None or scored) and not (
         scored and isinstance(metric, tuple) and len(metric) == 2 and metric[1] in ("higher", "lower")
     ):
-        stop(f'error: --task {args.task}: a metric is `metric = (name, "higher" or "lower")` with a function '
-             "score(output, target) that returns it per sample, shape (B,): it defines one without the other, "
-             "or another kind")  # fmt: skip
+        stop(
+            f'error: --task {args.task}: a metric is `metric = (name, "higher" or "lower")` with a function '
+            "score(output, target) that returns it per sample, shape (B,): it defines one without the other, "
+            "or another kind"
+        )
     if metric is not None and metric[0] in ("loss", ""):  # metrics.csv: test_<name> beside test_loss
         stop(f"error: --task {args.task}: a metric named {metric[0]!r} would take the loss's columns in metrics.csv "
              '(test_loss): name it after what score() sums, e.g. `metric = ("mae", "lower")`')  # fmt: skip
@@ -68,6 +72,39 @@ def check_weights(args, task):
         dist.broadcast_object_list(box)
     if box[0]:
         stop(box[0])
+
+
+class Loads(TorchFunctionMode):
+    """Notes a copy of values into a tensor on the meta device, which keeps none: a load_state_dict() lost."""
+
+    def __init__(self):
+        super().__init__()
+        self.lost = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and args[0].is_meta and not args[1].is_meta:
+            self.lost = True
+        return func(*args, **(kwargs or {}))
+
+
+def check_meta_load(args, task):
+    """Stage 05 builds model(args) on the meta device (shapes, no values): weights that model(args) loads itself
+    (the torchvision idiom) were lost there, and the run trained from a random start, unsaid. One line instead."""
+    if not (hasattr(args, "full_shard") and getattr(task, "META", True)):
+        return
+    loads = Loads()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), loads, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own on a load onto meta: this line says it
+            task.model(args)
+    except Exception:  # the stage's own build names what fails
+        return
+    if loads.lost:
+        stop(
+            f"error: --task {args.task}: model(args) loads weights itself, which stage 05 would lose: it builds the "
+            "model on the meta device (shapes, no values) and would train from a random start: return the file from "
+            "weights(args) instead (rank 0 maps it, each rank receives its shards), or set META = False in the task"
+        )
 
 
 def misfits(found, task, args):
