@@ -56,6 +56,16 @@ def test_a_task_with_a_loss_and_no_metric_reports_its_loss_never_an_accuracy():
     assert hooks.OWN & {"loss"}  # the stages enter hooks.metric() for a task with a loss() alone
 
 
+def test_token_labels_without_a_loss_are_one_line_naming_loss():
+    """(B, T) labels and (B, T, C) outputs through the default cross-entropy: torch's shape message, alone."""
+    try:
+        F.cross_entropy(torch.randn(4, 16, 256), torch.randint(0, 256, (4, 16)))
+    except RuntimeError as err:
+        said = samples.explain(err, "task.py")
+    assert said.startswith("error: --task task.py: the default loss, cross-entropy, takes outputs (B, C, ...)"), said
+    assert "outputs of shape [4, 16, 256]" in said and "define loss(output, target)" in said
+
+
 def test_float_labels_without_a_loss_are_refused_naming_loss(tmp_path):
     """Multi-hot float labels with a metric of its own but the default cross-entropy trained as soft labels."""
     multi_hot = TensorDataset(torch.randn(4, 3), torch.tensor([[1.0, 0.0, 1.0]] * 4))

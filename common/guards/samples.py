@@ -172,6 +172,12 @@ def explain(err, task):
         count = losses[0].shape[1]
         return (f"error: --task {task}: a label {outside[1]}, but the model has {count} outputs (labels 0 to "
                 f"{count - 1}): give model(args) one output per class, or labels in that range")  # fmt: skip
+    if re.search(r"Expected target size .*, got", str(err)) and losses and torch.is_tensor(losses[0]):
+        return (
+            f"error: --task {task}: the default loss, cross-entropy, takes outputs (B, C, ...) with labels (B, ...), "
+            f"classes in dim 1: outputs of shape {list(losses[0].shape)} do not fit ({str(err)[:80]}): define "
+            "loss(output, target), e.g. F.cross_entropy(output.flatten(0, 1), target.flatten()) for (B, T, C)"
+        )
     if "Expected more than 1 value per channel when training" in str(err):  # BatchNorm, a batch of one sample
         return (f"error: --task {task}: a training batch of one sample reached BatchNorm, which needs two to "
                 "normalize: choose a --batch-size (per rank) that leaves no last batch of one, or --limit the set")  # fmt: skip
