@@ -4,6 +4,7 @@ line, its optimizer() and scheduler() (stepped per optimizer step), --clip-grad,
 refused. The examples of common/tasks/examples/ through the stages are the slow tests at the end."""
 
 import argparse
+import json
 import signal
 import types
 
@@ -309,3 +310,5 @@ def test_an_example_stopped_mid_epoch_resumes_bit_identical(example, ranks, tmp_
     for part in ("model", "optimizer", "scheduler"):
         assert_same_state(checkpoint(cut)[part], checkpoint(whole)[part], part)
     assert [r["lr"] for r in metrics(cut)] == [r["lr"] for r in metrics(whole)]
+    recorded = json.loads((cut / "run-manifest.json").read_text())["record"].get("recipe", "")
+    assert recorded.startswith("AdamW") if example == "recipe" else recorded == "", recorded

@@ -97,6 +97,8 @@ class Guard:
         self.saving.catch()
         parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
         record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters}
+        if hasattr(states["scheduler"], "recipe"):  # a task's optimizer() or scheduler(), not --optimizer's
+            record["recipe"] = states["scheduler"].recipe()
         state = resume.state_to_resume(self.args, path, sharded, record)
         self.claimed = True
         resume.same_columns(state, states["log"].fields)  # the task's metric renamed since: its rows do not fit
