@@ -262,8 +262,10 @@ def test_an_example_trains_alike_in_stages_01_03_and_05(example, tmp_path):
         row = metrics(tmp_path / stage)[0]
         assert 0 <= float(row[f"test_{figure}"]) <= (100 if figure == "accuracy" else 1), row
         assert "samples/s" in out.stdout and "img/s" not in out.stdout
-    losses = [float(metrics(tmp_path / stage)[0]["train_loss"]) for stage in runs]
-    assert max(losses) - min(losses) < 0.1, losses  # the same global batch in each, the same start
+    one, ddp, fsdp = (float(metrics(tmp_path / stage)[0]["train_loss"]) for stage in runs)
+    assert ddp == pytest.approx(fsdp, abs=1e-3), (ddp, fsdp)  # two ranks: the same global batch, the same start
+    if example != "finetune":  # resnet18's BatchNorm normalises each rank's half batch: not one rank's numbers
+        assert one == pytest.approx(ddp, abs=1e-3), (one, ddp)
 
 
 SLOWED = """
