@@ -103,12 +103,11 @@ def main(guard):
     # whole batches of decoded images; option: --loader, --num-workers, a task's own data set
     loader = data.loader if data.batched(train_set, args) else loaders.pipeline(args, task)
     train_loader = loader(train_set, train_sampler, args.batch_size, device)
-    test_batch = args.test_batch_size
-    val_loader = loader(val_set, range(len(val_set)), test_batch, device)
-    test_loader = loader(test_set, range(len(test_set)), test_batch, device)
+    val_loader = loader(val_set, range(len(val_set)), args.test_batch_size, device)
+    test_loader = loader(test_set, range(len(test_set)), args.test_batch_size, device)
     distributed.banner(args, rank, local_rank, world_size, device, train_loader)
 
-    metric = hooks.metric(task) if hasattr(task, "metric") else metrics.Metric()  # option: its own
+    metric = hooks.metric(task) if hooks.OWN & vars(task).keys() else metrics.Metric()  # option
     log = metrics.Log(args.output_dir, world_size, metric)
     model = task.model(args).to(device)
     optimizer = optim.optimizer(args, model.parameters())
@@ -116,6 +115,8 @@ def main(guard):
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits
     states = dict(model=model, optimizer=optimizer, scheduler=scheduler, log=log)
     step = optim.Step(model, device, optimizer, loss_fn, metric.score, train_step)
+    if args.clip_grad or hooks.RECIPE & vars(task).keys():  # option: the task's own recipe
+        step, scheduler = hooks.recipe(step, states, task, args)  # weights, optimizer, scheduler
     step = amp.mixed(step, states) if args.amp else step  # option: --amp, bf16 (fp16 scaled)
     step = compiling.compiled(step, log, args) if args.compile else step  # option: --compile
     guard.resume(resume, states)  # guard: this run's checkpoint, whole; saves on a stop from here

@@ -40,7 +40,7 @@ from torch.utils.data.distributed import DistributedSampler
 from common import checkpoint, cli, data, distributed, meta, metrics, optim, sharded
 from common.guards import rails  # guard rails: each `guard` line says what it guards; skip them
 from common.models import blocks, gathered, norms
-from common.options import amp, compiling, export, flags, holdout, hooks, large, loaders, resuming
+from common.options import amp, compiling, export, flags, holdout, hooks, loaders, resuming
 
 
 def train_step(step, x, y):
@@ -108,12 +108,11 @@ def main(guard):
     train_loader = loader(train_set, train_sampler, batch_size, device)
     # evaluation: a shard per rank, padded to as many batches on every rank; padding counts nowhere
     val_shard, test_shard = (data.shard(len(s), rank, world_size) for s in (val_set, test_set))
-    test_batch = args.test_batch_size
-    val_loader = loader(val_set, val_shard.indices, test_batch, device)
-    test_loader = loader(test_set, test_shard.indices, test_batch, device)
+    val_loader = loader(val_set, val_shard.indices, args.test_batch_size, device)
+    test_loader = loader(test_set, test_shard.indices, args.test_batch_size, device)
     distributed.banner(args, rank, local_rank, world_size, device, train_loader)
 
-    metric = hooks.metric(task) if hasattr(task, "metric") else metrics.Metric()  # option: its own
+    metric = hooks.metric(task) if hooks.OWN & vars(task).keys() else metrics.Metric()  # option
     log = metrics.Log(args.output_dir, world_size, metric)
     with torch.device("meta" if getattr(task, "META", True) else "cpu"):  # shapes: no whole model
         model = task.model(args)
@@ -139,7 +138,8 @@ def main(guard):
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits
     states = dict(model=model, optimizer=optimizer, scheduler=scheduler, log=log)
     step = optim.Step(model, device, optimizer, loss_fn, metric.score, train_step)
-    step = large.accumulating(step, args.grad_accum) if args.grad_accum > 1 else step  # option
+    if args.grad_accum > 1 or args.clip_grad or hooks.RECIPE & vars(task).keys():  # option
+        step, scheduler = hooks.recipe(step, states, task, args)  # weights, optimizer, scheduler
     guard.resume(resume, states, sharded=True)  # guard: this run's, whole; saves on a stop
     # option: --resume, a requeue: the checkpoint's state, an epoch saved part-way at its sample
     start_epoch = resuming.restore_sharded(resume, states, train_sampler) if resume else 1

@@ -29,10 +29,10 @@ FIELDS = [  # accuracy: or the task's metric; better: its direction, "higher" or
 
 
 def accuracy(output, target):
-    """Correct answers in a batch: the largest output's class, or for a single logit, 1 above 0."""
+    """Right answers: each sample's share of labels (B, ...) its top class (B, C, ...) hits."""
     if output.ndim == 1 or output.shape[1] == 1:
         return ((output.reshape(-1) > 0).long() == target.reshape(-1).long()).sum()
-    return (output.argmax(dim=1) == target).sum()
+    return (output.argmax(dim=1) == target).reshape(len(target), -1).float().mean(1).sum()
 
 
 class Metric(NamedTuple):
@@ -155,7 +155,7 @@ class Log:
             tested = f"accuracy {correct} ({tested})"
         speed = row["images_per_s"]
         line += [f"test loss {row['test_loss']:.4f}", tested, f"{row['epoch_seconds']:.2f} s"]
-        line.append(f"{speed:.0f} img/s ({speed / self.world_size:.0f} per process)")
+        line.append(f"{speed:.0f} samples/s ({speed / self.world_size:.0f} per process)")
         line += [f"peak {row['peak_memory_mib']:.0f} MiB"] if row["peak_memory_mib"] != "" else []
         line += [f"compile {row['compile_seconds']:.1f} s"] if row["compile_seconds"] else []
         print0(" | ".join(line))
@@ -172,5 +172,5 @@ class Log:
         last = f"accuracy {last}" if self.metric.name == "accuracy" else last
         print0(
             f"done: {len(self.rows)} epochs, {seconds:.1f} s of training, "
-            f"{images / seconds:.0f} img/s, test {last} | metrics in {self.path}"
+            f"{images / seconds:.0f} samples/s, test {last} | metrics in {self.path}"
         )

@@ -271,18 +271,18 @@ def weights_file(kind, folder):
      ("a plain pickle", "is damaged or no file torch.save wrote (is not in torch.save's zip format)"),
      ("a training checkpoint", "holds no state dict, names of tensors (a training checkpoint?"), ("whole", None)],
 )  # fmt: skip
-def test_a_weights_file_is_checked_before_stage_05_reads_it(kind, named, tmp_path):
-    """The task's weights(args), which stage 05's rank 0 loads: a FIFO blocked it for ever, a file cut short was
-    torch's "central directory" error naming no file. Checked from its headers; stages 01-04 do not read it."""
+@pytest.mark.parametrize("stage", ["01", "05"])
+def test_a_weights_file_is_checked_before_a_stage_reads_it(kind, named, stage, tmp_path):
+    """The task's weights(args), which every stage starts from (stage 05's rank 0 maps it): a FIFO blocked it for
+    ever, a file cut short was torch's "central directory" error naming no file. Checked from its headers."""
     path = weights_file(kind, tmp_path)
     task = argparse.Namespace(weights=lambda args: str(path))  # a str, as a task may return
-    stage05 = argparse.Namespace(task=tmp_path / "task.py", full_shard=False)
-    samples.check_weights(argparse.Namespace(task=tmp_path / "task.py"), task)  # stages 01-04: not read
+    args = argparse.Namespace(task=tmp_path / "task.py", **({"full_shard": False} if stage == "05" else {}))
     if named is None:
-        samples.check_weights(stage05, task)
+        samples.check_weights(args, task)
         return
     with pytest.raises(SystemExit) as stop:
-        samples.check_weights(stage05, task)
+        samples.check_weights(args, task)
     said = stop.value.code
     assert said.startswith(f"error: --task {tmp_path / 'task.py'}: its weights(args) file {path} {named}"), said
     assert said.endswith(": give a torch.save'd state dict of the task's model") and "\n" not in said, said

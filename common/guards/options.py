@@ -29,6 +29,7 @@ DEFINING = (
     "scheduler",
     "gamma",
     "step_size",
+    "clip_grad",
     "amp",  # the precision, and the scaler state a checkpoint holds
     # compiled kernels round differently from eager ones: the same run only with the same choice
     "compile",
@@ -85,6 +86,7 @@ RANGES = {
     "target": "(-inf, inf)",
     "num_workers": "[0, inf)",
     "checkpoint_minutes": "(0, inf)",
+    "clip_grad": "(0, 3.4e38]",
     "seed": "[0, 4294967295]",  # numpy.random.seed's limit; past 2**64 torch.manual_seed crashes
     # a collective that waits a day is a hang: a larger value is a typo (milliseconds?), and past
     # datetime.timedelta's range it would crash the process group's setup

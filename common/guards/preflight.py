@@ -107,10 +107,10 @@ def check_datasets(args, task, *datasets):
         try:
             x, y = drawn(found, [0])[0]
             floats = [t.dtype for t in pytree.tree_leaves(y) if torch.is_tensor(t) and t.is_floating_point()]
-            if (floats or isinstance(y, float)) and not hasattr(task, "loss") and not hasattr(task, "metric"):
+            if (floats or isinstance(y, float)) and not hasattr(task, "loss"):  # soft labels, unsaid
                 raise TypeError(
-                    f"a label of {floats[0] if floats else float}: cross-entropy and accuracy count "
-                    "class numbers; define loss() and metric, score() for other targets"
+                    f"a label of {floats[0] if floats else float}: the default loss, cross-entropy, takes class "
+                    "numbers; define loss(output, target) (and metric, score()) for float or multi-hot targets"
                 )
         except Exception as err:  # the user's data set: anything can fail here
             stop(

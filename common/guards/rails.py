@@ -81,7 +81,8 @@ class Guard:
         """Every rank trains the same run on the same data; the run's manifest records what it is trained on."""
         preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.sizes = (len(train_set), len(val_set), len(test_set))  # what each epoch must count: check_epoch()
-        samples.check_weights(self.args, task)  # stage 05's file of whole weights, before it is trusted
+        samples.check_weights(self.args, task)  # the task's file of whole weights, before it is trusted
+        samples.check_meta_load(self.args, task)  # stage 05: weights model(args) loads itself are lost on meta
         self.data = preflight.fingerprint(train_set)
 
     def resume(self, path, states, sharded=False):
@@ -98,6 +99,8 @@ class Guard:
         self.saving.catch()
         parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
         record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters}
+        if hasattr(states["scheduler"], "recipe"):  # a task's optimizer() or scheduler(), not --optimizer's
+            record["recipe"] = states["scheduler"].recipe()
         state = resume.state_to_resume(self.args, path, sharded, record)
         self.claimed = True
         resume.same_columns(state, states["log"].fields)  # the task's metric renamed since: its rows do not fit

@@ -4,10 +4,12 @@ epoch that counted fewer samples than its sets hold; and its file of whole weigh
 it."""
 
 import re
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.data import default_collate
 
@@ -30,7 +32,8 @@ def check_metric(args, task):
     ):
         stop(
             f'error: --task {args.task}: a metric is `metric = (name, "higher" or "lower")` with a function '
-            "score(output, target) that sums it over a batch: it defines one without the other, or another kind"
+            "score(output, target) that returns it per sample, shape (B,): it defines one without the other, "
+            "or another kind"
         )
     if metric is not None and metric[0] in ("loss", ""):  # metrics.csv: test_<name> beside test_loss
         stop(
@@ -42,9 +45,9 @@ def check_metric(args, task):
 def check_weights(args, task):
     """The task's `weights(args)` file, which rank 0 alone reads (meta.load_whole()): checked there against what
     it declares, headers only, before it is trusted; a FIFO blocked rank 0 for ever, a file cut short was torch's
-    "central directory" error naming no file. Every rank ends with rank 0's verdict. Stage 05 alone has
-    --full-shard, and reads the file."""
-    if not (hasattr(args, "full_shard") and getattr(task, "weights", None)):
+    "central directory" error naming no file; keys that do not fit model(args) were torch's message, the keys
+    elided. Every rank ends with rank 0's verdict. Every stage starts from the file (common/options/hooks.py)."""
+    if not getattr(task, "weights", None):
         return
     path, problem = is_rank0() and task.weights(args), None
     path = path and Path(path)
@@ -61,15 +64,75 @@ def check_weights(args, task):
         else:
             if not (isinstance(found, dict) and found and all(torch.is_tensor(v) for v in found.values())):
                 problem = "holds no state dict, names of tensors (a training checkpoint? --save-model writes one)"
-    box = [
-        problem
-        and f"error: --task {args.task}: its weights(args) file {path} {problem}: give a torch.save'd "
-        "state dict of the task's model"
-    ]
+            elif misfit := misfits(found, task, args):
+                problem = f"does not fit model(args): {misfit}"
+    fix = "give a torch.save'd state dict of the task's model"
+    if problem and problem.startswith("does not fit"):
+        fix = 'name the keys to leave at their initialisation (a new head) in the task: FRESH = ("fc.",)'
+    box = [problem and f"error: --task {args.task}: its weights(args) file {path} {problem}: {fix}"]
     if dist.is_initialized():
         dist.broadcast_object_list(box)
     if box[0]:
         stop(box[0])
+
+
+class Loads(TorchFunctionMode):
+    """Notes a copy of values into a tensor on the meta device, which keeps none: a load_state_dict() lost."""
+
+    def __init__(self):
+        super().__init__()
+        self.lost = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_ and args[0].is_meta and not args[1].is_meta:
+            self.lost = True
+        return func(*args, **(kwargs or {}))
+
+
+def check_meta_load(args, task):
+    """Stage 05 builds model(args) on the meta device (shapes, no values): weights that model(args) loads itself
+    (the torchvision idiom) were lost there, and the run trained from a random start, unsaid. One line instead."""
+    if not (hasattr(args, "full_shard") and getattr(task, "META", True)):
+        return
+    loads = Loads()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), loads, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's own on a load onto meta: this line says it
+            task.model(args)
+    except Exception:  # the stage's own build names what fails
+        return
+    if loads.lost:
+        stop(
+            f"error: --task {args.task}: model(args) loads weights itself, which stage 05 would lose: it builds the "
+            "model on the meta device (shapes, no values) and would train from a random start: return the file from "
+            "weights(args) instead (rank 0 maps it, each rank receives its shards), or set META = False in the task"
+        )
+
+
+def misfits(found, task, args):
+    """The keys of `found` that do not fit model(args), built on the meta device (shapes alone), but FRESH's: the
+    first few missing, unexpected and mis-shaped ones and their counts; None if it fits or cannot be built so."""
+    fresh = tuple(getattr(task, "FRESH", ()))
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = task.model(args).state_dict()
+    except Exception:  # its own load names what fails
+        return None
+    want = {k: list(t.shape) for k, t in model.items() if not k.startswith(fresh)}
+    got = {k: list(t.shape) for k, t in found.items() if not k.startswith(fresh)}
+    kinds = {
+        "missing": [k for k in want if k not in got],
+        "unexpected": [k for k in got if k not in want],
+        "mis-shaped": [
+            f"{k} {got[k]} in the file, {want[k]} in the model" for k in want if got.get(k, want[k]) != want[k]
+        ],
+    }
+    said = [
+        f"{len(keys)} {kind} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+        for kind, keys in kinds.items()
+        if keys
+    ]
+    return "; ".join(said) or None
 
 
 def check_collate(args, task, name, samples):
@@ -120,6 +183,12 @@ def explain(err, task):
         return (
             f"error: --task {task}: a label {outside[1]}, but the model has {count} outputs (labels 0 to "
             f"{count - 1}): give model(args) one output per class, or labels in that range"
+        )
+    if re.search(r"Expected target size .*, got", str(err)) and losses and torch.is_tensor(losses[0]):
+        return (
+            f"error: --task {task}: the default loss, cross-entropy, takes outputs (B, C, ...) with labels (B, ...), "
+            f"classes in dim 1: outputs of shape {list(losses[0].shape)} do not fit ({str(err)[:80]}): define "
+            "loss(output, target), e.g. F.cross_entropy(output.flatten(0, 1), target.flatten()) for (B, T, C)"
         )
     if "Expected more than 1 value per channel when training" in str(err):  # BatchNorm, a batch of one sample
         return (

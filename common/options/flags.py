@@ -43,6 +43,13 @@ def add(p):
         "of the task's metric (accuracy: in %%, at least) (holdout.py)",
     )
     add("--patience", type=int, default=1, help="see --target (default: 1) (holdout.py)")
+    add(
+        "--clip-grad",
+        type=float,
+        metavar="NORM",
+        help="clip the gradients' global norm to NORM before each optimizer step "
+        "(after --amp's unscaling; stage 05: the sharded gradients) (hooks.py)",
+    )
 
 
 def large(p):

@@ -1,10 +1,133 @@
 """A task's hooks beyond model() and datasets() (common/tasks/README.md), read where a task defines
-them: its own metric and score() (metric()); its collate() is the loaders' (loaders.py)."""
+them: its own metric and score(), or its loss() as its figure (metric()); its collate() is the
+loaders' (loaders.py)."""
 
+import torch
+import torch.distributed as dist
+
+from common import optim
+from common.checkpoint import unwrap
+from common.data import count
 from common.metrics import Metric
+from common.options import large
+
+OWN = {"metric", "loss"}  # a task defining either is measured here: accuracy counts class numbers
 
 
 def metric(task):
-    """The task's `metric = ("mae", "lower")` and its `score(output, target)` summed over a batch:
-    the epoch lines, metrics.csv (test_mae), --target and the tools follow it."""
-    return Metric(*task.metric, task.score)
+    """The task's `metric = ("mae", "lower")` with score(output, target), a value per sample, summed
+    here: the epoch lines, metrics.csv (test_mae), --target and the tools follow it. A task with a
+    loss() and no metric of its own: its mean loss, lower is better, never an accuracy."""
+    if not hasattr(task, "metric"):
+        return Metric("mean_loss", "lower", lambda output, y: task.loss(output, y) * count(y))
+    return Metric(*task.metric, lambda output, y: per_sample(task.score(output, y), count(y)))
+
+
+def per_sample(scores, samples):
+    """The sum of score()'s values, one per sample: a sum or a mean the stages would misread."""
+    if not (torch.is_tensor(scores) and tuple(scores.shape) == (samples,)):
+        got = tuple(scores.shape) if torch.is_tensor(scores) else type(scores).__name__
+        raise ValueError(
+            f"the task's score(output, target) must return one value per sample, of shape "
+            f"({samples},) for this batch, not {got}: the stages sum it and divide by the samples"
+        )
+    return scores.sum()
+
+
+RECIPE = {"optimizer", "scheduler", "weights"}  # a task's own; with --clip-grad: recipe()
+
+
+def recipe(step, states, task, args):
+    """The task's own recipe (common/tasks/README.md): its weights(args) to start from (stage 05
+    maps them in common/meta.py, but for FRESH keys), its optimizer(args, model), its
+    scheduler(args, optimizer), stepped after every optimizer step, and --clip-grad, before each
+    step (after --amp's unscaling; stage 05's sharded gradients as they are); stage 05's
+    --grad-accum too. Returns the step, and the scheduler the stage steps at each epoch's end."""
+    path = getattr(task, "weights", None) and task.weights(args)
+    fresh = tuple(getattr(task, "FRESH", ()))
+    if path and (fresh or not hasattr(args, "full_shard")):
+        load_weights(step.model, path, fresh)
+    if getattr(args, "grad_accum", 1) > 1:
+        step = large.accumulating(step, args.grad_accum)
+    if not (args.clip_grad or {"optimizer", "scheduler"} & vars(task).keys()):
+        return step, states["scheduler"]
+    optimizer = task.optimizer(args, unwrap(step.model)) if hasattr(task, "optimizer") else None
+    optimizer = optimizer or step.optimizer
+    if hasattr(task, "scheduler"):
+        inner, per_step = task.scheduler(args, optimizer), True
+    elif optimizer is not step.optimizer:
+        inner, per_step = optim.scheduler(args, optimizer), False  # the stage's own, per epoch
+    else:
+        inner, per_step = states["scheduler"], False
+    schedule = Schedule(optimizer, inner, per_step, args.clip_grad)
+    states.update(optimizer=optimizer, scheduler=schedule)
+    return step._replace(optimizer=optimizer), schedule
+
+
+class Schedule:
+    """The scheduler the stage steps once an epoch: the stage's own, or the task's, stepped after
+    every optimizer step instead. The rate the optimizer used last (the epoch line, metrics.csv);
+    what defines the recipe, saved with it: a resume with another optimizer or schedule is refused.
+    """
+
+    def __init__(self, optimizer, inner, per_step, clip):
+        self.optimizer, self.inner, self.per_step, self.clip = optimizer, inner, per_step, clip
+        self.used = [group["lr"] for group in optimizer.param_groups]
+        optimizer.register_step_pre_hook(self.before)
+        if per_step:
+            optimizer.register_step_post_hook(lambda *_: inner.step())
+
+    def before(self, optimizer, *_):
+        if self.clip:  # GradScaler calls step() after unscaling, and not at all after an inf
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.clip)
+        self.used = [group["lr"] for group in optimizer.param_groups]
+
+    def step(self):
+        if not self.per_step:
+            self.inner.step()
+
+    def get_last_lr(self):
+        return self.used if self.per_step else self.inner.get_last_lr()
+
+    def recipe(self):
+        """The optimizer's and scheduler's classes and settings, the rates aside."""
+        groups = [
+            {k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+            for g in self.optimizer.param_groups
+        ]
+        sizes = [len(g["params"]) for g in self.optimizer.param_groups]
+        kind = "per step" if self.per_step else "per epoch"
+        return (
+            f"{type(self.optimizer).__name__} {groups} of {sizes} tensors, "
+            f"{type(self.inner).__name__} {kind}"
+        )
+
+    def state_dict(self):
+        return {"inner": self.inner.state_dict(), "used": self.used, "recipe": self.recipe()}
+
+    def load_state_dict(self, state):
+        if state.get("recipe") != self.recipe():
+            raise ValueError(
+                f"the checkpoint was trained with {state.get('recipe', 'the stage optimizer')}, "
+                f"this run defines {self.recipe()}: resume with the same optimizer(), scheduler()"
+            )
+        self.inner.load_state_dict(state["inner"])
+        self.used = state["used"]
+
+
+def load_weights(model, path, fresh):
+    """weights(args)'s file into the model, but its keys that start with one of `fresh` (a new
+    head), left as initialised: on each rank (stages 01-04), or mapped by rank 0 alone, each rank
+    receiving its shards (stage 05)."""
+    from torch.distributed.checkpoint import state_dict as sd
+
+    sharded = any(hasattr(t, "to_local") for t in model.state_dict().values())
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    whole = torch.load(path, "cpu", mmap=True, weights_only=True) if rank0 or not sharded else {}
+    whole = {k: v for k, v in whole.items() if not k.startswith(fresh)}
+    if sharded and dist.is_initialized():
+        options = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        sd.set_model_state_dict(model, whole, options=options)
+    else:
+        unwrap(model).load_state_dict(whole, strict=not fresh)

@@ -9,7 +9,7 @@ stage takes one with --task FILE (this file by default), a Python file that defi
                         common/models.py)
   init_weights(layer)   optional: stage 05 initialises the model layer by layer (common/models.py
                         materialise())
-  weights(args)         optional: a file of whole weights for stage 05 to start from
+  weights(args)         optional: a file of whole weights every stage starts from (README: more)
   META = False          optional: stage 05 builds the model whole on the CPU, not on the meta device
   add_arguments(group)  optional: the task's own options
   check(args)           optional: what is wrong with them, in a few words, or None

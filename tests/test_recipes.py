@@ -1,0 +1,316 @@
+"""A task's own figures and recipe (common/options/hooks.py): a metric that is right or refused, its loss as the
+figure when it has no metric, weights(args) in every stage with a new head left fresh or a misfit named in one
+line, its optimizer() and scheduler() (stepped per optimizer step), --clip-grad, and a resume with another recipe
+refused. The examples of common/tasks/examples/ through the stages are the slow tests at the end."""
+
+import argparse
+import json
+import signal
+import types
+
+import pytest
+import torch
+from helpers import REPO, S01, S03, S05, assert_same_state, checkpoint, clean_env, metrics, python, start, torchrun
+from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import TensorDataset
+
+from common import optim
+from common.guards import preflight, samples
+from common.metrics import Metric
+from common.options import hooks
+
+EXAMPLES = REPO / "common" / "tasks" / "examples"
+
+
+def task(**hooks_):
+    return types.SimpleNamespace(**hooks_)
+
+
+def test_a_score_summed_over_the_batch_is_refused_in_one_line():
+    """score() returns one value per sample; a sum over every token printed "token_accuracy 1970.0000"."""
+    output, target = torch.randn(4, 3, 5), torch.randint(0, 3, (4, 5))
+    summed = hooks.metric(task(metric=("token_accuracy", "higher"), score=lambda o, t: (o.argmax(1) == t).sum()))
+    with pytest.raises(ValueError, match=r"one value per sample, of shape \(4,\) for this batch, not \(\)"):
+        summed.score(output, target)
+    per_sample = hooks.metric(
+        task(metric=("token_accuracy", "higher"), score=lambda o, t: (o.argmax(1) == t).float().mean(1))
+    )
+    assert per_sample.score(output, target) == (output.argmax(1) == target).float().mean(1).sum()
+
+
+def test_per_pixel_labels_count_the_pixels_right_over_the_pixels():
+    """(B, C, H, W) outputs, (B, H, W) labels: the default accuracy printed "accuracy 268138/300 (89379.33%)"."""
+    output = torch.zeros(2, 3, 2, 2)
+    output[:, 1] = 1  # every pixel class 1
+    target = torch.tensor([[[1, 1], [1, 0]], [[1, 2], [0, 0]]])  # 3 of 4 right, then 1 of 4
+    assert Metric().score(output, target) == pytest.approx(1.0)  # 0.75 + 0.25 samples right
+    assert Metric().value(Metric().score(output, target), 2) == pytest.approx(50.0)  # % of the pixels
+
+
+def test_a_task_with_a_loss_and_no_metric_reports_its_loss_never_an_accuracy():
+    """A float-target MSE task without a metric printed "accuracy 263/1001 (26.27%)"."""
+    mse = hooks.metric(task(loss=lambda o, t: F.mse_loss(o.squeeze(1), t)))
+    output, target = torch.tensor([[1.0], [2.0]]), torch.tensor([0.0, 0.0])
+    assert (mse.name, mse.better) == ("mean_loss", "lower") and mse.score(output, target) == pytest.approx(5.0)
+    assert hooks.OWN & {"loss"}  # the stages enter hooks.metric() for a task with a loss() alone
+
+
+def test_token_labels_without_a_loss_are_one_line_naming_loss():
+    """(B, T) labels and (B, T, C) outputs through the default cross-entropy: torch's shape message, alone."""
+    try:
+        F.cross_entropy(torch.randn(4, 16, 256), torch.randint(0, 256, (4, 16)))
+    except RuntimeError as err:
+        said = samples.explain(err, "task.py")
+    assert said.startswith("error: --task task.py: the default loss, cross-entropy, takes outputs (B, C, ...)"), said
+    assert "outputs of shape [4, 16, 256]" in said and "define loss(output, target)" in said
+
+
+def test_float_labels_without_a_loss_are_refused_naming_loss(tmp_path):
+    """Multi-hot float labels with a metric of its own but the default cross-entropy trained as soft labels."""
+    multi_hot = TensorDataset(torch.randn(4, 3), torch.tensor([[1.0, 0.0, 1.0]] * 4))
+    own = task(metric=("f1", "higher"), score=lambda o, t: o.sum(1))
+    args = argparse.Namespace(task=tmp_path / "task.py")
+    with pytest.raises(SystemExit) as stop:
+        preflight.check_datasets(args, own, multi_hot, multi_hot)
+    assert "a label of torch.float32" in stop.value.code and "define loss(output, target)" in stop.value.code
+
+
+def test_a_weights_file_that_does_not_fit_is_one_line_naming_the_keys(tmp_path):
+    """A 1000-class file for a 3-class head failed in stage 05 with "The size of tensor a (2) must match the size
+    of tensor b (500)"; a file without fc.* with torch's list, the keys elided; stages 01-04 ignored the file."""
+    path = tmp_path / "whole.pt"
+    big = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 10))
+    torch.save(big.state_dict(), path)
+    small = task(model=lambda args: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), weights=lambda a: path)
+    args = argparse.Namespace(task=tmp_path / "task.py")
+    with pytest.raises(SystemExit) as stop:
+        samples.check_weights(args, small)
+    said = stop.value.code
+    assert "does not fit model(args): 2 mis-shaped (2.weight [10, 8] in the file, [3, 8] in the model" in said, said
+    assert said.endswith('FRESH = ("fc.",)') and "\n" not in said
+    samples.check_weights(args, task(FRESH=("2.",), **vars(small)))  # the new head left fresh: it fits
+
+
+def test_a_model_that_loads_its_own_weights_is_refused_in_stage_05_pointing_to_weights(tmp_path):
+    """The torchvision idiom, resnet18(weights=...): stage 05 built it on the meta device and trained from a
+    random start."""
+    saved = nn.Linear(4, 2).state_dict()
+
+    def loads_itself(args):
+        made = nn.Linear(4, 2)
+        made.load_state_dict(saved)
+        return made
+
+    stage05 = argparse.Namespace(task=tmp_path / "task.py", full_shard=False)
+    with pytest.raises(SystemExit) as stop:
+        samples.check_meta_load(stage05, task(model=loads_itself))
+    assert "model(args) loads weights itself" in stop.value.code and "weights(args)" in stop.value.code
+    samples.check_meta_load(stage05, task(model=lambda args: nn.Linear(4, 2)))  # built alone: no word
+    samples.check_meta_load(stage05, task(model=loads_itself, META=False))  # built whole: its weights kept
+
+
+def test_every_stage_starts_from_weights_and_a_fresh_head_keeps_its_initialisation(tmp_path):
+    path = tmp_path / "whole.pt"
+    torch.save(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 10)).state_dict(), path)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    head = model[2].weight.detach().clone()
+    step, states, args = recipe_step(model)
+    hooks.recipe(step, states, task(weights=lambda a: path, FRESH=("2.",)), args)
+    assert torch.equal(model[0].weight, torch.load(path)["0.weight"]) and torch.equal(model[2].weight, head)
+
+
+def recipe_step(model, clip=None):
+    args = argparse.Namespace(
+        optimizer="sgd",
+        lr=0.1,
+        momentum=0.0,
+        weight_decay=0.0,
+        scheduler="step",
+        step_size=1,
+        gamma=0.7,
+        epochs=2,
+        clip_grad=clip,
+        batch_size=64,
+        lr_scaling="none",
+    )
+    optimizer = optim.optimizer(args, model.parameters())
+    states = dict(model=model, optimizer=optimizer, scheduler=optim.scheduler(args, optimizer))
+    return optim.Step(model, torch.device("cpu"), optimizer, F.mse_loss, None, None), states, args
+
+
+def warm_up(args, optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
+
+
+def adamw(args, model):
+    groups = [{"params": [model.weight], "weight_decay": 0.1}, {"params": [model.bias], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr)
+
+
+def test_a_tasks_optimizer_and_scheduler_step_per_optimizer_step_and_clip():
+    """AdamW with parameter groups, a per-step warm-up and clipping were impossible: four --optimizer choices, a
+    scheduler stepped per epoch, no clipping."""
+    model = nn.Linear(3, 1)
+    step, states, args = recipe_step(model, clip=0.5)
+    step, scheduler = hooks.recipe(step, states, task(optimizer=adamw, scheduler=warm_up), args)
+    assert isinstance(step.optimizer, torch.optim.AdamW) and states["optimizer"] is step.optimizer
+    norms = []  # of the gradients the optimizer stepped with
+    step.optimizer.register_step_post_hook(
+        lambda *_: norms.append(float(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()))
+    )
+    for _ in range(3):
+        step.optimizer.zero_grad()
+        (model(torch.full((2, 3), 100.0)).sum() * 100).backward()
+        step.optimizer.step()
+    assert max(norms) == pytest.approx(0.5, rel=1e-4)  # clipped before each step
+    assert scheduler.get_last_lr() == [pytest.approx(0.1 * 3 / 4)] * 2  # the rate of the last step
+    assert step.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)  # stepped after each step
+    scheduler.step()  # the stage's call at the epoch's end: the task's schedule is per step
+    assert step.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    saved = scheduler.state_dict()
+    again, other = recipe_step(nn.Linear(3, 1)), recipe_step(nn.Linear(3, 1))
+    _, same = hooks.recipe(*again[:2], task(optimizer=adamw, scheduler=warm_up), again[2])
+    same.load_state_dict(saved)
+    assert same.get_last_lr() == scheduler.get_last_lr() and same.inner.last_epoch == 3
+    _, elsewise = hooks.recipe(*other[:2], task(scheduler=warm_up), other[2])  # SGD, not AdamW
+    with pytest.raises(ValueError, match="the checkpoint was trained with AdamW .* this run defines SGD"):
+        elsewise.load_state_dict(saved)
+
+
+# The examples, as a user brings them: each through stage 01, 03 and 05 at two ranks (make test-all)
+EXAMPLE = {
+    "segmentation": ("segmentation.py", "accuracy", "--samples", 60, "--batch-size", 20, "--test-batch-size", 20),
+    "recipe": (
+        "recipe.py",
+        "accuracy",
+        "--samples",
+        256,
+        "--batch-size",
+        32,
+        "--clip-grad",
+        1,
+        "--lr",
+        0.003,
+        "--warmup",
+        4,
+    ),
+    "multilabel": ("multilabel.py", "f1", "--samples", 256, "--batch-size", 32, "--optimizer", "adam", "--lr", 0.01),
+    "bytes": (
+        "bytes.py",
+        "token_accuracy",
+        "--samples",
+        64,
+        "--seq-len",
+        16,
+        "--dim",
+        32,
+        "--batch-size",
+        16,
+        "--optimizer",
+        "adam",
+        "--lr",
+        0.003,
+    ),
+    "finetune": (
+        "finetune.py",
+        "accuracy",
+        "--batch-size",
+        8,
+        "--test-batch-size",
+        9,
+        "--optimizer",
+        "sgd",
+        "--lr",
+        0.01,
+    ),
+}
+
+
+def folder_of_photos(root):
+    """train/ and test/ ImageFolders of three colours, 24 and 9 images, and a 10-class resnet18's weights."""
+    from PIL import Image
+    from torchvision.models import resnet18
+
+    g = torch.Generator().manual_seed(0)
+    for split, n in (("train", 24), ("test", 9)):
+        for c, colour in enumerate([(200, 30, 30), (30, 200, 30), (30, 30, 200)]):
+            (root / split / f"c{c}").mkdir(parents=True)
+            for i in range(n // 3):
+                noise = torch.randint(0, 60, (20, 20, 3), generator=g)
+                pixels = (torch.tensor(colour) + noise).clamp(0, 255).to(torch.uint8).numpy()
+                Image.fromarray(pixels).save(root / split / f"c{c}" / f"{i}.png")
+    torch.save(resnet18(num_classes=10).state_dict(), root / "pretrained.pt")
+    return ["--folder", root, "--weights-file", root / "pretrained.pt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", EXAMPLE)
+def test_an_example_trains_alike_in_stages_01_03_and_05(example, tmp_path):
+    name, figure, *extra = EXAMPLE[example]
+    if example == "finetune":
+        extra += folder_of_photos(tmp_path / "photos")
+    common = ["--task", EXAMPLES / name, "--epochs", 1, *extra]
+    runs = {
+        "01": python(S01, *common, "--output-dir", tmp_path / "01", timeout=600),
+        "03": torchrun(2, S03, *common, "--output-dir", tmp_path / "03", timeout=600),
+        "05": torchrun(2, S05, *common, "--output-dir", tmp_path / "05", timeout=600),
+    }
+    for stage, out in runs.items():
+        assert out.returncode == 0, (stage, out.stderr[-2000:])
+        row = metrics(tmp_path / stage)[0]
+        assert 0 <= float(row[f"test_{figure}"]) <= (100 if figure == "accuracy" else 1), row
+        assert "samples/s" in out.stdout and "img/s" not in out.stdout
+    one, ddp, fsdp = (float(metrics(tmp_path / stage)[0]["train_loss"]) for stage in runs)
+    assert ddp == pytest.approx(fsdp, abs=1e-3), (ddp, fsdp)  # two ranks: the same global batch, the same start
+    if example != "finetune":  # resnet18's BatchNorm normalises each rank's half batch: not one rank's numbers
+        assert one == pytest.approx(ddp, abs=1e-3), (one, ddp)
+
+
+SLOWED = """
+import os, time
+from common.tasks.examples import recipe
+from common.tasks.examples.recipe import *
+
+
+def optimizer(args, net):  # each step first sleeps STEP_SLEEP seconds: time to signal mid-epoch
+    made = recipe.optimizer(args, net)
+    made.register_step_pre_hook(lambda *_: time.sleep(float(os.environ.get("STEP_SLEEP", 0))))
+    return made
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example, ranks", [("recipe", 2), ("segmentation", 1), ("multilabel", 1)])
+def test_an_example_stopped_mid_epoch_resumes_bit_identical(example, ranks, tmp_path):
+    """A per-step warm-up and clipping (recipe, two ranks), per-pixel labels, multi-hot labels and their F1."""
+    name, _, *extra = EXAMPLE[example]
+    task, slow = EXAMPLES / name, SLOW  # SLOW: Adadelta's steps sleep
+    extra = [*extra, "--samples", 256, "--batch-size", 32]  # 8 steps an epoch, as test_preemption's
+    if example == "recipe":  # AdamW, the task's own: its steps sleep
+        task, slow = tmp_path / name, {"STEP_SLEEP": 0.3}
+        task.write_text(SLOWED)
+    else:
+        extra += ["--optimizer", "adadelta", "--lr", 1.0]
+
+    def options(out, *more):
+        return ["--task", task, "--epochs", 2, *extra, "--output-dir", out, *more]
+
+    def run(out, *more):
+        ran = torchrun(2, S03, *options(out, *more), timeout=600) if ranks == 2 else python(S01, *options(out, *more))
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        return ran
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run(whole)
+    proc = start(S03 if ranks == 2 else S01, *options(cut), nproc=ranks if ranks > 1 else None, env=clean_env(**slow))
+    output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
+    step = saved_mid_epoch(cut, output, proc.returncode, proc)
+    resumed = run(cut, "--resume")
+    assert f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stdout[-2000:]
+    for part in ("model", "optimizer", "scheduler"):
+        assert_same_state(checkpoint(cut)[part], checkpoint(whole)[part], part)
+    assert [r["lr"] for r in metrics(cut)] == [r["lr"] for r in metrics(whole)]
+    recorded = json.loads((cut / "run-manifest.json").read_text())["record"].get("recipe", "")
+    assert recorded.startswith("AdamW") if example == "recipe" else recorded == "", recorded
