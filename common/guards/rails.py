@@ -24,6 +24,7 @@ from common.guards import (
     divergence,
     early,
     failure,
+    identity,
     launching,
     lock,
     preflight,
@@ -46,6 +47,7 @@ class Guard:
 
     def __init__(self):
         self.args, self.lock, self.watchdog, self.saving, self.progress = None, None, None, None, Progress()
+        self.hold = None  # the folder rank 0 took and its lock, by identity (identity.py)
         self.claimed = False  # the folder is this run's (resume()): a failure keeps its traceback there
         self.data, self.sizes = None, None  # the training set's fingerprint, the sets' sizes
 
@@ -60,6 +62,7 @@ class Guard:
         check.check_environment()  # every launcher variable, before anything reads it
         check.check_args(args, gpus=0 if args.no_cuda else torch.cuda.device_count())
         self.lock = lock.claim(args.output_dir)  # first: one run per folder, and a folder it can write
+        self.hold = identity.held(args.output_dir, self.lock)  # the folder itself, whatever its path names later
         randomness.seed(args.seed)  # numpy's and random's, as the stage seeds torch's
         self.meet(args)
 
@@ -90,9 +93,10 @@ class Guard:
         with its reason in one line where not. From here on SIGTERM and SIGUSR1 stop the run at a step all ranks
         agree on, and end_of_step() saves it. `states`: the lesson's, watched, for the saves on a stop."""
         early.started()
+        identity.check_held(self.hold)  # the folder taken at start(), before its manifest is written
         if sharded and dist.is_initialized():
-            preflight.check_shared(self.args.output_dir)
-        self.saving = Saving(self.args, states, sharded, self.watchdog, self.progress)
+            preflight.check_shared(self.args.output_dir, self.lock)
+        self.saving = Saving(self.args, states, sharded, self.watchdog, self.progress, self.hold)
         self.saving.catch()
         parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
         record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters}
