@@ -31,7 +31,7 @@ def materialise(model, device, task, args):
         if unset := [n for _, _, n, t in held(m) if id(t) not in done]:
             raise TypeError(
                 f"{name} ({type(m).__name__}) has tensors that no reset_parameters() sets "
-                f"({', '.join(unset)}) on the meta device: set them there, or META = False in the task"
+                f"({', '.join(unset)}) on the meta device: set them, or META = False in the task"
             )
     return model
 
