@@ -47,8 +47,8 @@ def parser(script, groups=()):
     """The flags of every stage, then `groups`' (functions adding theirs: the options')."""
     p = Parser(description=f"image classification training, {script.parent.name}")
     add = p.add_argument
-    here = Path.cwd().joinpath  # --output-dir made absolute where the run starts: a task may chdir
-    add("--task", type=Path, default=TASK, help="a Python file: the model and data to train")
+    here = Path.cwd().joinpath  # paths made absolute where the run starts: a task's code may chdir
+    add("--task", type=here, default=TASK, help="a Python file: the model and data to train")
     add("--batch-size", type=int, default=64, help="global, split over the GPUs (default: 64)")
     add("--test-batch-size", type=int, default=1000, help="per process (default: 1000)")
     add("--epochs", type=int, default=14, help="epochs to train (default: 14)")
@@ -60,9 +60,9 @@ def parser(script, groups=()):
     add("--limit", type=int, metavar="N", help="the first N images of each split (quick runs)")
     add("--save-model", action="store_true", help="save the model to --output-dir/model.pt")
     add("--no-cuda", action="store_true", help="train on the CPU even if a GPU is visible")
-    add("--data-dir", type=Path, default=REPO / "data", help="MNIST/raw/, ... (default: data/)")
+    add("--data-dir", type=here, default=REPO / "data", help="MNIST/raw/, ... (default: data/)")
     add("--output-dir", type=here, default=default_output_dir(script), help="runs/<stage>/<job>")
-    add("--resume", nargs="?", const=True, type=Path, metavar="PATH", help="its own, or PATH's")
+    add("--resume", nargs="?", const=True, type=here, metavar="PATH", help="its own, or PATH's")
     add("--dist-timeout", type=int, default=300, help="seconds a collective waits (default: 300)")
     add("--check", action="store_true", help="check the options and exit (0, or 2 with one line)")
     add("--checkpoint-minutes", type=float, metavar="M", help="also save every M minutes")
