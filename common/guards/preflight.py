@@ -25,7 +25,8 @@ def defining(args):
     """{dest: value} of the options that define what a run computes: all but options.FREE, the task's own too, as
     plain values for the run's manifest (JSON). A cosine schedule's --epochs too: it decays to 0 over them."""
     values = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in options.FREE}
-    values["task"] = args.task.name  # where the file lies may change; which task it is may not
+    # where the file lies may change; which task it is may not: its name and what it holds
+    values["task"] = f"{args.task.name} (sha256 {hashlib.sha256(args.task.read_bytes()).hexdigest()[:16]})"
     if args.scheduler == "cosine":
         values["epochs"] = args.epochs
     return values

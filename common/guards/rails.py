@@ -29,6 +29,7 @@ from common.guards import (
     lock,
     preflight,
     randomness,
+    recorded,
     rendezvous,
     resume,
     samples,
@@ -99,8 +100,11 @@ class Guard:
         self.saving = Saving(self.args, states, sharded, self.watchdog, self.progress, self.hold)
         self.saving.catch()
         parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
-        record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters}
-        state = resume.state_to_resume(self.args, path, sharded, record)
+        world = dist.get_world_size() if dist.is_initialized() else 1  # changes the numbers, not the samples
+        record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters, "world": world}
+        # what its checkpoint must hold: its parts, the model's dtypes and shapes, the steps of an epoch
+        declared = recorded.declared(states, sharded, self.sizes and self.sizes[0], self.args)
+        state = resume.state_to_resume(self.args, path, sharded, record, declared)
         self.claimed = True
         resume.same_columns(state, states["log"].fields)  # the task's metric renamed since: its rows do not fit
         if state is not None and state["folder"]:  # a failure while every rank reads its shards names the folder
