@@ -165,19 +165,22 @@ def test_a_resume_past_its_epochs_is_refused(uninterrupted, tiny_data, tmp_path)
 
 
 def test_a_checkpoints_own_values_are_checked_before_anything_is_restored(tiny_data, tmp_path):
-    """The checkpoint's values were trusted: int64 weights loaded into float ones, an epoch of 0 printed "done: 3
+    """The checkpoint's values were trusted: int64 weights loaded into float ones (an optimizer's state too), an epoch of 0 printed "done: 3
     epochs" under --epochs 2, a step of -3 or 10^6 was blamed on a data set's __len__, a missing optimizer was a
     KeyError in the lesson. Each is one line naming what the checkpoint holds and what this run declares."""
     args, _ = cli.parse_args(stage_args(tiny_data, tmp_path, "--limit", 64, "--epochs", 3, "--resume"), [flags.add])
     model = Net()
     optimizer = torch.optim.Adadelta(model.parameters())
     states = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    model(torch.zeros(1, 1, 28, 28)).sum().backward()
+    optimizer.step()  # a state for each parameter, of its shape
     lesson.save(tmp_path, 2, states)  # the end of epoch 2 of a run whose manifest records this run's options
     ownership.write(tmp_path, {"run": "r", "writes": [], "record": {"flags": preflight.defining(args), "data": "64-0"}})
     state, path = checkpoint(tmp_path), tmp_path / resume.WHOLE
     declared = recorded.declared(states, False, 64, args)  # 64 images, a batch of 64: one step an epoch
     as_ints = {k: v.to(torch.int64) if k == "fc2.bias" else v for k, v in state["model"].items()}
     without = {k: v for k, v in state["model"].items() if k != "fc2.bias"}
+    groups = state["optimizer"]["param_groups"]
     for changed, said in [
         ({"model": as_ints}, "does not match this model: its fc2.bias is int64 of shape [10], the model's float32"),
         ({"model": without}, "does not match this model: its fc2.bias is missing"),
@@ -187,6 +190,11 @@ def test_a_checkpoints_own_values_are_checked_before_anything_is_restored(tiny_d
         ({"step": 10**6}, "holds step 1000000 of epoch 2, where an epoch of this run has 1 steps"),
         ({"optimizer": None}, "lacks its optimizer"),
         ({"optimizer": {"state": {}}}, "holds an optimizer state without its state and param_groups"),
+        (
+            {"optimizer": {"state": {0: {"square_avg": torch.zeros(3, dtype=torch.int64)}}, "param_groups": groups}},
+            "holds the optimizer's square_avg of parameter 0 as int64 of shape [3], the parameter being of shape [32, 1",
+        ),
+        ({"optimizer": {"state": {}, "param_groups": groups[:0]}}, "holds the optimizer state of 0 parameters"),
     ]:
         torch.save(state | changed, path)
         with pytest.raises(SystemExit, match=f"^error: {re.escape(str(path))} {re.escape(said)}"):

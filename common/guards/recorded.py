@@ -12,6 +12,8 @@ from common.checkpoint import SPLIT, unwrap
 from common.distributed import print0
 from common.guards.preflight import defining, same
 
+ANOTHER = "resume from another checkpoint, or with the model and --optimizer it was trained with"
+
 
 def mismatch(run, state, args, fingerprint, verb="resume"):
     """Why this run cannot continue the one a checkpoint's `state` holds, or None. `run`: what the manifest of
@@ -44,7 +46,9 @@ def declared(states, sharded, train_size, args):
     model = {} if sharded else unwrap(states["model"]).state_dict()
     tensors = {name: (str(t.dtype), tuple(t.shape)) for name, t in model.items()}
     steps = math.inf if train_size is None else 1 if args.dry_run else math.ceil(train_size / args.batch_size)
-    return {"parts": parts, "tensors": tensors if not sharded else None, "steps": steps}
+    groups = [] if sharded or states.get("optimizer") is None else states["optimizer"].param_groups
+    shapes = [tuple(p.shape) for group in groups for p in group["params"]]  # in the order its state numbers them
+    return {"parts": parts, "tensors": None if sharded else tensors, "steps": steps, "shapes": shapes or None}
 
 
 def check_values(state, declared=None):
@@ -65,7 +69,7 @@ def check_values(state, declared=None):
         return f"lacks its {', '.join(missing)} (or holds no state there): resume from another checkpoint"
     if (optimizer := state.get("optimizer")) is not None and not {"state", "param_groups"} <= optimizer.keys():
         return "holds an optimizer state without its state and param_groups: resume from another checkpoint"
-    return model_differs(state.get("model"), declared["tensors"])
+    return model_differs(state.get("model"), declared["tensors"]) or optimizer_differs(optimizer, declared["shapes"])
 
 
 def model_differs(saved, tensors):
@@ -81,6 +85,32 @@ def model_differs(saved, tensors):
                 "resume with the model (and --task) it was trained with"
             )
     return None
+
+
+def optimizer_differs(saved, shapes):
+    """Why the optimizer state `saved` does not fit this run's parameters (their `shapes`, in order), or None: as
+    many parameters, and each tensor of a parameter's state (but a count, as Adam's step) of its shape, in floats."""
+    if saved is None or shapes is None:  # stage 05: in its shards
+        return None
+    groups = saved["param_groups"] if isinstance(saved["param_groups"], list) else [None]
+    count = sum(len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else -1 for g in groups)
+    if count != len(shapes) or not isinstance(saved["state"], dict):
+        return f"holds the optimizer state of {count} parameters, this model has {len(shapes)}: {ANOTHER}"
+    for index, values in saved["state"].items():
+        if not (isinstance(index, int) and 0 <= index < len(shapes) and isinstance(values, dict)):
+            return f"holds an optimizer state for a parameter {index!r} this model lacks: {ANOTHER}"
+        for key, value in values.items():
+            if hasattr(value, "dtype") and value.numel() > 1 and not fits(value, shapes[index]):
+                return (
+                    f"holds the optimizer's {key} of parameter {index} as {shown((str(value.dtype), value.shape))}, "
+                    f"the parameter being of shape {list(shapes[index])}: {ANOTHER}"
+                )
+    return None
+
+
+def fits(value, shape):
+    """Is a tensor of an optimizer's state that of a parameter of `shape` (the same shape, a float)?"""
+    return tuple(value.shape) == shape and value.is_floating_point()
 
 
 def shown(found):
