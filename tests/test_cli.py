@@ -181,6 +181,23 @@ def test_a_resume_compares_grad_accum_and_the_task_by_what_it_holds(tmp_path, ca
     assert capsys.readouterr().out == "resumed at world size 1 from 2: the same samples, not bit-identical\n"
 
 
+def test_the_paths_are_absolute_before_the_tasks_code_runs(tmp_path, monkeypatch):
+    """A relative --output-dir was resolved again at every write: a task that changes directory (as its module is
+    read, or later in datasets()) had its checkpoints written under the new one, without manifest or lock. The
+    parser makes --output-dir, --resume, --data-dir and --task absolute where the run starts, before the task's
+    code runs."""
+    (tmp_path / "away").mkdir()
+    (tmp_path / "t.py").write_text(
+        f"import os\nfrom common.tasks.images import *  # noqa: F403\nos.chdir({str(tmp_path / 'away')!r})\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    args, _ = cli.parse_args(["--task", "t.py", "--output-dir", "out", "--resume", "c.pt", "--data-dir", "d"])
+    assert Path.cwd() == tmp_path / "away"  # the task's module moved the process
+    assert (args.output_dir, args.resume, args.data_dir, args.task) == tuple(
+        tmp_path / n for n in ("out", "c.pt", "d", "t.py")
+    )
+
+
 def test_default_output_dirs_differ():
     """Two runs started in the same second, outside Slurm and torchrun, get folders of their own."""
     code = "from pathlib import Path; from common import cli; print(cli.default_output_dir(Path('01_single_gpu/t.py')))"

@@ -352,6 +352,7 @@ def loss(output, target):  # in epoch 2, the folder is renamed and a new one mad
 """
 
 
+@pytest.mark.slow  # the fast test of the guarantee: test_a_folder_replaced_or_its_lock_removed_is_named_before_a_save
 def test_a_folder_moved_while_its_run_trains_stops_it_writing_nothing_at_the_old_path(tiny_data, tmp_path):
     """The run wrote by path: a folder renamed during epoch 2, a new one made at its path, received epoch 2's
     checkpoint and metrics (the new folder's manifest naming another run). The run stops at its next save in one
@@ -378,6 +379,7 @@ def datasets(args):  # after the lock is taken, before the manifest and the chec
 """
 
 
+@pytest.mark.slow  # the fast test of the guarantee: test_cli.py::test_the_paths_are_absolute_before_the_tasks_code_runs
 def test_a_task_that_changes_directory_leaves_the_runs_folder_where_it_was_started(tiny_data, tmp_path):
     """A relative --output-dir was resolved again at every write: a task that changes directory had its
     checkpoints written under the new one, without manifest or lock. It is made absolute once, before any of the
