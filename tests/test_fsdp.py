@@ -242,17 +242,26 @@ def test_amp_with_batchnorm_and_every_large_model_flag(tiny_sets, tmp_path):
 @pytest.mark.slow
 def test_output_folder_not_shared_is_named(tiny_data, tmp_path):
     """Two working folders stand for two nodes that share no disk: after the first epoch's save, rank 1's
-    node cannot see the checkpoint, and the run says so instead of failing at the next resume."""
+    node cannot see the checkpoint, and the run says so instead of failing at the next resume. A relative
+    --output-dir given to ranks started in different folders names two folders: the ranks differ, said at once."""
     folders = [tmp_path / "node0", tmp_path / "node1"]
     for node in folders:
         node.mkdir()
-    args = ("--data-dir", tiny_data, "--output-dir", "out", "--num-workers", 0, "--epochs", 2)
+    # one path on every node, a folder of each node's own: each process's working folder (a relative "out" is made
+    # absolute where each rank starts, and ranks with different output folders are refused before this check)
+    args = ("--data-dir", tiny_data, "--output-dir", "/proc/self/cwd/out", "--num-workers", 0, "--epochs", 2)
     codes, outputs = srun_like(2, S05, *args, cwds=folders)
     assert codes[0] != 0, outputs
     errors = [line for line in outputs[0].splitlines() if line.startswith("error:")]
-    assert errors == [f"error: out is not shared: {socket.gethostname()} cannot see rank 0's checkpoint: in stage 05 "
+    assert errors == [f"error: /proc/self/cwd/out is not shared: {socket.gethostname()} cannot see rank 0's checkpoint: in stage 05 "
                       "every rank writes and reads shards there: choose an --output-dir that every node sees"], outputs[0]  # fmt: skip
     assert "Traceback" not in outputs[0]
+    relative = [a if a != "/proc/self/cwd/out" else "again" for a in args]  # a folder each, named alike
+    codes, outputs = srun_like(2, S05, *relative, cwds=folders)
+    assert (
+        codes[0] != 0
+        and f"error: the ranks differ in --output-dir: rank 0: {folders[0] / 'again'}, rank 1: " in outputs[0]
+    )
 
 
 def test_amp_refusals(monkeypatch):
