@@ -272,7 +272,8 @@ def test_one_writer_and_resume_without_shared_filesystem(tiny_data, tmp_path):
     for node in nodes:
         node.mkdir()
     for epochs, extra in ((1, ()), (2, ("--resume",))):
-        args = ("--data-dir", tiny_data, "--output-dir", "out", "--num-workers", 0, "--epochs", epochs, *extra)
+        out = "/proc/self/cwd/out"  # one path on every node, a folder of each node's own (its working folder)
+        args = ("--data-dir", tiny_data, "--output-dir", out, "--num-workers", 0, "--epochs", epochs, *extra)
         codes, outputs = srun_like(2, S04, *args, cwds=nodes)
         assert codes == [0, 0], outputs
     assert checkpoint(nodes[0] / "out")["epoch"] == 2 and not (nodes[1] / "out").exists()
