@@ -47,7 +47,8 @@ def parser(script, groups=()):
     """The flags of every stage, then `groups`' (functions adding theirs: the options')."""
     p = Parser(description=f"image classification training, {script.parent.name}")
     add = p.add_argument
-    add("--task", type=Path, default=TASK, help="a Python file: the model and data to train")
+    here = Path.cwd().joinpath  # paths made absolute where the run starts: a task's code may chdir
+    add("--task", type=here, default=TASK, help="a Python file: the model and data to train")
     add("--batch-size", type=int, default=64, help="global, split over the GPUs (default: 64)")
     add("--test-batch-size", type=int, default=1000, help="per process (default: 1000)")
     add("--epochs", type=int, default=14, help="epochs to train (default: 14)")
@@ -59,9 +60,9 @@ def parser(script, groups=()):
     add("--limit", type=int, metavar="N", help="the first N images of each split (quick runs)")
     add("--save-model", action="store_true", help="save the model to --output-dir/model.pt")
     add("--no-cuda", action="store_true", help="train on the CPU even if a GPU is visible")
-    add("--data-dir", type=Path, default=REPO / "data", help="MNIST/raw/, ... (default: data/)")
-    add("--output-dir", type=Path, default=default_output_dir(script), help="runs/<stage>/<job>")
-    add("--resume", nargs="?", const=True, type=Path, metavar="PATH", help="its own, or PATH's")
+    add("--data-dir", type=here, default=REPO / "data", help="MNIST/raw/, ... (default: data/)")
+    add("--output-dir", type=here, default=default_output_dir(script), help="runs/<stage>/<job>")
+    add("--resume", nargs="?", const=True, type=here, metavar="PATH", help="its own, or PATH's")
     add("--dist-timeout", type=int, default=300, help="seconds a collective waits (default: 300)")
     add("--check", action="store_true", help="check the options and exit (0, or 2 with one line)")
     add("--checkpoint-minutes", type=float, metavar="M", help="also save every M minutes")
@@ -95,11 +96,10 @@ def load_task(path):
 def parse_args(argv=None, groups=()):
     """The flags of the stage that runs (sys.argv[0]), `groups`' and those of its task (--task):
     returns (args, the task); UsageError for a command line the parser refuses."""
+    p = parser(Path(sys.argv[0]).resolve(), groups)  # before any code of the task runs
     first = argparse.ArgumentParser(add_help=False)  # --task first: the task adds options
     first.add_argument("--task", type=Path, default=TASK)
-    path = first.parse_known_args(argv)[0].task
-    task = load_task(path)
-    p = parser(Path(sys.argv[0]).resolve(), groups)
+    task = load_task(path := first.parse_known_args(argv)[0].task)
     if hasattr(task, "add_arguments"):
         task.add_arguments(p.add_argument_group(f"the task's options ({path.name})"))
     args = p.parse_args(argv)

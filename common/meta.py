@@ -22,19 +22,17 @@ def materialise(model, device, task, args):
     if not hasattr(task, "FRESH") and (path := getattr(task, "weights", lambda _: None)(args)):
         return load_whole(model, path)
     resets = [m for m in post_order(model, set()) if reset_of(m) and list(held(m, True))]
-    covered = {id(t) for m in resets for *_, t in held(m, True)}
-    for name, m in model.named_modules():
-        if any(id(t) not in covered for *_, t in held(m)):
-            raise TypeError(
-                f"{name} ({type(m).__name__}) has tensors that no reset_parameters() "
-                "sets, which stage 05 needs to initialise a model built on the meta "
-                "device: give it one, or set META = False in the task"
-            )
     done, init = set(), getattr(task, "init_weights", None) or getattr(model, "init_weights", None)
     for m in resets:
         on_cpu(m, reset_of(m), done, recurse=True)
     for m in model.modules() if init else ():
         on_cpu(m, lambda m=m: init(m), done)
+    for name, m in model.named_modules():  # a constructor's buffer, a parametrisation's original
+        if unset := [n for _, _, n, t in held(m) if id(t) not in done]:
+            raise TypeError(
+                f"{name} ({type(m).__name__}) has tensors that no reset_parameters() sets "
+                f"({', '.join(unset)}) on the meta device: set them, or META = False in the task"
+            )
     return model
 
 
@@ -65,7 +63,7 @@ def on_cpu(module, init, done, recurse=False):
 
     slots = list(held(module, recurse))
     for owner, kind, name, t in slots:
-        whole = torch.empty(t.shape)
+        whole = torch.full(t.shape, torch.nan)  # not memory's leftovers: unset is named
         if id(t) in done:  # its values so far
             whole = t.full_tensor() if isinstance(t, DTensor) else t
         whole = whole.detach().to("cpu", t.dtype, copy=True)
@@ -76,6 +74,8 @@ def on_cpu(module, init, done, recurse=False):
             init()
             for owner, kind, name, t in slots:
                 whole, local = getattr(owner, kind)[name], t
+                if whole.isnan().any() if whole.is_floating_point() else whole._version == 0:
+                    continue  # left unset by init(), or in part: named after, unless set before
                 if isinstance(t, DTensor):  # this rank's piece, cut as fully_shard cut it, locally
                     whole = distribute_tensor(
                         whole, t.device_mesh, t.placements, src_data_rank=None

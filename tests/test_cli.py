@@ -1,6 +1,7 @@
 """The command line: bounds on every option, one-line usage errors from one rank, the options a run is
 defined by, and `python -m common.guards.check` as the job scripts' check before torchrun."""
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 from helpers import S03, S05, clean_env, run
 
 from common import cli
-from common.guards import check, options, preflight
+from common.guards import check, options, preflight, recorded
 from common.options import flags
 
 LAUNCHER = ("RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_JOB_ID")
@@ -146,11 +147,55 @@ def test_every_option_is_classified():
 
 def test_defining_values_and_the_cosine_rule():
     step = preflight.defining(parse(["--epochs", "3"]))
-    assert step["lr"] == 1.0 and step["dataset"] == "mnist" and step["task"] == "images.py"
-    assert set(step) == set(options.DEFINING)  # the built-in task's options among them
+    held = hashlib.sha256(cli.TASK.read_bytes()).hexdigest()[:16]  # the task by what it holds, not its name alone
+    assert step["lr"] == 1.0 and step["dataset"] == "mnist" and step["task"] == f"images.py (sha256 {held})"
+    assert set(step) == set(options.DEFINING) - {"grad_accum"}  # the built-in task's options among them
+    large, _ = check.parse_args(["--grad-accum", "2"], [flags.large])  # stage 05's: its slices draw their own dropout
+    assert preflight.defining(large)["grad_accum"] == 2 and set(preflight.defining(large)) == set(options.DEFINING)
     cosine = preflight.defining(parse(["--epochs", "3", "--scheduler", "cosine"]))
     assert cosine == step | {"scheduler": "cosine", "epochs": 3}
     assert all(type(value) in (str, int, float, bool, type(None)) for value in cosine.values())  # weights_only loads
+
+
+def test_a_resume_compares_grad_accum_and_the_task_by_what_it_holds(tmp_path, capsys):
+    """--grad-accum was free, yet each slice draws its own dropout masks (a resume with another value trains other
+    numbers); the task was recorded by its base name, so another t.py (a label-smoothing loss) resumed
+    silently. Both are compared now, each named with both values; a run recorded before the task's hash was
+    compares its name; and a resume at another world size says so in one line."""
+    task = cli.TASK.read_text()
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "t.py").write_text(task)
+    (tmp_path / "b" / "t.py").write_text(task.replace("def datasets", "# label smoothing\ndef datasets"))
+    was, _ = check.parse_args(["--task", str(tmp_path / "a" / "t.py"), "--grad-accum", "2"], [flags.large])
+    run, state = {"flags": preflight.defining(was)}, {"epoch": 1, "step": 0}
+    assert recorded.mismatch(run, state, was, None) is None
+    now, _ = check.parse_args(["--task", str(tmp_path / "a" / "t.py"), "--grad-accum", "4"], [flags.large])
+    assert "was written with --grad-accum 2 (now 4)" in recorded.mismatch(run, state, now, None)
+    other, _ = check.parse_args(["--task", str(tmp_path / "b" / "t.py"), "--grad-accum", "2"], [flags.large])
+    differs = recorded.mismatch(run, state, other, None)
+    assert differs.startswith("was written with --task t.py (sha256 ") and "(now t.py (sha256 " in differs
+    older = {"flags": preflight.defining(was) | {"task": "t.py"}}  # recorded by its name alone
+    assert recorded.mismatch(older, state, other, None) is None
+    recorded.say_world(2, 1)
+    recorded.say_world(2, 2)
+    assert capsys.readouterr().out == "resumed at world size 1 from 2: the same samples, not bit-identical\n"
+
+
+def test_the_paths_are_absolute_before_the_tasks_code_runs(tmp_path, monkeypatch):
+    """A relative --output-dir was resolved again at every write: a task that changes directory (as its module is
+    read, or later in datasets()) had its checkpoints written under the new one, without manifest or lock. The
+    parser makes --output-dir, --resume, --data-dir and --task absolute where the run starts, before the task's
+    code runs."""
+    (tmp_path / "away").mkdir()
+    (tmp_path / "t.py").write_text(
+        f"import os\nfrom common.tasks.images import *  # noqa: F403\nos.chdir({str(tmp_path / 'away')!r})\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    args, _ = cli.parse_args(["--task", "t.py", "--output-dir", "out", "--resume", "c.pt", "--data-dir", "d"])
+    assert Path.cwd() == tmp_path / "away"  # the task's module moved the process
+    assert (args.output_dir, args.resume, args.data_dir, args.task) == tuple(
+        tmp_path / n for n in ("out", "c.pt", "d", "t.py")
+    )
 
 
 def test_default_output_dirs_differ():

@@ -2,6 +2,7 @@
 size, and its exported model is stage 01's."""
 
 import os
+import re
 import shutil
 import socket
 import sys
@@ -241,17 +242,26 @@ def test_amp_with_batchnorm_and_every_large_model_flag(tiny_sets, tmp_path):
 @pytest.mark.slow
 def test_output_folder_not_shared_is_named(tiny_data, tmp_path):
     """Two working folders stand for two nodes that share no disk: after the first epoch's save, rank 1's
-    node cannot see the checkpoint, and the run says so instead of failing at the next resume."""
+    node cannot see the checkpoint, and the run says so instead of failing at the next resume. A relative
+    --output-dir given to ranks started in different folders names two folders: the ranks differ, said at once."""
     folders = [tmp_path / "node0", tmp_path / "node1"]
     for node in folders:
         node.mkdir()
-    args = ("--data-dir", tiny_data, "--output-dir", "out", "--num-workers", 0, "--epochs", 2)
+    # one path on every node, a folder of each node's own: each process's working folder (a relative "out" is made
+    # absolute where each rank starts, and ranks with different output folders are refused before this check)
+    args = ("--data-dir", tiny_data, "--output-dir", "/proc/self/cwd/out", "--num-workers", 0, "--epochs", 2)
     codes, outputs = srun_like(2, S05, *args, cwds=folders)
     assert codes[0] != 0, outputs
     errors = [line for line in outputs[0].splitlines() if line.startswith("error:")]
-    assert errors == [f"error: out is not shared: {socket.gethostname()} cannot see rank 0's checkpoint: in stage 05 "
+    assert errors == [f"error: /proc/self/cwd/out is not shared: {socket.gethostname()} cannot see rank 0's checkpoint: in stage 05 "
                       "every rank writes and reads shards there: choose an --output-dir that every node sees"], outputs[0]  # fmt: skip
     assert "Traceback" not in outputs[0]
+    relative = [a if a != "/proc/self/cwd/out" else "again" for a in args]  # a folder each, named alike
+    codes, outputs = srun_like(2, S05, *relative, cwds=folders)
+    assert (
+        codes[0] != 0
+        and f"error: the ranks differ in --output-dir: rank 0: {folders[0] / 'again'}, rank 1: " in outputs[0]
+    )
 
 
 def test_amp_refusals(monkeypatch):
@@ -328,6 +338,7 @@ BIG_TASK = '''"""About 1 GB of fp32 weights: 64 linear layers of 2048 x 2048, a 
 its resident memory before the model is built and its peak at the end, in bytes, to --output-dir."""
 import atexit
 import os
+import re
 
 import torch
 import torch._dynamo  # noqa: F401  loaded by the first fully_shard(): 110 MB of torch's code, whatever the model
@@ -462,6 +473,79 @@ def test_a_layer_no_reset_parameters_sets_is_named():
         model = nn.Sequential(nn.Linear(2, 2), Scaled())
     with pytest.raises(TypeError, match=r"^1 \(Scaled\) has tensors that no reset_parameters\(\) sets.*META = False"):  # fmt: skip
         meta.materialise(model, CPU, None, None)
+
+
+class OwnReset(nn.Module):
+    """A layer with its own reset_parameters(), setting a parameter, a non-persistent buffer and an integer one."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.w = nn.Linear(3, 3), nn.Parameter(torch.empty(3))
+        self.register_buffer("mask", torch.empty(3), persistent=False)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.w)
+        self.mask.fill_(2.0)
+        self.steps.zero_()
+
+
+class BufferOfInit(OwnReset):
+    """A buffer its constructor sets, which its reset_parameters() does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((3,), 0.5))
+
+
+class InPart(OwnReset):
+    """A reset_parameters() that sets half of a parameter."""
+
+    def reset_parameters(self):
+        nn.init.zeros_(self.w[:2])
+        self.mask.fill_(2.0)
+        self.steps.zero_()
+
+
+class Doubled(nn.Module):
+    def forward(self, x):
+        return 2 * x
+
+
+def parametrised():
+    linear = nn.Linear(3, 3)  # its reset_parameters() initialises the weight the parametrisation computes
+    nn.utils.parametrize.register_parametrization(linear, "weight", Doubled())
+    return linear
+
+
+@pytest.mark.parametrize(
+    "make, unset",
+    [(OwnReset, None), (BufferOfInit, "1 (BufferOfInit) has tensors that no reset_parameters() sets (scale)"),
+     (InPart, "1 (InPart) has tensors that no reset_parameters() sets (w)"),
+     (parametrised, "1.parametrizations.weight (ParametrizationList) has tensors that no reset_parameters() sets "
+      "(original)")],
+    ids=["own-reset", "buffer-of-init", "in-part", "parametrisation"],
+)  # fmt: skip
+def test_every_tensor_starts_as_stage01s_or_is_named(make, unset):
+    """Stage 05 builds on the meta device, whose tensors to_empty() leaves as memory held them (5.1e3, 2e-41, zeros):
+    every parameter and buffer, non-persistent ones too, holds stage 01's value at the same seed, or the task is
+    refused in one line naming the tensor that no reset_parameters() sets; none is left as memory held it."""
+    torch.manual_seed(3)
+    whole = nn.Sequential(nn.Linear(2, 3), make())
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 3), make())
+    torch.manual_seed(3)
+    if unset:
+        with pytest.raises(TypeError, match="^" + re.escape(unset) + r" on the meta device: .*META = False"):
+            meta.materialise(model, CPU, None, None)
+        return
+    meta.materialise(model, CPU, None, None)
+    found, expected = dict(model.named_buffers()) | dict(model.named_parameters()), dict(whole.named_buffers())
+    expected |= dict(whole.named_parameters())
+    assert found.keys() == expected.keys() and "1.mask" in found
+    for name, value in expected.items():
+        torch.testing.assert_close(found[name], value, rtol=0, atol=0, msg=name)
 
 
 def test_tied_weights_are_refused_on_the_meta_device_and_kept_from_the_cpu():

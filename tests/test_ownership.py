@@ -4,10 +4,12 @@ files are never touched."""
 
 import json
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from helpers import (
     S01,
     S03,
@@ -24,7 +26,7 @@ from helpers import (
 )
 
 from common import sharded
-from common.guards import failure, lock, ownership, rails, resume
+from common.guards import failure, identity, lock, ownership, preflight, rails, resume
 
 
 def small(script, data_dir, out, *extra, **env):
@@ -330,3 +332,99 @@ def test_save_model_replaces_only_a_model_the_run_exported(tmp_path):
     assert "model.pt" in ownership.read(tmp_path)["writes"]
     (tmp_path / "model.pt").write_text("exported")
     ownership.claim(tmp_path, run, False, {}, export=True, env={})  # its own export: replaced by the next
+
+
+MOVES = """import os
+from pathlib import Path
+
+import torch.nn.functional as F
+
+from common.tasks.images import *  # noqa: F403
+
+
+def loss(output, target):  # in epoch 2, the folder is renamed and a new one made at its path (a second run's)
+    out = Path(os.environ["RUN_FOLDER"])
+    if (out / "checkpoint.pt").exists() and not out.with_name("moved").exists():
+        out.rename(out.with_name("moved"))
+        out.mkdir()
+        (out / "theirs.txt").write_text("a second run's")
+    return F.cross_entropy(output, target)
+"""
+
+
+@pytest.mark.slow  # the fast test of the guarantee: test_a_folder_replaced_or_its_lock_removed_is_named_before_a_save
+def test_a_folder_moved_while_its_run_trains_stops_it_writing_nothing_at_the_old_path(tiny_data, tmp_path):
+    """The run wrote by path: a folder renamed during epoch 2, a new one made at its path, received epoch 2's
+    checkpoint and metrics (the new folder's manifest naming another run). The run stops at its next save in one
+    line; the new folder holds only what was put there, the moved one the run's epoch 1."""
+    (tmp_path / "task.py").write_text(MOVES)
+    out = tmp_path / "run"
+    done = small(S01, tiny_data, out, "--epochs", 3, "--task", tmp_path / "task.py", RUN_FOLDER=out)
+    one_error(done, "moved, renamed or replaced", str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["theirs.txt"]
+    assert checkpoint(tmp_path / "moved")["epoch"] == 1 and len(metrics(tmp_path / "moved")) == 1
+
+
+CHANGES_DIRECTORY = """import os
+
+from common.tasks import images
+from common.tasks.images import *  # noqa: F403
+
+os.chdir(os.environ["AWAY"])  # as its module is read: before the stage parses the options
+
+
+def datasets(args):  # after the lock is taken, before the manifest and the checkpoints are written
+    os.chdir(os.path.join(os.environ["AWAY"], "further"))
+    return images.datasets(args)
+"""
+
+
+@pytest.mark.slow  # the fast test of the guarantee: test_cli.py::test_the_paths_are_absolute_before_the_tasks_code_runs
+def test_a_task_that_changes_directory_leaves_the_runs_folder_where_it_was_started(tiny_data, tmp_path):
+    """A relative --output-dir was resolved again at every write: a task that changes directory had its
+    checkpoints written under the new one, without manifest or lock. It is made absolute once, before any of the
+    task's code runs: the lock, the manifest, the checkpoint and metrics all land in the folder the command named."""
+    (tmp_path / "task.py").write_text(CHANGES_DIRECTORY)
+    (tmp_path / "away" / "further").mkdir(parents=True)
+    args = stage_args(tiny_data, "out", "--limit", 64, "--epochs", 1, "--task", tmp_path / "task.py")
+    done = run([sys.executable, str(S01), *args], env=clean_env(AWAY=tmp_path / "away"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {".lock", "run-manifest.json", "checkpoint.pt", "metrics.csv"} <= written
+    assert not [*(tmp_path / "away").rglob("out")]
+
+
+def test_a_folder_replaced_or_its_lock_removed_is_named_before_a_save(tmp_path):
+    """`rm .lock` let a second run take the folder while the first still wrote there; a folder replaced at its path
+    received the first run's saves. Each is one line from the check every save makes first, and a folder left as
+    it was passes it."""
+    out = tmp_path / "run"
+    fd = lock.claim(out)
+    hold = identity.held(out, fd)
+    assert identity.lost(hold) is None
+    (out / ".lock").unlink()
+    assert "this run's lock, was removed or replaced" in identity.lost(hold)
+    lock.claim(out)  # a second run takes the folder
+    assert "this run's lock, was removed or replaced" in identity.lost(hold)
+    out.rename(tmp_path / "moved")
+    assert f"--output-dir {out} is gone" in identity.lost(hold)
+    out.mkdir()
+    assert f"--output-dir {out} is another folder now" in identity.lost(hold)
+    with pytest.raises(SystemExit, match="another folder now"):
+        identity.check_held(hold)
+    os.close(fd)
+
+
+def test_stage05s_shared_folder_check_makes_and_deletes_no_file(tmp_path):
+    """Stage 05's check that every rank sees the output folder created and deleted `.shared` there: a user's file
+    of that name was lost. It reads the lock rank 0 holds instead: the folder's files are as they were."""
+    fd = lock.claim(tmp_path)
+    (tmp_path / ".shared").write_text("a user's")
+    before = contents(tmp_path)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        preflight.check_shared(tmp_path, fd)
+    finally:
+        dist.destroy_process_group()
+        os.close(fd)
+    assert contents(tmp_path) == before

@@ -33,6 +33,8 @@ DEFINING = (
     "amp",  # the precision, and the scaler state a checkpoint holds
     # compiled kernels round differently from eager ones: the same run only with the same choice
     "compile",
+    # stage 05: each slice of a batch draws its own dropout (and BatchNorm sees each slice): other numbers
+    "grad_accum",
     # one batch per epoch: its checkpoints are no part of a real run; ranks that differ hang
     "dry_run",
 )
@@ -53,9 +55,7 @@ FREE = (
     # where it runs and how long a collective waits: checkpoints load on any device
     "no_cuda",
     "dist_timeout",
-    # stage 05: how the same global batch fits in memory (not BatchNorm's statistics, which see the
-    # micro-batches); a job requeued onto fewer GPUs may need more accumulation than before
-    "grad_accum",
+    # stage 05: recomputing activations in the backward draws the same dropout (torch restores the RNG)
     "checkpoint_activations",
     "full_shard",  # the mesh: a sharded checkpoint loads into any
     # when to stop early: a resumed run may change its mind

@@ -5,6 +5,7 @@ launching.py)."""
 
 import hashlib
 import math
+import os
 import socket
 from pathlib import Path
 
@@ -24,7 +25,8 @@ def defining(args):
     """{dest: value} of the options that define what a run computes: all but options.FREE, the task's own too, as
     plain values for the run's manifest (JSON). A cosine schedule's --epochs too: it decays to 0 over them."""
     values = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in options.FREE}
-    values["task"] = args.task.name  # where the file lies may change; which task it is may not
+    # where the file lies may change; which task it is may not: its name and what it holds
+    values["task"] = f"{args.task.name} (sha256 {hashlib.sha256(args.task.read_bytes()).hexdigest()[:16]})"
     if args.scheduler == "cosine":
         values["epochs"] = args.epochs
     return values
@@ -147,17 +149,30 @@ def agree(args, task, *datasets):
             )
 
 
-def check_shared(output_dir):
+def first_bytes(path):
+    """The first 4 KiB of `path`, or None: never through a link, nor waiting on a FIFO."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return os.pread(fd, 4096, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def check_shared(output_dir, fd):
     """Stage 05, before the first step: every rank writes and reads shards in the output folder, so every node
-    must see the folder rank 0 writes in; one line naming the hosts that cannot."""
-    probe = output_dir / ".shared"  # the folder's lock keeps other runs out of it
-    if is_rank0():
-        probe.touch()
-    dist.barrier()
+    must see the folder rank 0 writes in; one line naming the hosts that cannot. The probe is the folder's lock
+    (`fd`, rank 0's: lock.claim()), which names its holder: no file is made or deleted, none a user may own."""
+    box = [os.pread(fd, 4096, 0) if is_rank0() else None]  # host, pid and start time of rank 0
+    dist.broadcast_object_list(box)
+    # rank 0 never opens its lock again: closing any descriptor of it would release its POSIX lock
+    seen = is_rank0() or first_bytes(output_dir / ".lock") == box[0]
     blind = [None] * dist.get_world_size()
-    dist.all_gather_object(blind, None if probe.exists() else socket.gethostname())
-    if is_rank0():
-        probe.unlink()
+    dist.all_gather_object(blind, None if seen else socket.gethostname())
     if any(blind):
         stop(
             f"error: {output_dir} is not shared: {', '.join(sorted(set(filter(None, blind))))} cannot see rank 0's "

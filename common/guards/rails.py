@@ -24,10 +24,12 @@ from common.guards import (
     divergence,
     early,
     failure,
+    identity,
     launching,
     lock,
     preflight,
     randomness,
+    recorded,
     rendezvous,
     resume,
     samples,
@@ -46,6 +48,7 @@ class Guard:
 
     def __init__(self):
         self.args, self.lock, self.watchdog, self.saving, self.progress = None, None, None, None, Progress()
+        self.hold = None  # the folder rank 0 took and its lock, by identity (identity.py)
         self.claimed = False  # the folder is this run's (resume()): a failure keeps its traceback there
         self.data, self.sizes = None, None  # the training set's fingerprint, the sets' sizes
 
@@ -60,6 +63,7 @@ class Guard:
         check.check_environment()  # every launcher variable, before anything reads it
         check.check_args(args, gpus=0 if args.no_cuda else torch.cuda.device_count())
         self.lock = lock.claim(args.output_dir)  # first: one run per folder, and a folder it can write
+        self.hold = identity.held(args.output_dir, self.lock)  # the folder itself, whatever its path names later
         randomness.seed(args.seed)  # numpy's and random's, as the stage seeds torch's
         self.meet(args)
 
@@ -93,15 +97,19 @@ class Guard:
         random generators added, which every checkpoint holds from here."""
         early.started()
         states["rng"] = randomness.Generators()  # a resumed run draws as the uninterrupted one would have
+        identity.check_held(self.hold)  # the folder taken at start(), before its manifest is written
         if sharded and dist.is_initialized():
-            preflight.check_shared(self.args.output_dir)
-        self.saving = Saving(self.args, states, sharded, self.watchdog, self.progress)
+            preflight.check_shared(self.args.output_dir, self.lock)
+        self.saving = Saving(self.args, states, sharded, self.watchdog, self.progress, self.hold)
         self.saving.catch()
         parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
-        record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters}
+        world = dist.get_world_size() if dist.is_initialized() else 1  # changes the numbers, not the samples
+        record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters, "world": world}
         if hasattr(states["scheduler"], "recipe"):  # a task's optimizer() or scheduler(), not --optimizer's
             record["recipe"] = states["scheduler"].recipe()
-        state = resume.state_to_resume(self.args, path, sharded, record)
+        # what its checkpoint must hold: its parts, the model's dtypes and shapes, the steps of an epoch
+        declared = recorded.declared(states, sharded, self.sizes and self.sizes[0], self.args)
+        state = resume.state_to_resume(self.args, path, sharded, record, declared)
         self.claimed = True
         resume.same_columns(state, states["log"].fields)  # the task's metric renamed since: its rows do not fit
         if state is not None and state["folder"]:  # a failure while every rank reads its shards names the folder

@@ -18,10 +18,10 @@ from common import checkpoint
 from common.checkpoint import SHARDED, WHOLE
 from common.distributed import print0
 from common.environment import is_rank0, restarts
-from common.guards import ownership
+from common.guards import ownership, recorded
 from common.guards.bounded import PICKLE, Refused, torch_file
 from common.guards.ending import Refusal, stop
-from common.guards.preflight import defining, same
+from common.guards.recorded import mismatch
 from common.guards.safeload import Planted, damage
 from common.options.resuming import read
 
@@ -86,7 +86,7 @@ class Unusable(Exception):
     """A checkpoint that cannot be resumed from, and why."""
 
 
-def state_to_resume(args, path, sharded, record):
+def state_to_resume(args, path, sharded, record, declared=None):
     """Every rank: whether this run may continue the checkpoint at `path` the lesson chose (checkpoint.latest();
     None: start afresh in its folder); where it may not, every rank ends with rank 0's reason. Returns the state
     rank 0 checked (None afresh), handed to all. Rank 0 has made the folder this run's (ownership.claim()), its
@@ -96,7 +96,7 @@ def state_to_resume(args, path, sharded, record):
     box = [None, None]
     if is_rank0():
         try:
-            box[0], run = find(args, path, SHARDED if sharded else WHOLE, restarted, record["data"])
+            box[0], run = find(args, path, SHARDED if sharded else WHOLE, restarted, record["data"], declared)
             ownership.claim(args.output_dir, run, sharded, record, args.save_model)
         except Refusal as verdict:  # for every rank: they end together, rank 0 says why
             box[1] = verdict.code
@@ -109,6 +109,7 @@ def state_to_resume(args, path, sharded, record):
         slurm, torchrun = restarts()
         at = f"at epoch {state['epoch']}, step {state['step']}" if state["step"] else f"after epoch {state['epoch']}"
         print0(f"resumed {at} (Slurm restart {slurm}, torchrun restart {torchrun})")
+        recorded.say_world(state["world"], record.get("world"))
     return state
 
 
@@ -125,12 +126,13 @@ def same_columns(state, fields):
         )
 
 
-def find(args, path, name, restarted, fingerprint):
+def find(args, path, name, restarted, fingerprint, declared=None):
     """Rank 0: the state of the checkpoint at `path` (a stage 05 folder: its state.pt, with "folder" added), or
     None to start afresh, and the id of the run it continues (None: a new one); a Refusal saying why where
     this run may not. `name`: the stage's own checkpoint in --output-dir; `fingerprint`: that of the training
-    set this run reads (preflight.fingerprint()). A restart is this run's only where the folder's manifest
-    names this launch (ownership.continues()): else the run starts afresh, in a folder that must be free."""
+    set this run reads (preflight.fingerprint()); `declared`: what this run's states declare (recorded.declared()).
+    A restart is this run's only where the folder's manifest names this launch (ownership.continues()): else the
+    run starts afresh, in a folder that must be free."""
     manifest = ownership.read(args.output_dir)
     restarted = restarted and ownership.continues(manifest)
     if args.resume is None and restarted and path is None:  # restarted before its first checkpoint
@@ -171,31 +173,9 @@ def find(args, path, name, restarted, fingerprint):
             f"error: {path} has no {ownership.MANIFEST} beside it to say what run it is (its options, "
             "its data): resume it in its run's folder, or copy that folder whole"
         )
-    if problem := mismatch(run, state, args, fingerprint):
+    if problem := recorded.check_values(state, declared) or mismatch(run, state, args, fingerprint):
         raise Refusal(f"error: {path} {problem}")
-    return state, ownership.check_resume(args.output_dir, manifest, path)
-
-
-def mismatch(run, state, args, fingerprint, verb="resume"):
-    """Why this run cannot continue the one a checkpoint's `state` holds, or None. `run`: what the manifest of
-    its folder records of it (a checkpoint of an older version: what it holds itself). A run from before an
-    option (or the data's fingerprint) was recorded does not record it: what it records must match."""
-    now, flags = defining(args), run.get("flags", {})
-    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in flags.items() if not same(now.get(k), v)]
-    if differ:
-        return f"was written with {', '.join(differ)}: {verb} with the same options, or use another --output-dir"
-    if run.get("data", fingerprint) != fingerprint:  # <samples>-<hash> (preflight.fingerprint)
-        return (
-            f"was trained on other data: its training set was {run['data']}, here {fingerprint} in --data-dir "
-            f"{args.data_dir}: {verb} on the data it was trained on, or use another --output-dir"
-        )
-    epoch, step = state["epoch"], state["step"]
-    if args.epochs < epoch:  # "done", and --save-model would export more epochs than asked for, or a part of one
-        return (
-            f"holds epoch {epoch}{f', step {step}' if step else ''}, past --epochs {args.epochs}: nothing to "
-            f"do; give --epochs {epoch if step else epoch + 1} or more to continue it"
-        )
-    return None
+    return state | {"world": run.get("world")}, ownership.check_resume(args.output_dir, manifest, path)
 
 
 def load(path):

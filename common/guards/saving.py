@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from common import checkpoint, distributed, sharded
 from common.environment import is_rank0
-from common.guards import divergence, ownership, resume, signals
+from common.guards import divergence, identity, ownership, resume, signals
 from common.guards.preemption import Preemption
 from common.metrics import Sums
 
@@ -30,11 +30,12 @@ class Cut(NamedTuple):
 
 class Saving:
     """The saves of a run whose `states` (the lesson's, watched) may be `sharded` (stage 05), where `progress`
-    (progress.Progress) says it started; `watchdog`: the process group's (None without one). `doing`: the
-    checkpoint being read or written, for a failure's line."""
+    (progress.Progress) says it started; `watchdog`: the process group's (None without one); `hold`: the folder
+    rank 0 took (identity.held()). `doing`: the checkpoint being read or written, for a failure's line."""
 
-    def __init__(self, args, states, sharded, watchdog, progress):
+    def __init__(self, args, states, sharded, watchdog, progress, hold=None):
         self.args, self.states, self.sharded, self.watchdog, self.progress = args, states, sharded, watchdog, progress
+        self.hold = hold
         self.doing, self.saved_at, self.epoch_done = None, (0, 0), None  # saved_at: (epoch, step) of a stop's save
         self.preemption = None
 
@@ -83,6 +84,7 @@ class Saving:
         ranks = [asdict(Sums(*part.tolist())) for part in parts]
         cut = {"epoch": epoch, "seconds": log.seconds(mine.device), "training": total, "ranks": ranks}
         self.check_weights(f"epoch {epoch} left weights that are")
+        identity.check_held(self.hold)  # the folder the run took, still at its path: else it writes nowhere
         if not self.sharded:
             resume.keep_previous(self.args.output_dir)
         self.writing(f"epoch-{epoch}-step-{step}")
@@ -97,7 +99,9 @@ class Saving:
         return sums
 
     def epoch_end(self, epoch):
-        """Before the epoch's checkpoint: the one it replaces stays as the previous one."""
+        """Before the epoch's row and checkpoint: the folder is the run's still; the checkpoint it replaces stays as
+        the previous one."""
+        identity.check_held(self.hold)  # a folder moved or replaced, or its lock gone: no write lands elsewhere
         if not self.sharded:
             resume.keep_previous(self.args.output_dir)
         self.writing(f"epoch-{epoch}")

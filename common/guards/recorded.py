@@ -1,0 +1,125 @@
+"""Guard rail: a resume is the same run only if everything that defines it is what the run recorded, and its
+checkpoint holds what this run declares. Recorded in the run's manifest and compared (mismatch()): the options that
+change the numbers (options.DEFINING, --grad-accum among them), the task file by what it holds (its hash,
+preflight.defining()), the training data (its fingerprint); the world size, which changes the numbers but not the
+samples, is said in one line before the first step (say_world()). A checkpoint's own values are checked against what
+the model and the options declare (check_values()) before anything of it is restored: its parts present, each tensor
+of the model of the model's dtype and shape, an epoch and a step in range; each a one-line refusal."""
+
+import math
+
+from common.checkpoint import SPLIT, unwrap
+from common.distributed import print0
+from common.guards.preflight import defining, same
+
+ANOTHER = "resume from another checkpoint, or with the model and --optimizer it was trained with"
+
+
+def mismatch(run, state, args, fingerprint, verb="resume"):
+    """Why this run cannot continue the one a checkpoint's `state` holds, or None. `run`: what the manifest of
+    its folder records of it (a checkpoint of an older version: what it holds itself). A run from before an
+    option (or the data's fingerprint) was recorded does not record it: what it records must match."""
+    now, flags = defining(args), run.get("flags", {})
+    if "(sha256 " not in str(flags.get("task", "(sha256 ")):  # recorded before the task's content was: its name
+        now["task"] = args.task.name
+    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in flags.items() if not same(now.get(k), v)]
+    if differ:
+        return f"was written with {', '.join(differ)}: {verb} with the same options, or use another --output-dir"
+    if run.get("data", fingerprint) != fingerprint:  # <samples>-<hash> (preflight.fingerprint)
+        return (
+            f"was trained on other data: its training set was {run['data']}, here {fingerprint} in --data-dir "
+            f"{args.data_dir}: {verb} on the data it was trained on, or use another --output-dir"
+        )
+    epoch, step = state["epoch"], state["step"]
+    if args.epochs < epoch:  # "done", and --save-model would export more epochs than asked for, or a part of one
+        return (
+            f"holds epoch {epoch}{f', step {step}' if step else ''}, past --epochs {args.epochs}: nothing to "
+            f"do; give --epochs {epoch if step else epoch + 1} or more to continue it"
+        )
+    return None
+
+
+def declared(states, sharded, train_size, args):
+    """What a checkpoint of this run holds: the parts of `states` (stage 05's model and optimizer are in its
+    shards), the model's tensors as (dtype, shape) by name (whole checkpoints), and the most steps an epoch has."""
+    parts = [name for name in states if not (sharded and name in SPLIT)]
+    model = {} if sharded else unwrap(states["model"]).state_dict()
+    tensors = {name: (str(t.dtype), tuple(t.shape)) for name, t in model.items()}
+    steps = math.inf if train_size is None else 1 if args.dry_run else math.ceil(train_size / args.batch_size)
+    groups = [] if sharded or states.get("optimizer") is None else states["optimizer"].param_groups
+    shapes = [tuple(p.shape) for group in groups for p in group["params"]]  # in the order its state numbers them
+    return {"parts": parts, "tensors": None if sharded else tensors, "steps": steps, "shapes": shapes or None}
+
+
+def check_values(state, declared=None):
+    """Why the checkpoint's `state` is not one this run wrote, or None: an epoch from 1, a step from 0 to the steps
+    of an epoch, the parts this run restores, the model's tensors of its dtypes and shapes."""
+    epoch, step = state.get("epoch"), state.get("step", 0)
+    if not (isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 1):
+        return f"holds epoch {epoch!r}, which no run saves (its epochs count from 1): resume from another checkpoint"
+    steps = declared["steps"] if declared else math.inf
+    if not (isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= steps):
+        return (
+            f"holds step {step!r} of epoch {epoch}, where an epoch of this run has {steps} steps: it is not this "
+            "run's (another --batch-size, --limit or data?): resume from another checkpoint"
+        )
+    if declared is None:
+        return None
+    if missing := [name for name in declared["parts"] if not isinstance(state.get(name), dict)]:
+        return f"lacks its {', '.join(missing)} (or holds no state there): resume from another checkpoint"
+    if (optimizer := state.get("optimizer")) is not None and not {"state", "param_groups"} <= optimizer.keys():
+        return "holds an optimizer state without its state and param_groups: resume from another checkpoint"
+    return model_differs(state.get("model"), declared["tensors"]) or optimizer_differs(optimizer, declared["shapes"])
+
+
+def model_differs(saved, tensors):
+    """Why the checkpoint's model `saved` does not fit the model's `tensors` ({name: (dtype, shape)}), or None."""
+    if tensors is None:  # stage 05: its shards, checked against the model by the load itself
+        return None
+    for name in sorted(set(tensors) | set(saved)):
+        found = saved.get(name)
+        found = (str(found.dtype), tuple(found.shape)) if hasattr(found, "dtype") else found
+        if found != tensors.get(name):
+            return (
+                f"does not match this model: its {name} is {shown(found)}, the model's {shown(tensors.get(name))}: "
+                "resume with the model (and --task) it was trained with"
+            )
+    return None
+
+
+def optimizer_differs(saved, shapes):
+    """Why the optimizer state `saved` does not fit this run's parameters (their `shapes`, in order), or None: as
+    many parameters, and each tensor of a parameter's state (but a count, as Adam's step) of its shape, in floats."""
+    if saved is None or shapes is None:  # stage 05: in its shards
+        return None
+    groups = saved["param_groups"] if isinstance(saved["param_groups"], list) else [None]
+    count = sum(len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else -1 for g in groups)
+    if count != len(shapes) or not isinstance(saved["state"], dict):
+        return f"holds the optimizer state of {count} parameters, this model has {len(shapes)}: {ANOTHER}"
+    for index, values in saved["state"].items():
+        if not (isinstance(index, int) and 0 <= index < len(shapes) and isinstance(values, dict)):
+            return f"holds an optimizer state for a parameter {index!r} this model lacks: {ANOTHER}"
+        for key, value in values.items():
+            if hasattr(value, "dtype") and value.numel() > 1 and not fits(value, shapes[index]):
+                return (
+                    f"holds the optimizer's {key} of parameter {index} as {shown((str(value.dtype), value.shape))}, "
+                    f"the parameter being of shape {list(shapes[index])}: {ANOTHER}"
+                )
+    return None
+
+
+def fits(value, shape):
+    """Is a tensor of an optimizer's state that of a parameter of `shape` (the same shape, a float)?"""
+    return tuple(value.shape) == shape and value.is_floating_point()
+
+
+def shown(found):
+    if found is None:
+        return "missing"
+    return f"{found[0].removeprefix('torch.')} of shape {list(found[1])}" if isinstance(found, tuple) else repr(found)
+
+
+def say_world(was, now):
+    """Before the first step of a resumed run: where its world size changed, one line saying what that keeps."""
+    if isinstance(was, int) and isinstance(now, int) and was != now:
+        print0(f"resumed at world size {now} from {was}: the same samples, not bit-identical")
