@@ -25,6 +25,7 @@ from common.environment import is_rank0
 from common.guards import ownership, safeload, samples
 from common.guards.described import LIMIT, line, message, place
 from common.guards.ending import Refusal
+from common.guards.waits import fail
 
 LESSON = Path(__file__).resolve().parents[1]  # common/
 REFUSALS = (ValueError, TypeError, FileNotFoundError)  # the lesson's: a value or option, an object, a file
@@ -102,6 +103,26 @@ def fallback(err, guard):
         return said if is_rank0() else 1  # as once()
     said = said.replace("error: ", f"error: rank {rank}: ", 1)
     return guard.watchdog.failed(said) if guard.watchdog else said  # the others then name it, not guess
+
+
+def in_thread(guard):
+    """threading.excepthook for a run: an error in a thread (a task's, a library's) ends the run with one line
+    naming the thread, as the main thread's would; the others then name this rank. A SystemExit ends its thread
+    alone, as Python's own hook has it (the watchdog's threads end so)."""
+
+    def hook(raised):
+        if issubclass(raised.exc_type, SystemExit):
+            return
+        err, name = raised.exc_value, getattr(raised.thread, "name", "?")
+        said = settle(err, guard)
+        if not isinstance(said, str):  # a verdict rank 0 would say for all: this rank alone met it
+            said = line(err, guard.args and guard.args.task, None, distributed.launcher().rank)
+        said = said.replace("error: ", f"error: in thread {name}: ", 1)
+        if guard.watchdog:
+            guard.watchdog.failed(said)
+        fail(said)
+
+    return hook
 
 
 def settle(err, guard):
