@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from helpers import REPO, S01, S03, clean_env, one_error, python, srun_like, srun_start, stage_args, wait_for
+from helpers import REPO, S01, S03, clean_env, free_port, one_error, python, stage_args, wait_for
 
 from common.guards import ending
 
@@ -80,3 +80,38 @@ def test_the_end_names_the_threads_it_does_not_wait_for():
         stop.set()
     kept.join()
     assert ending.lingering() == []
+
+
+def launch(world_sizes, args, job_ids=None, procids=None, **extra):
+    """srun's tasks of one step, each with its own SLURM_NTASKS (and job id, and SLURM_PROCID where given): one
+    launched by hand beside the others, or by another job."""
+    port, procs = free_port(), []
+    for rank, world_size in enumerate(world_sizes):
+        env = clean_env(SLURM_JOB_ID=(job_ids or [77] * len(world_sizes))[rank], SLURM_JOB_NODELIST="localhost",
+                        SLURM_NTASKS=world_size, SLURM_PROCID=(procids or range(len(world_sizes)))[rank],
+                        SLURM_LOCALID=rank, SLURM_STEP_ID=0, MASTER_PORT=port, **extra)  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, str(S03), *map(str, args)], env=env, cwd=REPO,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        time.sleep(0.5 * rank)
+    started = time.monotonic()
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    return [p.returncode for p in procs], outs, time.monotonic() - started
+
+
+def errors(out):
+    return [line for line in out.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", [0, 1])
+def test_a_task_with_another_world_size_is_named_by_every_rank_at_once(first, tmp_path):
+    """One task sees SLURM_NTASKS 3, its peer 2: it ended 1 with no output (the batch check rank 0 says for all) and
+    rank 0 waited out --dist-timeout to say "a rank that failed first printed its own error", which none had. Now each
+    ends in seconds with one line naming SLURM_NTASKS, whichever reaches the store first."""
+    sizes = [2, 3] if first == 0 else [3, 2]
+    args = stage_args(REPO / "data", tmp_path / "out", "--task", "common/tasks/sequences.py", "--dist-timeout", 120)
+    codes, outs, seconds = launch(sizes, args)
+    assert all(codes) and seconds < 60, (codes, seconds, outs)
+    for out in outs:
+        assert len(errors(out)) == 1 and "Traceback" not in out, out[-3000:]
+        assert "SLURM_NTASKS" in errors(out)[0], errors(out)

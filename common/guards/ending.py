@@ -23,6 +23,7 @@ class Refusal(SystemExit):
 
     def __init__(self, line, once=False):
         super().__init__(1 if once and not is_rank0() else line)
+        self.line = line if isinstance(line, str) else None  # told to the others where this rank met it alone
 
 
 def stop(message):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from common import cli, distributed
 from common.guards import (
+    arrival,
     check,
     divergence,
     early,
@@ -150,8 +151,19 @@ def run(main):
     except BaseException as err:
         signals.hold()  # the verdict is being reached: a stop now (torchrun's, for a rank that failed) waits for it
         code, together = verdict(err, guard)
+        if guard.watchdog is None and guard.args is not None and not isinstance(err, signals.Stopped):
+            code = told(err, code, guard)
     guard.close(together)
     end(code, joined=guard.watchdog is not None)
+
+
+def told(err, code, guard):
+    """A rank that failed before it met the others: its line, told to them through the store (arrival.tell()), and
+    said here too where its launch differs from theirs, a verdict rank 0 would say for all had all met it."""
+    line = code if isinstance(code, str) else getattr(err, "line", None)
+    alone = not isinstance(code, str)  # a verdict rank 0 says for all: this rank may have met it alone
+    said = arrival.tell(distributed.launcher(), guard.args.dist_timeout, line, alone)
+    return said or code
 
 
 def verdict(err, guard):
