@@ -36,10 +36,24 @@ def who(env=os.environ):
 def serve(launch, timeout):
     """Rank 0's store, before setup(): held by the watchdog until every rank has left (leave())."""
     try:
-        return dist.TCPStore(launch.addr, launch.port, launch.world_size, is_master=True, wait_for_workers=False,
-                             multi_tenant=True, timeout=datetime.timedelta(seconds=timeout))  # fmt: skip
+        return dist.TCPStore(
+            launch.addr,
+            launch.port,
+            launch.world_size,
+            is_master=True,
+            wait_for_workers=False,
+            multi_tenant=True,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
     except dist.DistError:  # taken since check_rendezvous() found it free
         raise Refusal(rendezvous.port_in_use(launch.port)) from None
+
+
+def client(launch, timeout):
+    """A client of the store at the launch's address and port."""
+    return dist.TCPStore(
+        launch.addr, launch.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout)
+    )
 
 
 def space(client):
@@ -102,8 +116,10 @@ def unformed(store, rank, world_size, error):
             f"{head}: rank {', rank '.join(map(str, silent))} went silent since (stopped, killed or hung; its own "
             "error, if it had one, is above)"
         )
-    unreachable = re.search(r"Connection refused|Connect(?:ion)? time(?:d )?out|No route to host|unreachable", text, re.IGNORECASE)
-    address = re.search(r"(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9a-fA-F:]+\]):\d+", text)
+    unreachable = re.search(
+        r"Connection refused|Connect(?:ion)? time(?:d )?out|No route to host|unreachable", text, re.IGNORECASE
+    )
+    address = re.search(r"(?:\[?\d{1,3}(?:\.\d{1,3}){3}\]?|\[[0-9a-fA-F:]+\]):\d+", text)
     if unreachable:
         return (
             f"{head}: {address[0] if address else 'a peer'} did not answer ({unreachable[0]}): the ranks cannot reach "
@@ -140,9 +156,7 @@ def tell(launch, timeout, line, alone):
         return own(line, launch.rank) if alone else None
 
     def say():
-        client = dist.TCPStore(launch.addr, launch.port, is_master=False, wait_for_workers=False,
-                               timeout=datetime.timedelta(seconds=5))  # fmt: skip
-        store = space(client)
+        store = space(client(launch, 5))
         unlike = launched(store, launch.rank, launch.world_size)
         if unlike and who()[1] != first_job(store):
             return unlike  # another job's store: nothing of ours in it

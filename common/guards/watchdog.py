@@ -5,7 +5,6 @@ store, in a thread from before setup() to the run's end: it names the ranks that
 process group did not form though all did; then each rank beats in it, so that a failed collective names the ranks
 gone silent (killed, stopped, hung), not a timeout deep in the backend; a worker whose torchrun is gone ends."""
 
-import datetime
 import os
 import socket
 import threading
@@ -47,14 +46,13 @@ class Watchdog:
     def follow(self, end):
         """The thread: connect to the store, arrive there (arrival.py), wait for every rank until `end` (else one
         line that ends the process: verdict()), then beat until leave()."""
-        addr, port, rank = self.launch.addr, self.launch.port, self.rank
+        addr, port = self.launch.addr, self.launch.port
         while not rendezvous.reachable(addr, port):  # rank 0's store (check_rendezvous() waited on it)
             self.waited(end)
         self.phase = "connect"
         try:
             with deadline(end + 5 - time.monotonic(), self.verdict):
-                client = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=self.timeout))  # fmt: skip
+                client = arrival.client(self.launch, self.timeout)
         except dist.DistError:
             self.verdict()
         self.store, self.phase = arrival.space(client), "arrive"
@@ -131,7 +129,9 @@ class Watchdog:
         """The line for a rendezvous that did not complete, as far as it got (`phase`); `error`, setup()'s."""
         rank, where, timeout, world_size = self.rank, self.where, self.timeout, self.world_size
         if self.phase == "reach":
-            return f"error: rank {rank}: its rendezvous store at {where} did not start within --dist-timeout {timeout} s"
+            return (
+                f"error: rank {rank}: its rendezvous store at {where} did not start within --dist-timeout {timeout} s"
+            )
         if self.phase == "connect":
             return (
                 f"error: rank {rank}: {where} accepts connections but is no rendezvous store: MASTER_PORT is "
