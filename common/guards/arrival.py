@@ -192,6 +192,14 @@ def own(line, rank):
     return line if line.startswith("error: rank ") else line.replace("error: ", f"error: rank {rank}: ", 1)
 
 
+def held(store, seconds):
+    """Rank 0, about to end with the store it serves: wait, at most `seconds`, until every rank that arrived there
+    has read the failure that ends it (heard())."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and within(1, lambda: store.add("read", 0) < store.add("arrived", 0)):
+        time.sleep(0.1)
+
+
 def heeded(served):
     """How many other ranks read rank 0's failure, or failed at start-up themselves."""
     return served.add("watchdog/read", 0) + served.add("watchdog/failures", 0) - 1
