@@ -322,3 +322,33 @@ def test_an_ipv6_master_addr_is_one_line(tmp_path):
     args = stage_args(REPO / "data", tmp_path / "out", "--task", "common/tasks/sequences.py")
     out = python(S03, *args, RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="::1", MASTER_PORT=free_port())
     one_error(out, "MASTER_ADDR ::1 is an IPv6 address", "localhost")
+
+
+def test_a_mis_shaped_checkpoint_and_an_unused_parameter_are_lines_naming_the_key(tmp_path):
+    """The mis-shaped checkpoint's line ended at "for Linear:", naming no key; DDP's unused-parameter error advised
+    find_unused_parameters=True, a flag no stage takes."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from common.guards import failure, rails
+    from common.options import resuming
+
+    guard = rails.Guard()
+    guard.args = SimpleNamespace(task="my_task.py", output_dir=None)
+    torch.save({"model": torch.nn.Linear(3, 2).state_dict()}, tmp_path / "checkpoint.pt")
+    try:
+        resuming.restore(tmp_path / "checkpoint.pt", {"model": torch.nn.Linear(2, 2)}, None)
+    except RuntimeError as err:
+        said = failure.explain(err, guard)
+    assert "size mismatch for weight: copying a param with shape torch.Size([2, 3])" in said and "\n" not in said
+    try:
+        raise RuntimeError(
+            "Expected to have finished reduction in the prior iteration before starting a new one. This error indicates "
+            "that your module has parameters that were not used in producing loss. You can enable unused parameter "
+            "detection by passing the keyword argument `find_unused_parameters=True` to `torch.nn.parallel."
+            "DistributedDataParallel`\nParameter indices which did not receive grad for rank 0: 2 3"
+        )
+    except RuntimeError as err:
+        said = failure.explain(err, guard)
+    assert "(indices 2 3)" in said and "find_unused_parameters" not in said and "forward()" in said, said

@@ -164,7 +164,15 @@ def explain(err, guard):
     frames = traceback.extract_tb(err.__traceback__)
     restoring = any(f.filename.endswith(("common/checkpoint.py", "/sharded.py", "/resuming.py")) for f in frames)
     if isinstance(err, RuntimeError) and message(err).startswith("Error(s) in loading state_dict") and restoring:
-        return f"error: the checkpoint does not match this model: {message(err).splitlines()[0][:300]}"
+        said = " ".join(message(err).split()[4:])  # "for Net: size mismatch for fc.weight: ...": the keys
+        return f"error: the checkpoint does not match this model: {said[:300]}{' [...]' if len(said) > 300 else ''}"
+    if isinstance(err, RuntimeError) and "find_unused_parameters" in message(err):  # DDP's reducer, a flag of its own
+        unused = re.search(r"did not receive grad for rank \d+: ([\d ]+)", message(err))
+        return (
+            f"error: rank {distributed.launcher().rank}: the model has parameters that got no gradient in a step"
+            f"{f' (indices {unused[1].strip()})' if unused else ''}: DDP needs every parameter in the loss each step; "
+            "use them in forward() or drop them (TORCH_DISTRIBUTED_DEBUG=DETAIL names them)"
+        )
     return None
 
 
