@@ -352,3 +352,26 @@ def test_a_mis_shaped_checkpoint_and_an_unused_parameter_are_lines_naming_the_ke
     except RuntimeError as err:
         said = failure.explain(err, guard)
     assert "(indices 2 3)" in said and "find_unused_parameters" not in said and "forward()" in said, said
+
+
+COLUMN = TASK + (
+    "import torch\nclass Column(torch.utils.data.Dataset):\n    def __init__(self, real):\n        self.real = real\n"
+    "    def __len__(self):\n        return len(self.real)\n    def __getitem__(self, i):\n"
+    "        x, y = self.real[i]\n        return x, torch.tensor([int(y)])\n"
+    "def datasets(args):\n    train, test = base.datasets(args)\n    return Column(train), Column(test)\n"
+)
+
+
+def test_labels_of_shape_b_1_are_one_line_naming_the_shape(tmp_path):
+    """Labels of shape [B, 1] gave torch's text ("0D or 1D target tensor expected") blamed on train.py's loss line."""
+    path = task(tmp_path, COLUMN)
+    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", path, "--epochs", 1), timeout=90)
+    one_error(out, f"--task {path}: a batch of labels of shape [64, 1]", "shape [B]")
+
+
+def test_a_second_rank_0_is_named_as_such(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "100")
+    served, store = store_of(100)
+    arrival.launched(store, 0, 2)
+    assert "two tasks claim rank 0" in rendezvous.port_in_use(served.port)

@@ -104,6 +104,12 @@ def explain(err, task):
         count = losses[0].shape[1]
         return (f"error: --task {task}: a label {outside[1]}, but the model has {count} outputs (labels 0 to "
                 f"{count - 1}): give model(args) one output per class, or labels in that range")  # fmt: skip
+    targets = [f.f_locals.get("target") for f in frames if f.f_code.co_name in ("cross_entropy", "nll_loss")]
+    if "target" in str(err) and targets and torch.is_tensor(targets[0]) and targets[0].ndim > 1:  # [B, 1] labels
+        return (
+            f"error: --task {task}: a batch of labels of shape {list(targets[0].shape)}, but the loss takes one class "
+            "index per sample (shape [B]): return each label as an int (label.squeeze(), label.item())"
+        )
     if "Expected more than 1 value per channel when training" in str(err):  # BatchNorm, a batch of one sample
         return (f"error: --task {task}: a training batch of one sample reached BatchNorm, which needs two to "
                 "normalize: choose a --batch-size (per rank) that leaves no last batch of one, or --limit the set")  # fmt: skip
