@@ -226,6 +226,7 @@ def test_a_port_another_jobs_store_holds_is_named_as_such(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "100")
     served, store = store_of(100)
     arrival.launched(store, 0, 2)
+    monkeypatch.setenv("SLURM_JOB_ID", "40100")
     assert "by Slurm job 100's rendezvous store" in rendezvous.port_in_use(served.port)
 
 

@@ -71,9 +71,9 @@ def reachable(addr, port):
 def port_in_use(port):
     """The line for rank 0's port, taken: by another job's rendezvous store (its job named), or another program."""
     job, mine = holder(port), os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
-    by = f"Slurm job {job}'s rendezvous store (job ids 40000 apart share a port)" if job else "another program"
     if job == mine:  # this job's own store: a second task that claims rank 0
-        by = "this job's rank 0, whose store it is: two tasks claim rank 0 (SLURM_PROCID / RANK 0)"
+        return f"error: MASTER_PORT {port} on {socket.gethostname()} is served by this job's rank 0: two tasks claim rank 0"
+    by = f"Slurm job {job}'s rendezvous store (job ids 40000 apart share a port)" if job else "another program"
     return f"error: MASTER_PORT {port} is in use on {socket.gethostname()} by {by}: choose another port (MASTER_PORT)"
 
 
