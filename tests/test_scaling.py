@@ -260,4 +260,6 @@ def test_a_metrics_csv_whose_rows_repeat_is_one_line_naming_it(tmp_path, capsys)
     (run / "metrics.csv").write_text(text + text.split("\n", 1)[1])
     with pytest.raises(SystemExit) as refused:
         scaling.main([str(run)])
-    assert str(refused.value).startswith(f"error: {run / 'metrics.csv'}, line 6: epoch 1 follows epoch 4, rows repeated")
+    assert str(refused.value).startswith(
+        f"error: {run / 'metrics.csv'}, line 6: epoch 1 follows epoch 4, rows repeated"
+    )
