@@ -376,3 +376,36 @@ def test_a_second_rank_0_is_named_as_such(monkeypatch):
     served, store = store_of(100)
     arrival.launched(store, 0, 2)
     assert "two tasks claim rank 0" in rendezvous.port_in_use(served.port)
+
+
+SETTLING = """
+import sys, time
+from common.guards import failure, rails
+explain = failure.settle
+def slow(err, guard):  # a failure being explained while the ranks' launcher sends its SIGTERM (torchrun, srun)
+    print("settling", flush=True)
+    time.sleep(3)
+    return explain(err, guard)
+failure.settle = slow
+def main(guard):
+    raise ValueError("no such layer")
+rails.run(main)
+"""
+
+
+def test_a_stop_while_a_failure_is_explained_leaves_its_one_line(tmp_path):
+    """Stage 05, rank 0 failing alone at start-up: torchrun's SIGTERM reached rank 1 while its own failure was being
+    explained, and raised Stopped there: a 40-line traceback. The stop is noted; the failure's line and status stand."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SETTLING],
+        env=clean_env(),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline() == "settling\n"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.startswith("error: ValueError: no such layer (at ") and stderr.count("\n") == 1, stderr
