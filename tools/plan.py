@@ -277,4 +277,4 @@ def recommend(args, best):
 
 
 if __name__ == "__main__":
-    main()
+    early.run(main)  # guard: it ends with its status, even where a task left a thread running

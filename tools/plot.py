@@ -102,6 +102,8 @@ def load(path):
                 if better not in ("higher", "lower"):  # it decides what reaching a target means: never guessed
                     raise ValueError(f"better is {better!r}, neither higher nor lower")
                 row = checked({k: float(v) if v else None for k, v in row.items()}, name)
+                if rows and row["epoch"] <= rows[-1]["epoch"]:  # two runs' rows, or one's twice: no one run's speed
+                    raise ValueError(f"epoch {row['epoch']:.0f} follows epoch {rows[-1]['epoch']:.0f}, rows repeated")
                 rows.append(row | {"metric": name, "better": better, "test_metric": row[f"test_{name}"],
                                    "val_metric": row.get(f"val_{name}")})  # fmt: skip
     except Refused as err:
@@ -220,4 +222,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    early.run(main)  # guard: it ends with its status, even where a task left a thread running

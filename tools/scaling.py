@@ -210,4 +210,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    early.run(main)  # guard: it ends with its status, even where a task left a thread running

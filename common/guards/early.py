@@ -6,6 +6,7 @@ Guard.resume() (started()): in training, cyclic garbage holding a step's tensors
 
 import gc
 import sys
+import threading
 
 from common.guards import signals
 
@@ -31,6 +32,31 @@ def tool():
     traceback. A tool writes each file whole or not at all (checkpoint.atomic): neither leaves half of one."""
     signals.end_tool()
     sys.excepthook = one_line
+
+
+def run(main):
+    """A tool's last line: main(), then the end with its status, even where a thread it started (a task's) is
+    still running, which Python's teardown would wait for; an error in a thread is one line, as one in main()."""
+    threading.excepthook = in_thread
+    try:
+        main()
+        code = 0
+    except SystemExit as done:
+        code = done.code
+    except BaseException as err:
+        one_line(type(err), err, err.__traceback__)
+        code = 1
+    from common.guards import ending
+
+    ending.end(code, joined=False)
+
+
+def in_thread(raised):
+    if not issubclass(raised.exc_type, SystemExit):
+        from common.guards import described, waits
+
+        said = described.tool_line(raised.exc_value)
+        waits.fail(said.replace("error: ", f"error: in thread {raised.thread.name}: ", 1))
 
 
 def one_line(kind, err, tb):

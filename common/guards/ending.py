@@ -7,6 +7,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 
 from common.environment import is_rank0
 from common.guards.signals import STOPS
@@ -22,6 +23,7 @@ class Refusal(SystemExit):
 
     def __init__(self, line, once=False):
         super().__init__(1 if once and not is_rank0() else line)
+        self.line = line if isinstance(line, str) else None  # told to the others where this rank met it alone
 
 
 def stop(message):
@@ -34,26 +36,32 @@ def end(code, joined):
     A rank that `joined` a process group skips the interpreter's teardown: there, a thread that returns from
     C++ into Python is stopped inside C++, which aborts the process (SIGABRT, "terminate called without an
     active exception") after a run that succeeded. gloo's threads do that when they release a finished
-    collective's tensor. Without a process group, Python ends the run as usual (kernprof writes its profile
-    after it). From here on the signals that stop a run are ignored: the status is decided, and a late one
-    (Slurm's SIGTERM again, a second Ctrl-C) would end the process by the signal instead, Python's teardown
-    having given them back their default action."""
+    collective's tensor. So does a process that a task's thread would keep alive (Python's teardown waits for
+    every thread not a daemon: the run would print its verdict and never end). Otherwise Python ends the run as
+    usual (kernprof writes its profile after it). From here on a signal that stops a run ends it at once with
+    the status decided (Slurm's SIGTERM again, a second Ctrl-C): it neither changes the status nor is ignored."""
+    status = code if isinstance(code, int) else int(code is not None)
     for signum in STOPS:
-        signal.signal(signum, signal.SIG_IGN)
+        signal.signal(signum, lambda *_: os._exit(status))
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler raises when a DataLoader worker is killed
     for child in multiprocessing.active_children():  # DataLoader workers that a failure's traceback still holds:
         child.kill()  # they let SIGTERM pass (signals.shield_worker), and multiprocessing's exit would wait for ever
-    if not joined:
+    if not joined and not lingering():
         if code:
             raise SystemExit(code) from None
         return
     if not isinstance(code, int | None):
         print(code, file=sys.stderr)
-        code = 1
     atexit._run_exitfuncs()  # what the teardown runs first: line_profiler's report under LINE_PROFILE=1
     for stream in (sys.stdout, sys.stderr):  # None when started with the descriptor closed (>&-)
         try:
             stream and stream.flush()
         except (OSError, ValueError):  # a pipe whose reader left (| head): the run's own files are whole
             pass
-    os._exit(code or 0)
+    os._exit(status)
+
+
+def lingering():
+    """The threads, not daemons, that Python's teardown would wait for (a task's, a library's): their names."""
+    main = threading.main_thread()
+    return [t.name for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]

@@ -25,6 +25,7 @@ from common.environment import is_rank0
 from common.guards import ownership, safeload, samples
 from common.guards.described import LIMIT, line, message, place
 from common.guards.ending import Refusal
+from common.guards.waits import fail
 
 LESSON = Path(__file__).resolve().parents[1]  # common/
 REFUSALS = (ValueError, TypeError, FileNotFoundError)  # the lesson's: a value or option, an object, a file
@@ -104,6 +105,26 @@ def fallback(err, guard):
     return guard.watchdog.failed(said) if guard.watchdog else said  # the others then name it, not guess
 
 
+def in_thread(guard):
+    """threading.excepthook for a run: an error in a thread (a task's, a library's) ends the run with one line
+    naming the thread, as the main thread's would; the others then name this rank. A SystemExit ends its thread
+    alone, as Python's own hook has it (the watchdog's threads end so)."""
+
+    def hook(raised):
+        if issubclass(raised.exc_type, SystemExit):
+            return
+        err, name = raised.exc_value, getattr(raised.thread, "name", "?")
+        said = settle(err, guard)
+        if not isinstance(said, str):  # a verdict rank 0 would say for all: this rank alone met it
+            said = line(err, guard.args and guard.args.task, None, distributed.launcher().rank)
+        said = said.replace("error: ", f"error: in thread {name}: ", 1)
+        if guard.watchdog:
+            guard.watchdog.failed(said)
+        fail(said)
+
+    return hook
+
+
 def settle(err, guard):
     """explain()'s line, else the fallback's (fallback()): also where explaining fails (a str() that does)."""
     try:
@@ -143,7 +164,15 @@ def explain(err, guard):
     frames = traceback.extract_tb(err.__traceback__)
     restoring = any(f.filename.endswith(("common/checkpoint.py", "/sharded.py", "/resuming.py")) for f in frames)
     if isinstance(err, RuntimeError) and message(err).startswith("Error(s) in loading state_dict") and restoring:
-        return f"error: the checkpoint does not match this model: {message(err).splitlines()[0][:300]}"
+        said = " ".join(message(err).split()[4:])  # "for Net: size mismatch for fc.weight: ...": the keys
+        return f"error: the checkpoint does not match this model: {said[:300]}{' [...]' if len(said) > 300 else ''}"
+    if isinstance(err, RuntimeError) and "find_unused_parameters" in message(err):  # DDP's reducer, a flag of its own
+        unused = re.search(r"did not receive grad for rank \d+: ([\d ]+)", message(err))
+        return (
+            f"error: rank {distributed.launcher().rank}: the model has parameters that got no gradient in a step"
+            f"{f' (indices {unused[1].strip()})' if unused else ''}: DDP needs every parameter in the loss each step; "
+            "use them in forward() or drop them (TORCH_DISTRIBUTED_DEBUG=DETAIL names them)"
+        )
     return None
 
 

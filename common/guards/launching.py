@@ -35,9 +35,8 @@ def check_launch(launch, args):
         sizes = ", ".join(str(n) for n in range(1, min(args.batch_size, 1024) + 1) if args.batch_size % n == 0)
         raise Refusal(
             f"error: --batch-size {args.batch_size} is the global batch: it must divide by the world size "
-            f"{world_size}: run on {sizes} ranks"
-            if rank == 0
-            else 1
+            f"{world_size}: run on {sizes} ranks",
+            once=True,
         )
     per_rank = args.batch_size // world_size
     if hasattr(args, "grad_accum") and args.grad_accum > per_rank and rank == 0:  # torch.chunk makes fewer

@@ -13,6 +13,7 @@ may skip each of them: the training reads the same without. What each one holds 
   run(main)       any failure ends the run with one line instead of a traceback
 """
 
+import threading
 import warnings
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from common import cli, distributed
 from common.guards import (
+    arrival,
     check,
     divergence,
     early,
@@ -151,27 +153,47 @@ class Guard:
 
 def run(main):
     """main(guard), the last line of every stage: any way it ends, the run ends with one line that says what
-    happened and what to do, instead of a traceback; nothing is lost that a checkpoint holds."""
+    happened and what to do, instead of a traceback; nothing is lost that a checkpoint holds. An error in a
+    thread ends it alike (failure.in_thread())."""
     guard, together = Guard(), True  # together: every rank ends here alike, and rank 0 waits for the others
     signals.stop_at_once()  # until guard.resume(): nothing saved yet, nothing to lose
+    threading.excepthook = failure.in_thread(guard)
     try:
         main(guard)
         code = 0
-    except signals.Stopped as stopped:
-        code, together = signals.say(stopped), False
-    except signals.SavedStop as stop:  # a stop every rank agreed on and saved for
-        code = stop.code
-    except cli.UsageError as err:  # the parser's, or the task's check()
-        code = check.refuse(check.said(err))
-    except Refusal as refused:  # a guard rail's: its line (said already for a usage error), or rank 0's verdict
-        code = refused.code if isinstance(refused.code, int) else failure.exit_line(refused.code)
-    except SystemExit as stop:  # the end of a run (--check, the doctor's verdict), or the task's own sys.exit()
-        code = stop.code if isinstance(stop.code, int | None) else failure.exit_line(stop.code)
-        if failure.raised_by(stop, guard.args and guard.args.task):  # a failure of this rank, even sys.exit(0)
-            code, together = failure.settle(stop, guard), False
-    except BaseException as err:  # the lesson's refusal (every rank met it) is its line as it is; each
-        code = failure.refusal(err)  # kind explain() knows becomes its line, any other the fallback's
-        if code is None:
-            code, together = failure.settle(err, guard), False
+    except BaseException as err:
+        signals.hold()  # the verdict is being reached: a stop now (torchrun's, for a rank that failed) waits for it
+        code, together = verdict(err, guard)
+        if guard.watchdog is None and guard.args is not None and not isinstance(err, signals.Stopped):
+            code = told(err, code, guard)
     guard.close(together)
     end(code, joined=guard.watchdog is not None)
+
+
+def told(err, code, guard):
+    """A rank that failed before it met the others: its line, told to them through the store (arrival.tell()), and
+    said here too where its launch differs from theirs, a verdict rank 0 would say for all had all met it."""
+    line = code if isinstance(code, str) else getattr(err, "line", None)
+    alone = not isinstance(code, str)  # a verdict rank 0 says for all: this rank may have met it alone
+    said = arrival.tell(distributed.launcher(), guard.args.dist_timeout, line, alone)
+    return said or code
+
+
+def verdict(err, guard):
+    """(exit status or line, whether every rank ends alike) for what ended main()."""
+    if isinstance(err, signals.Stopped):
+        return signals.say(err), False
+    if isinstance(err, signals.SavedStop):  # a stop every rank agreed on and saved for
+        return err.code, True
+    if isinstance(err, cli.UsageError):  # the parser's, or the task's check()
+        return check.refuse(check.said(err)), True
+    if isinstance(err, Refusal):  # a guard rail's: its line (said already for a usage error), or rank 0's verdict
+        return (err.code if isinstance(err.code, int) else failure.exit_line(err.code)), True
+    if isinstance(err, SystemExit):  # the end of a run (--check, the doctor's verdict), or the task's sys.exit()
+        if failure.raised_by(err, guard.args and guard.args.task):  # a failure of this rank, even sys.exit(0)
+            return failure.settle(err, guard), False
+        return (err.code if isinstance(err.code, int | None) else failure.exit_line(err.code)), True
+    code = failure.refusal(err)  # the lesson's refusal (every rank met it) is its line as it is; each kind
+    if code is None:  # explain() knows becomes its line, any other the fallback's
+        return failure.settle(err, guard), False
+    return code, True

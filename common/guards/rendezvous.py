@@ -15,6 +15,11 @@ def check_rendezvous(launch, timeout):
     is not a loopback one; the port is free where rank 0 will serve the store, and answers, within `timeout`,
     where another rank waits for it (torch's client would retry silently past its timeout)."""
     host, where = socket.gethostname(), f"{launch.addr}:{launch.port}"
+    if ":" in launch.addr:  # torch reads tcp://::1:29500 as a port "1:29500" ("Port could not be cast")
+        raise Refusal(
+            f"error: MASTER_ADDR {launch.addr} is an IPv6 address, which setup()'s tcp:// address cannot hold: "
+            "set it to rank 0's host name (localhost for ::1) or its IPv4 address"
+        )
     try:
         ip = socket.getaddrinfo(launch.addr, launch.port, type=socket.SOCK_STREAM)[0][4][0]
     except socket.gaierror as err:
@@ -64,4 +69,26 @@ def reachable(addr, port):
 
 
 def port_in_use(port):
-    return f"error: MASTER_PORT {port} is in use on {socket.gethostname()} by another program: choose another port"
+    """The line for rank 0's port, taken: by another job's rendezvous store (its job named), or another program."""
+    job, mine = holder(port), os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
+    if job == mine:  # this job's own store: a second task that claims rank 0
+        return f"error: MASTER_PORT {port} on {socket.gethostname()} is served by this job's rank 0: two tasks claim rank 0"
+    by = f"Slurm job {job}'s rendezvous store (job ids 40000 apart share a port)" if job else "another program"
+    return f"error: MASTER_PORT {port} is in use on {socket.gethostname()} by {by}: choose another port (MASTER_PORT)"
+
+
+def holder(port):
+    """The job whose rendezvous store serves `port` on this host (arrival.launched()'s key), or None."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from common.guards.waits import within
+
+    def ask():
+        client = dist.TCPStore(
+            "127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=2)
+        )
+        return client.get("watchdog/launch").decode().split(" ")[1] if client.check(["watchdog/launch"]) else None
+
+    return within(4, ask)

@@ -190,6 +190,13 @@ def explain(err, task):
             f"classes in dim 1: outputs of shape {list(losses[0].shape)} do not fit ({str(err)[:80]}): define "
             "loss(output, target), e.g. F.cross_entropy(output.flatten(0, 1), target.flatten()) for (B, T, C)"
         )
+    targets = [f.f_locals.get("target") for f in frames if f.f_code.co_name in ("cross_entropy", "nll_loss")]
+    labels = targets[0] if targets and torch.is_tensor(targets[0]) else None
+    if "target" in str(err) and labels is not None and labels.ndim > 1 and labels.shape[-1] == 1:  # [B, 1] labels
+        return (
+            f"error: --task {task}: a batch of labels of shape {list(labels.shape)}, but the loss takes one class "
+            "index per sample (shape [B]): return each label as an int (label.squeeze(), label.item())"
+        )
     if "Expected more than 1 value per channel when training" in str(err):  # BatchNorm, a batch of one sample
         return (
             f"error: --task {task}: a training batch of one sample reached BatchNorm, which needs two to "

@@ -5,7 +5,6 @@ store, in a thread from before setup() to the run's end: it names the ranks that
 process group did not form though all did; then each rank beats in it, so that a failed collective names the ranks
 gone silent (killed, stopped, hung), not a timeout deep in the backend; a worker whose torchrun is gone ends."""
 
-import datetime
 import os
 import socket
 import threading
@@ -13,7 +12,7 @@ import time
 
 import torch.distributed as dist
 
-from common.guards import rendezvous
+from common.guards import arrival, rendezvous
 from common.guards.waits import deadline, fail, within
 
 HEARTBEAT = 1.0  # seconds between a rank's signs of life in the store
@@ -34,43 +33,63 @@ class Watchdog:
         self.saving = threading.Event()  # a checkpoint's write until the next step (saving.Saving.writing())
 
     def watch(self):
-        """Start the thread that follows the rendezvous setup() makes next, then beats."""
-        self.beat = threading.Thread(target=self.follow, args=(time.monotonic() + self.timeout,), daemon=True)
+        """Start the thread that meets the other ranks in the store setup() meets in next (arrival.py), and wait
+        until all have arrived there: setup() then waits in torch for ranks that are all there. Rank 0 serves that
+        store from now on."""
+        end = time.monotonic() + self.timeout
+        if self.serves:
+            self.served = arrival.serve(self.launch, self.timeout)
+        self.beat = threading.Thread(target=self.follow, args=(end,), daemon=True)
         self.beat.start()
+        self.ready.wait()  # or the thread ends the process with its line (verdict())
 
     def follow(self, end):
-        """The thread: connect to the store setup() meets in, wait there for every rank until `end` (else one line
-        that ends the process: verdict()), then beat until leave()."""
-        addr, port, rank = self.launch.addr, self.launch.port, self.rank
-        while not rendezvous.reachable(
-            addr, port
-        ):  # rank 0's store starts in setup() (check_rendezvous() waited on it)
+        """The thread: connect to the store, arrive there (arrival.py), wait for every rank until `end` (else one
+        line that ends the process: verdict()), then beat until leave()."""
+        addr, port = self.launch.addr, self.launch.port
+        while not rendezvous.reachable(addr, port):  # rank 0's store (check_rendezvous() waited on it)
             self.waited(end)
         self.phase = "connect"
         try:
             with deadline(end + 5 - time.monotonic(), self.verdict):
-                client = dist.TCPStore(
-                    addr,
-                    port,
-                    is_master=False,
-                    wait_for_workers=False,
-                    timeout=datetime.timedelta(seconds=self.timeout),
-                )
+                client = arrival.client(self.launch, self.timeout)
         except dist.DistError:
             self.verdict()
-        # keys apart from the process group's; fresh for each restart in torchrun's agent's store, which outlives one
-        attempt = f"/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}" if self.agent else ""
-        self.store, self.phase = dist.PrefixStore(f"watchdog{attempt}", client), "arrive"
+        self.store, self.phase = arrival.space(client), "arrive"
         try:
-            self.store.set(f"host/{rank}", socket.gethostname())
-            self.store.add("arrived", 1)
-            while self.store.add("arrived", 0) < self.world_size:
-                self.waited(end)
+            self.arrive(end)
         except dist.DistError:  # rank 0, which serves the store, ended: why() says so
             self.verdict()
         self.phase = "form"
         self.ready.set()
         self.heartbeat(time.monotonic() + self.timeout + 5)
+
+    def arrive(self, end):
+        """Arrive in the store, launched as the others were and the only one of this rank; wait for them all, or
+        for a rank that failed first to say so."""
+        store, rank = self.store, self.rank
+        if said := arrival.launched(store, rank, self.world_size):
+            self.say(said, tell=arrival.first_job(store) == arrival.who()[1])  # not into another job's store
+        if said := arrival.duplicate(store, rank):
+            self.say(said, tell=True)
+        arrival.clear(store.underlying_store)  # an earlier attempt's addresses: before this rank arrives
+        store.set(f"host/{rank}", socket.gethostname())
+        store.add("arrived", 1)
+        while store.add("arrived", 0) < self.world_size:
+            if said := arrival.heard(store, rank, self.world_size):
+                self.say(said)
+            self.waited(end)
+
+    def say(self, line, tell=False):
+        """End the process with `line`, told to the others first where `tell`."""
+        if tell:
+            self.failed(line)
+            within(2, lambda: self.store.add("failures", 1))
+        if self.saying.acquire(blocking=False):
+            if self.serves:  # the store ends with this process: first every rank that arrived reads why
+                arrival.held(self.store, 5)
+            fail(line)
+        raise SystemExit
 
     def heartbeat(self, form_by):
         """Keep this rank's heartbeat in the store; end the rank if the process group has not formed by `form_by`
@@ -80,10 +99,7 @@ class Watchdog:
         while not self.stopping.is_set():
             if parent and os.getppid() != parent and not self.saving.is_set():  # a save in progress finishes first
                 fail(f"error: rank {self.rank}: torchrun (pid {parent}) has ended: this worker ends too")
-            if self.phase == "form" and dist.is_initialized():
-                # rank 0's store is the process group's, closed with it (distributed.cleanup()): held here until
-                # every rank has left (leave()), as a heartbeat sent to a closed store prints a C++ stack trace
-                self.served = dist.distributed_c10d._get_default_store() if self.serves else None
+            if self.phase == "form" and dist.is_initialized():  # rank 0 holds its store (served) until leave()
                 self.phase = "run"
             elif self.phase == "form" and time.monotonic() > form_by:
                 self.verdict()
@@ -111,8 +127,8 @@ class Watchdog:
             fail(self.why())
         raise SystemExit  # ends this thread, silently
 
-    def why(self):
-        """The line for a rendezvous that did not complete, as far as it got (`phase`)."""
+    def why(self, error=None):
+        """The line for a rendezvous that did not complete, as far as it got (`phase`); `error`, setup()'s."""
         rank, where, timeout, world_size = self.rank, self.where, self.timeout, self.world_size
         if self.phase == "reach":
             return (
@@ -132,20 +148,16 @@ class Watchdog:
             return (
                 f"error: rank {rank}: ranks {', '.join(map(str, missing))} of {world_size} did not arrive at "
                 f"{where} within --dist-timeout {timeout} s: were they started (srun with --ntasks = world size, "
-                "torchrun on every node)? A rank that failed first printed its own error"
+                "torchrun on every node), or killed before they could say why?"
             )
-        return (
-            f"error: rank {rank}: the process group did not form although every rank arrived: the ranks cannot "
-            "reach each other's addresses; set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the network the "
-            "nodes share"
-        )
+        return arrival.unformed(self.store, rank, world_size, error)
 
     def unmet(self, error):
         """setup()'s error, the process group not formed: the line the thread would say at its deadline."""
         self.saying.acquire()  # the thread says nothing more: one line
         if "EADDRINUSE" in str(error):  # rank 0's port, taken after check_rendezvous()
             return rendezvous.port_in_use(self.launch.port)
-        return self.why()
+        return self.why(error)
 
     def listen(self, fn):
         """Call fn(store) with every heartbeat, in the heartbeat's thread, which leave() stops before the store
