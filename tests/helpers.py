@@ -21,6 +21,10 @@ INJECT = str(REPO / "tests" / "inject")  # its sitecustomize.py injects faults f
 TIMING = {"epoch_seconds", "images_per_s", "images_per_s_per_process"}  # the only fields a resume may change
 STAGES = ["01_single_gpu", "02_dataparallel", "03_ddp_single_node", "04_ddp_multi_node", "05_fsdp"]
 S01, S02, S03, S04, S05 = (REPO / stage / "train.py" for stage in STAGES)  # the stage scripts
+# seconds a process may take before a test takes it for hung: far above any start-up on a busy machine (beside
+# two other trainings on 2 cores, a 10 s run took over 60), below the default --dist-timeout (300 s), which a run
+# that waits for a rank that never comes would wait out
+HANG = 240
 TRAIN_SIZE, TEST_SIZE = 256, 10  # 10 test images: not a multiple of 3, for the exact-once test
 
 
@@ -73,7 +77,7 @@ def stage_args(data_dir, output_dir, *extra):
     return ["--data-dir", str(data_dir), "--output-dir", str(output_dir), "--num-workers", "0", *map(str, extra)]
 
 
-def run(cmd, env=None, timeout=120, cwd=REPO):
+def run(cmd, env=None, timeout=HANG, cwd=REPO):
     return subprocess.run(cmd, env=env or clean_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -82,11 +86,11 @@ def torchrun_cmd(nproc, script, *args, restarts=0):
     return [*launcher, f"--max-restarts={restarts}", str(script), *map(str, args)]
 
 
-def torchrun(nproc, script, *args, env=None, timeout=120):
+def torchrun(nproc, script, *args, env=None, timeout=HANG):
     return run(torchrun_cmd(nproc, script, *args), env=env, timeout=timeout)
 
 
-def srun_like(world_size, script, *args, job_id=None, nodelist="localhost", timeout=120, cwds=None, **env_extra):
+def srun_like(world_size, script, *args, job_id=None, nodelist="localhost", timeout=HANG, cwds=None, **env_extra):
     """Start `world_size` processes with the variables srun gives its tasks (one node, or one working
     folder per rank with `cwds`, as on nodes that share no filesystem); wait for all of them."""
     procs = srun_start(world_size, script, *args, job_id=job_id, nodelist=nodelist, cwds=cwds, **env_extra)
@@ -242,7 +246,7 @@ def kill_rank_1_after_a_checkpoint(script, args, checkpoint):
 KILL_WAIT = 30  # Slurm's default KillWait: a stopped run that outlasts it, after its signal, is killed unsaved
 
 
-def python(script, *args, timeout=120, **env):
+def python(script, *args, timeout=HANG, **env):
     start = time.monotonic()
     out = run([sys.executable, str(script), *map(str, args)], env=clean_env(**env), timeout=timeout)
     out.seconds = time.monotonic() - start

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import REPO, S05, STAGES
+from helpers import HANG, REPO, S05, STAGES
 
 TRAIN_BUDGETS = {("01_single_gpu", "02_dataparallel"): 12, ("02_dataparallel", "03_ddp_single_node"): 60,
                  ("03_ddp_single_node", "04_ddp_multi_node"): 10, ("04_ddp_multi_node", "05_fsdp"): 40}  # fmt: skip
@@ -110,7 +110,7 @@ def test_the_stages_and_their_diffs_fit_a_projector():
     wide = [f"{path.relative_to(REPO)}:{number}: {len(line)}" for path in PROJECTED
             for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 100]  # fmt: skip
     shown = subprocess.run(
-        [sys.executable, "tools/stage_diff.py"], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "tools/stage_diff.py"], cwd=REPO, capture_output=True, text=True, timeout=HANG
     )
     assert shown.returncode == 0 and shown.stdout.count("\n==== ") == 5, shown.stderr
     wide += [f"make diff: {line}" for line in shown.stdout.splitlines() if len(line) > 100]
@@ -179,7 +179,7 @@ def test_the_lesson_reads_in_one_sitting():
     """tools/reading_path.py: the lesson lines a learner reaches from each stage, the guard-rail call sites in
     each train.py, setup()'s length and reach, no lesson module importing a guard rail, no module-level state."""
     out = subprocess.run(
-        [sys.executable, "tools/reading_path.py"], cwd=REPO, capture_output=True, text=True, timeout=60
+        [sys.executable, "tools/reading_path.py"], cwd=REPO, capture_output=True, text=True, timeout=HANG
     )
     assert out.returncode == 0 and out.stdout.endswith("all limits hold\n"), out.stdout
 
@@ -246,7 +246,8 @@ def literal(node):
 
 def clocks(path):
     """`file:line: test` for each wall-clock bound (`elapsed < 15`, `time.monotonic() - start < 30`) asserted in a
-    test of the everyday suite: not marked slow or slurm, itself or its module."""
+    test of the everyday suite (not marked slow or slurm, itself or its module), and each process given under 120 s
+    (`timeout=30`): beside two other trainings a 10 s run took over 60."""
     source = path.read_text()
     if re.search(r"^pytestmark\s*=.*(slow|slurm)", source, re.M):
         return []
@@ -256,6 +257,9 @@ def clocks(path):
             continue
         if {"pytest.mark.slow", "pytest.mark.slurm"} & {ast.unparse(d) for d in test.decorator_list}:
             continue  # a test with a slow case of its parameters still runs its others here
+        for wait in (n for n in ast.walk(test) if isinstance(n, ast.keyword) and n.arg == "timeout"):
+            if literal(wait.value) and eval(ast.unparse(wait.value)) < 120:  # a hang net (helpers.HANG), not a clock
+                found.append(f"{path.name}:{wait.value.lineno}: {test.name} timeout={ast.unparse(wait.value)}")
         for check in (n for n in ast.walk(test) if isinstance(n, ast.Assert)):
             for compare in (n for n in ast.walk(check.test) if isinstance(n, ast.Compare)):
                 timed = re.search(r"seconds|monotonic|perf_counter|time\.time", ast.unparse(compare.left))

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import S03, S05, clean_env, run
+from helpers import HANG, S03, S05, clean_env, run
 
 from common import cli
 from common.guards import check, options, preflight, recorded
@@ -100,7 +100,7 @@ def test_other_usage_errors_are_one_line(argv, text, capsys):
 
 
 def test_stage_refuses_nan_in_one_line():
-    out = run([sys.executable, "01_single_gpu/train.py", "--lr", "nan"], env=clean_env(), timeout=60)
+    out = run([sys.executable, "01_single_gpu/train.py", "--lr", "nan"], env=clean_env(), timeout=HANG)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     # refused before any data is read: argparse's line, not the data's (no clock: a busy machine is slow)
     assert out.stderr.splitlines() == ["error: argument --lr: must be a number in (0, 3.4e38], got nan (see --help)"]
@@ -205,7 +205,7 @@ def test_default_output_dirs_differ():
         subprocess.Popen([sys.executable, "-c", code], env=clean_env(), stdout=subprocess.PIPE, text=True)
         for _ in range(2)
     ]
-    names = [Path(p.communicate(timeout=30)[0].strip()).name for p in procs]
+    names = [Path(p.communicate(timeout=HANG)[0].strip()).name for p in procs]
     assert names[0] != names[1] and all(name.startswith("local-") for name in names)
     script = Path("01_single_gpu/train.py")
     assert cli.default_output_dir(script, {"SLURM_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "2"}).name == "7_2"
@@ -228,12 +228,12 @@ def test_resume_needs_a_regular_file(tmp_path, monkeypatch, capsys):
 
 def test_module_checks_arguments_fast_without_torch():
     """Fast because it imports no torch (checked below), not by a clock, which a busy machine would break."""
-    bad = run([sys.executable, "-m", "common.guards.check", "--lr", "nan"], timeout=30)
+    bad = run([sys.executable, "-m", "common.guards.check", "--lr", "nan"], timeout=HANG)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--lr" in bad.stderr and not bad.stdout
-    good = run([sys.executable, "-m", "common.guards.check", "--epochs", "1", "--num-workers", "1000"], timeout=30)
+    good = run([sys.executable, "-m", "common.guards.check", "--epochs", "1", "--num-workers", "1000"], timeout=HANG)
     assert (good.returncode, good.stdout, good.stderr) == (0, "", "")  # silent: the workers warn themselves
     code = "import sys, common.guards.check; sys.exit('torch' in sys.modules)"
-    assert run([sys.executable, "-c", code], timeout=30).returncode == 0
+    assert run([sys.executable, "-c", code], timeout=HANG).returncode == 0
 
 
 @pytest.mark.parametrize(
@@ -248,7 +248,9 @@ def test_the_job_scripts_check_refuses_a_bad_launcher_variable_in_one_line(bad, 
     a traceback, a rank of `x` an exit 2 with no line at all, and a bad port passed."""
     srun = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "1",
             "SLURM_JOB_ID": "3", "SLURM_JOB_NODELIST": "n1"}  # fmt: skip
-    out = run([sys.executable, "-m", "common.guards.check", "--epochs", "0"], env=clean_env(**(srun | bad)), timeout=30)
+    out = run(
+        [sys.executable, "-m", "common.guards.check", "--epochs", "0"], env=clean_env(**(srun | bad)), timeout=HANG
+    )
     assert out.returncode == 1 and out.stderr.startswith(f"error: {said}") and out.stderr.count("\n") == 1, out.stderr
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import REPO, clean_env, free_port, one_error, srun_like
+from helpers import HANG, REPO, clean_env, free_port, one_error, srun_like
 
 from common import cli
 from common.guards import launching, preflight
@@ -124,7 +124,7 @@ def test_another_tasks_data_is_compared_across_ranks(tmp_path, theirs):
         vectors = (torch.randn(40, 12, generator=generator), torch.randint(3, (40,), generator=generator))
         torch.save(vectors, node / "data/vectors.pt")
     codes, (rank0, rank1) = srun_like(2, DOCTOR, "--task", task, "--data-dir", "data", "--output-dir", "out",
-                                      "--dist-timeout", 10, cwds=nodes, timeout=60)  # fmt: skip
+                                      "--dist-timeout", 10, cwds=nodes, timeout=HANG)  # fmt: skip
     assert "Traceback" not in rank0 + rank1 and not rank1.strip(), rank0 + rank1
     status, detail = table(rank0)["data"]
     if theirs == "the same":

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 from helpers import (
+    HANG,
     REPO,
     S01,
     S03,
@@ -54,7 +55,7 @@ def test_a_thread_a_task_left_running_does_not_keep_the_run(tmp_path):
     """The task starts a thread that is no daemon: the run printed its last epoch and never ended (Python's teardown
     waits for the thread), holding its GPUs until the job's time limit. It ends with its status."""
     args = stage_args(REPO / "data", tmp_path / "out", "--task", task(tmp_path, SLEEPER), "--epochs", 1)
-    out = python(S01, *args, timeout=90)
+    out = python(S01, *args, timeout=HANG)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
@@ -62,7 +63,7 @@ def test_an_error_in_a_tasks_thread_is_one_line_and_fails_the_run(tmp_path):
     """Python printed the thread's traceback and the run went on to end 0; now one line naming the thread, the error
     and its place in the task, status 1."""
     path = task(tmp_path, RAISER)
-    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", path, "--epochs", 1), timeout=90)
+    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", path, "--epochs", 1), timeout=HANG)
     assert out.returncode == 1, out.stderr[-2000:]
     one_error(out, "in thread prefetch", "ValueError: the prefetcher broke", f"{path}:5")
 
@@ -85,13 +86,13 @@ def test_a_signal_after_the_verdict_ends_the_run_with_its_status(tmp_path):
     time.sleep(3)  # the run's end: its last line, then the task's exit function
     assert proc.poll() is None
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=10) == 0, proc.stdout.read()[-2000:]
+    assert proc.wait(timeout=HANG) == 0, proc.stdout.read()[-2000:]
 
 
 def test_a_tool_ends_though_a_task_left_a_thread_running(tmp_path):
     """tools/plan.py with such a task printed its plan and never ended."""
     plan = [sys.executable, str(REPO / "tools/plan.py"), "--task", task(tmp_path, SLEEPER), "--batch-size", "8"]
-    out = subprocess.run(plan, env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=90)
+    out = subprocess.run(plan, env=clean_env(), cwd=tmp_path, capture_output=True, text=True, timeout=HANG)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
@@ -365,7 +366,7 @@ COLUMN = TASK + (
 def test_labels_of_shape_b_1_are_one_line_naming_the_shape(tmp_path):
     """Labels of shape [B, 1] gave torch's text ("0D or 1D target tensor expected") blamed on train.py's loss line."""
     path = task(tmp_path, COLUMN)
-    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", path, "--epochs", 1), timeout=90)
+    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", path, "--epochs", 1), timeout=HANG)
     one_error(out, f"--task {path}: a batch of labels of shape [64, 1]", "shape [B]")
 
 
@@ -405,6 +406,6 @@ def test_a_stop_while_a_failure_is_explained_leaves_its_one_line(tmp_path):
     )
     assert proc.stdout.readline() == "settling\n"
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=30)
+    stdout, stderr = proc.communicate(timeout=HANG)
     assert proc.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert stderr.startswith("error: ValueError: no such layer (at ") and stderr.count("\n") == 1, stderr

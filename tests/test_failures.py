@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from helpers import (
+    HANG,
     INJECT,
     REPO,
     S01,
@@ -209,7 +210,7 @@ def test_a_live_run_on_this_host_is_never_displaced(tmp_path):
         with pytest.raises(SystemExit, match=f"in use by another run .host {socket.gethostname()}, pid {holder.pid}, "):
             lock.claim(tmp_path, env=requeued)
     finally:
-        holder.communicate("", timeout=30)
+        holder.communicate("", timeout=HANG)
     assert json.loads((tmp_path / ".lock").read_text())["pid"] == holder.pid
 
 

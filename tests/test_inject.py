@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from helpers import INJECT, REPO, clean_env
+from helpers import HANG, INJECT, REPO, clean_env
 
 SITE = REPO / "tests" / "inject" / "sitecustomize.py"
 ROW = re.compile(r"^([A-Z_]+)=\S+ +(\S.*?\S) {2,}\S")  # variable=value, hook(s), what it does
@@ -103,7 +103,7 @@ def test_each_fault_patches_its_hook_and_fires(tmp_path):
     records = {name: tmp_path / f"{name}.jsonl" for name in ("RECORD_SAMPLES", "RECORD_BATCHES")}
     env = clean_env(PYTHONPATH=f"{INJECT}:{REPO}", **ENV, **records)
     out = subprocess.run([sys.executable, "train.py", "--output-dir", str(tmp_path), json.dumps(hooks)], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+                         capture_output=True, text=True, timeout=HANG)  # fmt: skip
     ended = time.time()
     seen = json.loads(out.stdout.splitlines()[-1])
     version = seen["hooks"].pop("torch.__version__")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO, clean_env
+from helpers import HANG, REPO, clean_env
 
 SCRIPTS = sorted(REPO.glob("0*/*.slurm"))
 SWEEP = REPO / "sweeps/batch_size.slurm"
@@ -44,7 +44,7 @@ def test_without_python_and_torch_a_copied_job_script_names_the_line_to_edit(tmp
     (tmp_path / "bin" / "python").write_text("#!/bin/sh\nexit 1\n")  # a python without torch
     (tmp_path / "bin" / "python").chmod(0o755)
     env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "SLURM_SUBMIT_DIR": str(copy)}
-    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=HANG)
     line = int(re.search(r"at line (\d+) of the job script", out.stderr)[1])
     assert out.returncode == 1 and out.stderr.count("error:") == 1 and not out.stdout, out
     assert "set yours up here" in script.read_text().splitlines()[line - 1]
@@ -143,7 +143,7 @@ def test_the_flight_recorder_leaves_a_usage_error_to_train_py(tmp_path):
     job's log holds the usage error once, from the ranks, not a second time from the job script."""
     out = subprocess.run([sys.executable, "-m", "common.guards.flightrecorder", "--epochs", "1", "--output-dir"],
                          cwd=REPO / "04_ddp_multi_node", env=clean_env(SLURM_JOB_ID="7"), capture_output=True,
-                         text=True, timeout=30)  # fmt: skip
+                         text=True, timeout=HANG)  # fmt: skip
     assert out.returncode == 0 and out.stderr == "", out
     assert "runs/04_ddp_multi_node/7.0/flight-recorder-rank-" in out.stdout, out.stdout
 

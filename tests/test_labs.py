@@ -11,7 +11,7 @@ import time
 import uuid
 
 import pytest
-from helpers import REPO, S03, clean_env, processes_with
+from helpers import HANG, REPO, S03, clean_env, processes_with
 
 spec = importlib.util.spec_from_file_location("labs_run", REPO / "labs" / "run.py")
 labs = importlib.util.module_from_spec(spec)  # labs/run.py, the runner
@@ -57,7 +57,7 @@ def test_a_missing_anchor_is_named():
 
 def test_the_diff_is_shown_without_a_run():
     out = subprocess.run([sys.executable, "labs/run.py", "1", "--diff"], cwd=REPO, env=clean_env(),
-                         capture_output=True, text=True, timeout=30)  # fmt: skip
+                         capture_output=True, text=True, timeout=HANG)  # fmt: skip
     assert out.returncode == 0, out.stderr
     added = [line[1:].strip() for line in out.stdout.splitlines() if line.startswith("+")]
     assert "+++ runs/lab1.py" in out.stdout and "dist.barrier()" in added

@@ -12,6 +12,7 @@ import numpy
 import pytest
 import torch
 from helpers import (
+    HANG,
     REPO,
     S01,
     S03,
@@ -175,7 +176,7 @@ def test_any_failure_is_one_line_naming_the_task_line(case, tmp_path):
     elif source:
         task.write_text(source)
     extra = ["--loader", "classic", "--num-workers", 1] if "worker" in case else []
-    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", task, "--epochs", 1, *extra), timeout=90)
+    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", task, "--epochs", 1, *extra), timeout=HANG)
     line = one_error(out, *words)
     assert len(line) < 1000 and "free some space" not in line and "out-of-memory" not in line, line
     traceback = tmp_path / "out" / "traceback-rank0.txt"
@@ -212,7 +213,7 @@ def test_plan_refuses_a_doctor_file_that_would_block(kind, tmp_path):
     path = Path("/dev/zero") if kind == "/dev/zero" else tmp_path / "doctor.json"
     if kind == "a FIFO":
         os.mkfifo(path)
-    out = run([sys.executable, "tools/plan.py", *SMALL_PLAN, "--doctor", path], timeout=60)
+    out = run([sys.executable, "tools/plan.py", *SMALL_PLAN, "--doctor", path], timeout=HANG)
     one_error(out, f"--doctor {path}", "not a regular file", "--bandwidth")
 
 
@@ -326,7 +327,7 @@ def test_a_stop_while_a_tool_imports_torch_is_one_line(tmp_path):
         proc.send_signal(signum)
         proc.send_signal(signum)  # pressed twice: the first counts
     for name, (proc, signum) in tools.items():
-        stdout, stderr = proc.communicate(timeout=30)
+        stdout, stderr = proc.communicate(timeout=HANG)
         assert proc.returncode == 128 + signum and stdout == "", (name, proc.returncode, stdout, stderr)
         assert stderr == f"stopped by {signal.Signals(signum).name}: no file is left half-written\n", (name, stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # prepare_data made nothing yet

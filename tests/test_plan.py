@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import REPO, free_port, run
+from helpers import HANG, REPO, free_port, run
 from test_equivalence import ARGS, RUN, stage, step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -146,7 +146,7 @@ def test_another_tasks_model_data_loss_and_blocks_are_planned(tmp_path, capsys):
 def test_the_plan_answers_with_sbatch_lines_in_seconds():
     out = run([sys.executable, REPO / "tools/plan.py", "--model", "wideresnet", "--depth", "16", "--width", "4",
                "--dataset", "cifar10", "--batch-size", "4096", "--gpu-memory", "4", "--gpus-per-node", "4",
-               "--bandwidth", "23"], timeout=60)  # fmt: skip
+               "--bandwidth", "23"], timeout=HANG)  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert "| 8 | HSDP |" in out.stdout and "comm. ms/step" in out.stdout

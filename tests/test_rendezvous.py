@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch.distributed as dist
-from helpers import REPO, STAGES, clean_env, free_port
+from helpers import HANG, REPO, STAGES, clean_env, free_port
 
 from common import distributed
 from common.environment import Launch
@@ -66,7 +66,7 @@ def test_the_process_group_meets_in_the_store_the_watchdog_watches():
     port = free_port()
     env = clean_env(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     out = subprocess.run([sys.executable, "-c", ONE_RANK], env=env, cwd=REPO, capture_output=True, text=True,
-                         timeout=60)  # fmt: skip
+                         timeout=HANG)  # fmt: skip
     assert out.returncode == 0 and out.stdout.splitlines() == [
         f"store TCPStore {port} True", "watchdog's key True", "after cleanup True", "after close False"
     ], out.stdout + out.stderr  # fmt: skip

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 from helpers import (
+    HANG,
     REPO,
     S01,
     S03,
@@ -129,12 +130,12 @@ def test_copied_stage_runs_from_its_own_folder(tiny_data, tmp_path):
 def test_batch_step_trap_fails_fast(tiny_data, tmp_path):
     """The batch shell of a 4-task job is not a rank: it must say so instead of waiting for peers."""
     env = clean_env(SLURM_NTASKS=4, SLURM_PROCID=0, SLURM_JOB_ID=7, SLURM_JOB_NODELIST="node[1-2]")
-    out = run([sys.executable, "04_ddp_multi_node/train.py", *stage_args(tiny_data, tmp_path)], env=env, timeout=30)
+    out = run([sys.executable, "04_ddp_multi_node/train.py", *stage_args(tiny_data, tmp_path)], env=env, timeout=HANG)
     assert out.returncode != 0 and "srun" in out.stderr and "SLURM_NTASKS=4" in out.stderr, out.stderr
 
 
 def test_missing_data_names_path_and_make_data(tmp_path):
-    out = run([sys.executable, "01_single_gpu/train.py", *stage_args(tmp_path / "empty", tmp_path)], timeout=30)
+    out = run([sys.executable, "01_single_gpu/train.py", *stage_args(tmp_path / "empty", tmp_path)], timeout=HANG)
     assert out.returncode != 0 and str(tmp_path / "empty" / "MNIST" / "raw") in out.stderr
     assert "make data" in out.stderr
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (
+    HANG,
     INJECT,
     KILL_WAIT,
     S01,
@@ -259,7 +260,7 @@ def test_a_stop_while_torch_is_imported_is_the_same_one_line(signum, tiny_data, 
     wait_for(importing_torch, 60, proc)
     proc.send_signal(signum)
     proc.send_signal(signum)  # pressed twice: the first counts
-    output = proc.communicate(timeout=30)[0]
+    output = proc.communicate(timeout=HANG)[0]
     assert proc.returncode == 128 + signum, output
     assert output.splitlines() == [f"stopped by {signal.Signals(signum).name} during start-up, before the first "
                                    "step: nothing was saved and nothing is lost; start the run again as it was "

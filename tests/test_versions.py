@@ -6,7 +6,7 @@ import re
 import sys
 
 import pytest
-from helpers import REPO, STAGES, clean_env, run, srun_like, stage_args, torchrun
+from helpers import HANG, REPO, STAGES, clean_env, run, srun_like, stage_args, torchrun
 from test_failures import one_error
 
 from common.guards import versions
@@ -30,7 +30,7 @@ def imported(stderr):
 
 def test_a_torch_older_than_the_stage_needs_is_one_line_before_torch_is_imported(tmp_path):
     env = fake_torch(tmp_path, "2.6.0")
-    out = run([sys.executable, "-X", "importtime", "05_fsdp/train.py"], env=env, timeout=30)
+    out = run([sys.executable, "-X", "importtime", "05_fsdp/train.py"], env=env, timeout=HANG)
     one_error(out, "05_fsdp/train.py needs torch ≥ 2.9 (this is 2.6.0)", "`module load`", "pip install 'torch>=2.9'")
     assert out.returncode == 1 and "torch" not in imported(out.stderr)  # in its first second, not after torch's
     assert run([sys.executable, "01_single_gpu/train.py", "--help"], env=env).returncode == 0  # 2.6 runs stage 01
@@ -41,7 +41,7 @@ def test_the_job_scripts_check_and_the_doctor_refuse_an_older_torch(tmp_path):
     out = run([sys.executable, "-m", "common.guards.check", "--epochs", "1"], env=env, cwd=REPO / "03_ddp_single_node")
     one_error(out, "03_ddp_single_node/train.py needs torch ≥ 2.7 (this is 2.6.0)")  # the stage the job runs
     assert out.returncode == 1
-    out = run([sys.executable, "tools/doctor.py"], env=env, timeout=60)
+    out = run([sys.executable, "tools/doctor.py"], env=env, timeout=HANG)
     one_error(out, "tools/doctor.py needs torch ≥ 2.7 (this is 2.6.0)")
     assert out.returncode == 1
 
@@ -54,7 +54,7 @@ def test_on_the_oldest_torch_it_needs(script, tiny_data, tmp_path):
     need, found = versions.release(minimum), versions.release(FOUND)
     args = stage_args(tiny_data, tmp_path) + (["--epochs", "1"] if script.endswith("train.py") else [])
     if found < need:
-        out = run([sys.executable, script, *args], timeout=30)
+        out = run([sys.executable, script, *args], timeout=HANG)
         one_error(out, f"{script} needs torch ≥ {minimum} (this is {FOUND})")
         assert out.returncode == 1
         return
