@@ -89,6 +89,7 @@ def test_a_signal_after_the_verdict_ends_the_run_with_its_status(tmp_path):
     assert proc.wait(timeout=HANG) == 0, proc.stdout.read()[-2000:]
 
 
+@pytest.mark.slow  # the run's own case runs in make test
 def test_a_tool_ends_though_a_task_left_a_thread_running(tmp_path):
     """tools/plan.py with such a task printed its plan and never ended."""
     plan = [sys.executable, str(REPO / "tools/plan.py"), "--task", task(tmp_path, SLEEPER), "--batch-size", "8"]
@@ -318,6 +319,7 @@ def test_ten_torchrun_restarts_in_a_row_each_form_the_process_group(tmp_path):
     assert "GLOO_SOCKET_IFNAME" not in out.stderr and len(metrics(tmp_path / "out")) == 1
 
 
+@pytest.mark.slow  # one of the smaller causes named; make test keeps the unresolvable address
 def test_an_ipv6_master_addr_is_one_line(tmp_path):
     """MASTER_ADDR=::1 was a ValueError out of torch ("Port could not be cast"): tcp://::1:29500 holds no port."""
     args = stage_args(REPO / "data", tmp_path / "out", "--task", "common/tasks/sequences.py")
@@ -363,6 +365,7 @@ COLUMN = TASK + (
 )
 
 
+@pytest.mark.slow  # one shape of many a task's labels can have
 def test_labels_of_shape_b_1_are_one_line_naming_the_shape(tmp_path):
     """Labels of shape [B, 1] gave torch's text ("0D or 1D target tensor expected") blamed on train.py's loss line."""
     path = task(tmp_path, COLUMN)
