@@ -93,6 +93,20 @@ def test_a_weights_file_that_does_not_fit_is_one_line_naming_the_keys(tmp_path):
     samples.check_weights(args, task(FRESH=("2.",), **vars(small)))  # the new head left fresh: it fits
 
 
+def test_a_weights_file_with_an_integer_or_a_nan_tensor_is_one_line_naming_it(tmp_path):
+    """Loaded as they were, an int64 bias was rounded into the weights without a word, and a NaN trained as a run
+    that diverged: "try a lower --lr", naming neither the file nor the key."""
+    path, model = tmp_path / "whole.pt", nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    weights = model.state_dict() | {"0.bias": torch.arange(8), "2.weight": torch.full((3, 8), float("nan"))}
+    torch.save(weights, path)
+    args = argparse.Namespace(task=tmp_path / "task.py")
+    with pytest.raises(SystemExit) as stop:
+        samples.check_weights(args, task(model=lambda args: model, weights=lambda a: path))
+    said = stop.value.code
+    assert f"weights(args) file {path} does not fit model(args): 1 not floating-point (0.bias torch.int64)" in said
+    assert "1 not finite (2.weight)" in said and "FRESH" not in said and "\n" not in said, said
+
+
 def test_a_model_that_loads_its_own_weights_is_refused_in_stage_05_pointing_to_weights(tmp_path):
     """The torchvision idiom, resnet18(weights=...): stage 05 built it on the meta device and trained from a
     random start."""

@@ -67,7 +67,7 @@ def check_weights(args, task):
             elif misfit := misfits(found, task, args):
                 problem = f"does not fit model(args): {misfit}"
     fix = "give a torch.save'd state dict of the task's model"
-    if problem and problem.startswith("does not fit"):
+    if problem and problem.startswith("does not fit") and not problem.endswith("a fault in the values"):
         fix = 'name the keys to leave at their initialisation (a new head) in the task: FRESH = ("fc.",)'
     box = [problem and f"error: --task {args.task}: its weights(args) file {path} {problem}: {fix}"]
     if dist.is_initialized():
@@ -111,7 +111,8 @@ def check_meta_load(args, task):
 
 def misfits(found, task, args):
     """The keys of `found` that do not fit model(args), built on the meta device (shapes alone), but FRESH's: the
-    first few missing, unexpected and mis-shaped ones and their counts; None if it fits or cannot be built so."""
+    first few missing, unexpected, mis-shaped, integer where the model's are floats, or holding a NaN or an
+    infinity, and their counts; None if it fits or cannot be built so."""
     fresh = tuple(getattr(task, "FRESH", ()))
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
@@ -126,13 +127,21 @@ def misfits(found, task, args):
         "mis-shaped": [
             f"{k} {got[k]} in the file, {want[k]} in the model" for k in want if got.get(k, want[k]) != want[k]
         ],
+        # loaded as they are, an integer tensor is rounded into the weights, a NaN trains as a diverged run
+        "not floating-point": [
+            f"{k} {found[k].dtype}"
+            for k in want
+            if k in got and model[k].is_floating_point() > found[k].is_floating_point()
+        ],
+        "not finite": [k for k in want if k in got and found[k].is_floating_point() and not found[k].isfinite().all()],
     }
     said = [
         f"{len(keys)} {kind} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
         for kind, keys in kinds.items()
         if keys
     ]
-    return "; ".join(said) or None
+    values = not any(kinds[kind] for kind in ("missing", "unexpected", "mis-shaped"))  # not a new head's
+    return "; ".join(said) + (": a fault in the values" if values else "") if said else None
 
 
 def check_collate(args, task, name, samples):
