@@ -24,6 +24,7 @@ from helpers import (
     run,
     srun_like,
     stage_args,
+    torchrun,
     wait_for,
 )
 
@@ -356,3 +357,16 @@ def test_an_error_no_check_of_a_tool_names_is_one_line(tmp_path):
         f"; the traceback is in {kept}: plot met what none of its checks knows\n"
     ), out.stderr
     assert "Traceback (most recent call last)" in kept.read_text() and "csv.DictReader" in kept.read_text()
+
+
+@pytest.mark.slow
+def test_a_failure_every_rank_meets_is_said_once(tmp_path):
+    """A task's file missing on every rank printed one line per rank: at 512 ranks, 512 copies to scroll through.
+    Rank 0 says it once, "on every rank"; the others say nothing and end as failed."""
+    task = tmp_path / "missing.py"
+    head = f"import sys\nsys.path.insert(0, {str(REPO)!r})\nfrom common.tasks.images import model  # noqa\n\n\n"
+    task.write_text(head + "def datasets(args):\n    open('/nonexistent/file.bin')\n")
+    out = torchrun(2, S03, *stage_args(REPO / "data", tmp_path / "out", "--task", task, "--epochs", 1))
+    errors = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error:")]
+    assert out.returncode and len(errors) == 1, errors
+    assert errors[0].startswith("error: on every rank: FileNotFoundError") and f"{task}:7, in datasets" in errors[0]

@@ -1,19 +1,22 @@
 """Guard rail: the one line for an exception none of the guard rails knows (failure.explain()), of any class (a
 BaseException too): its type, its message (one line, bounded) and the place in the user's code that raised it,
 the task file's line where the task raised it; the full traceback is kept in a file the line names (a run's: in
-its output folder, traceback-rank<N>.txt; a tool's: in TMPDIR)."""
+its output folder, traceback-rank<N>.txt; a tool's: in TMPDIR). A failure every rank meets alike is said once
+(alike())."""
 
 import os
 import re
 import sys
 import sysconfig
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
 import torch
 
 from common.checkpoint import atomic
+from common.guards.waits import within
 
 LIMIT = 300  # characters of a message in the line: a tensor printed into one would fill the log
 
@@ -88,3 +91,20 @@ def described(err, task, kept):
     where = place(err, task)
     at = f" (at {where[0]}:{where[1]}, in {where[2]})" if where else ""
     return f"{summary(err)}{at}{f'; the traceback is in {kept}' if kept else ''}"
+
+
+def alike(said, dog, seconds=2.0):
+    """A failure every rank meets (a task's missing file, a package it lacks), said once: rank 0 waits `seconds` at
+    most for the others' lines in the store (watchdog.failed()); all alike but for the rank, its line says "on every
+    rank" and the others say nothing (exit status 1). One rank's own failure, or a store gone: each its own line."""
+    same = re.sub(r"\brank\d*\b ?\d*", "rank", said[:500])  # error: rank 3: ... traceback-rank3.txt (as stored)
+    deadline, ranks = time.monotonic() + seconds, [0] if dog.rank else range(1, dog.world_size)
+    lines = {}
+    while len(lines) < len(ranks) and time.monotonic() < deadline:
+        for r in (r for r in ranks if r not in lines):
+            if within(1, lambda r=r: dog.store.check([f"failed/{r}"])):
+                lines[r] = within(1, lambda r=r: dog.store.get(f"failed/{r}").decode())
+        time.sleep(0.05)
+    if len(lines) < len(ranks) or any(re.sub(r"\brank\d*\b ?\d*", "rank", x or "") != same for x in lines.values()):
+        return said
+    return 1 if dog.rank else said.replace("error: rank 0: ", "error: on every rank: ", 1)

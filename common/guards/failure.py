@@ -23,7 +23,7 @@ import torch.distributed as dist
 from common import distributed, environment
 from common.environment import is_rank0
 from common.guards import ownership, safeload, samples
-from common.guards.described import LIMIT, line, message, place
+from common.guards.described import LIMIT, alike, line, message, place
 from common.guards.ending import Refusal
 from common.guards.waits import fail
 
@@ -102,7 +102,7 @@ def fallback(err, guard):
     if guard.watchdog is None and not dist.is_initialized():
         return said if is_rank0() else 1  # as once()
     said = said.replace("error: ", f"error: rank {rank}: ", 1)
-    return guard.watchdog.failed(said) if guard.watchdog else said  # the others then name it, not guess
+    return alike(guard.watchdog.failed(said), guard.watchdog) if guard.watchdog else said  # others name it
 
 
 def in_thread(guard):
