@@ -173,7 +173,10 @@ def find(args, path, name, restarted, fingerprint, declared=None):
             f"error: {path} has no {ownership.MANIFEST} beside it to say what run it is (its options, "
             "its data): resume it in its run's folder, or copy that folder whole"
         )
-    if problem := recorded.check_values(state, declared) or mismatch(run, state, args, fingerprint):
+    # what the run was given first (its options, task and data: the cause), then what its checkpoint holds
+    if problem := mismatch(run, {"epoch": 1, "step": 0}, args, fingerprint) or recorded.check_values(state, declared):
+        raise Refusal(f"error: {path} {problem}")
+    if problem := mismatch(run, state, args, fingerprint):
         raise Refusal(f"error: {path} {problem}")
     return state | {"world": run.get("world")}, ownership.check_resume(args.output_dir, manifest, path)
 
