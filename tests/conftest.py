@@ -99,6 +99,9 @@ LONGEST = {
     "test_resume_at_other_world_sizes_continues_the_same_run",
     "test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint",
     "test_compiled_and_eager_checkpoints_are_one_format",
+    "test_a_task_of_another_job_on_this_port_is_named_and_the_job_it_met_is_untouched",
+    "test_ten_torchrun_restarts_in_a_row_each_form_the_process_group",
+    "test_each_bench_script_runs_on_the_cpu_at_its_smallest_size",
 }
 
 
