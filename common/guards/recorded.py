@@ -15,10 +15,8 @@ from common.guards.preflight import defining, same
 ANOTHER = "resume from another checkpoint, or with the model and --optimizer it was trained with"
 
 
-def mismatch(run, state, args, fingerprint, verb="resume"):
-    """Why this run cannot continue the one a checkpoint's `state` holds, or None. `run`: what the manifest of
-    its folder records of it (a checkpoint of an older version: what it holds itself). A run from before an
-    option (or the data's fingerprint) was recorded does not record it: what it records must match."""
+def differs(run, args, fingerprint, verb="resume"):
+    """Why the options, task or data this run was given are not those the manifest's `run` records, or None."""
     now, flags = defining(args), run.get("flags", {})
     if "(sha256 " not in str(flags.get("task", "(sha256 ")):  # recorded before the task's content was: its name
         now["task"] = args.task.name
@@ -30,6 +28,15 @@ def mismatch(run, state, args, fingerprint, verb="resume"):
             f"was trained on other data: its training set was {run['data']}, here {fingerprint} in --data-dir "
             f"{args.data_dir}: {verb} on the data it was trained on, or use another --output-dir"
         )
+    return None
+
+
+def mismatch(run, state, args, fingerprint, verb="resume"):
+    """Why this run cannot continue the one a checkpoint's `state` holds, or None. `run`: what the manifest of
+    its folder records of it (a checkpoint of an older version: what it holds itself). A run from before an
+    option (or the data's fingerprint) was recorded does not record it: what it records must match."""
+    if problem := differs(run, args, fingerprint, verb):
+        return problem
     epoch, step = state["epoch"], state["step"]
     if args.epochs < epoch:  # "done", and --save-model would export more epochs than asked for, or a part of one
         return (

@@ -174,9 +174,9 @@ def find(args, path, name, restarted, fingerprint, declared=None):
             "its data): resume it in its run's folder, or copy that folder whole"
         )
     # what the run was given first (its options, task and data: the cause), then what its checkpoint holds
-    if problem := mismatch(run, {"epoch": 1, "step": 0}, args, fingerprint) or recorded.check_values(state, declared):
+    if problem := recorded.differs(run, args, fingerprint) or recorded.check_values(state, declared):
         raise Refusal(f"error: {path} {problem}")
-    if problem := mismatch(run, state, args, fingerprint):
+    if problem := mismatch(run, state, args, fingerprint):  # its epoch, against --epochs
         raise Refusal(f"error: {path} {problem}")
     return state | {"world": run.get("world")}, ownership.check_resume(args.output_dir, manifest, path)
 
