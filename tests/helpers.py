@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -153,17 +154,26 @@ def ranks(script, args_per_rank, port=None, addr="127.0.0.1", **env):
 
 
 def finish(procs, timeout=60):
-    """Wait for `procs` (killing what is left after `timeout`): their CompletedProcess, with .seconds taken."""
-    start, outs = time.monotonic(), []
-    try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=timeout)
-            outs.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    finally:
-        for p in procs:
-            p.kill()
-    for out in outs:
-        out.seconds = time.monotonic() - start
+    """Wait for `procs` (killing them all and raising TimeoutExpired where one outlives `timeout`): their
+    CompletedProcess, each with .seconds, from this call to that process's own end (one thread each)."""
+    start, outs = time.monotonic(), [None] * len(procs)
+
+    def wait(i, p):
+        stdout, stderr = p.communicate()
+        outs[i] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+        outs[i].seconds = time.monotonic() - start
+
+    threads = [threading.Thread(target=wait, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+    for thread in threads:
+        thread.start()
+    for thread, p in zip(threads, procs, strict=True):
+        thread.join(max(0, start + timeout - time.monotonic()))
+        if thread.is_alive():
+            for q in procs:
+                q.kill()
+            for t in threads:
+                t.join()
+            raise subprocess.TimeoutExpired(p.args, timeout)
     return outs
 
 

@@ -152,6 +152,8 @@ def tell(launch, timeout, line, alone):
     served = None
     if launch.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         served = within(2, lambda: serve(launch, timeout))
+        if served is None and rendezvous.holder(launch.port) != who()[1]:  # another's port: no store to tell in
+            return own(line, launch.rank) if alone else None
     elif not wait_reachable(launch, min(timeout, 10)):
         return own(line, launch.rank) if alone else None
 

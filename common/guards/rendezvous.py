@@ -2,6 +2,7 @@
 (check_rendezvous()): one line naming the fix, instead of a wait that ends in a timeout or never."""
 
 import errno
+import functools
 import ipaddress
 import os
 import socket
@@ -77,6 +78,7 @@ def port_in_use(port):
     return f"error: MASTER_PORT {port} is in use on {socket.gethostname()} by {by}: choose another port (MASTER_PORT)"
 
 
+@functools.cache  # asked again by arrival.tell(): the answer of a few seconds before
 def holder(port):
     """The job whose rendezvous store serves `port` on this host (arrival.launched()'s key), or None."""
     import datetime
