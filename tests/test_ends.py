@@ -232,9 +232,11 @@ def test_a_port_another_jobs_store_holds_is_named_as_such(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_second_task_of_one_rank_is_named_by_every_rank(tmp_path):
+@pytest.mark.parametrize("procids", [[0, 1, 1], [0, 0, 1]])
+def test_a_second_task_of_one_rank_is_named_by_every_rank(procids, tmp_path):
     """Two tasks with SLURM_PROCID 1: the ranks waited out --dist-timeout. Now each of the three ends in seconds,
-    one line each, naming the rank two tasks claim."""
+    one line each, naming the rank two tasks claim. Two with SLURM_PROCID 0 were named by the output folder the
+    other holds ("in use by another run"): the lock names a second task of its own launch as such."""
     args = stage_args(
         REPO / "data",
         tmp_path / "out",
@@ -245,11 +247,11 @@ def test_a_second_task_of_one_rank_is_named_by_every_rank(tmp_path):
         "--batch-size",
         63,
     )
-    codes, outs, seconds = launch([3, 3, 3], args, procids=[0, 1, 1])
+    codes, outs, seconds = launch([3, 3, 3], args, procids=procids)
     assert all(codes) and seconds < 60, (codes, seconds, outs)
     for out in outs:
         assert len(errors(out)) == 1 and "Traceback" not in out, out[-3000:]
-        assert "another task has SLURM_PROCID 1 too" in errors(out)[0], errors(out)
+        assert f"another task has SLURM_PROCID {procids[1]} too" in errors(out)[0], errors(out)
 
 
 @pytest.mark.slow

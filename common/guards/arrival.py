@@ -194,11 +194,12 @@ def own(line, rank):
     return line if line.startswith("error: rank ") else line.replace("error: ", f"error: rank {rank}: ", 1)
 
 
-def held(store, seconds):
-    """Rank 0, about to end with the store it serves: wait, at most `seconds`, until every rank that arrived there
-    has read the failure that ends it (heard())."""
+def held(store, seconds, world_size):
+    """Rank 0, about to end with the store it serves: wait, at most `seconds`, until every rank has read the failure
+    that ends it (heard()) or told its own: one that arrives later finds the store and the line, not nothing that
+    answers until --dist-timeout (a second task of rank 0, refused by the folder this one holds, told it first)."""
     end = time.monotonic() + seconds
-    while time.monotonic() < end and within(1, lambda: store.add("read", 0) < store.add("arrived", 0)):
+    while time.monotonic() < end and within(1, lambda: store.add("read", 0) + store.add("failures", 0) < world_size):
         time.sleep(0.1)
 
 

@@ -10,7 +10,7 @@ import socket
 import stat
 import time
 
-from common.environment import is_rank0
+from common.environment import is_rank0, launcher, restarts
 from common.guards.check import integer
 from common.guards.ending import Refusal
 
@@ -34,6 +34,7 @@ def claim(output_dir, env=os.environ):
         "job": env.get("SLURM_JOB_ID"),
         "restart": integer("SLURM_RESTART_COUNT", 0, env=env),
         "since": time.ctime(),
+        "launch": launch(env),
     }
     path = output_dir / ".lock"
     fd = opened(path)
@@ -49,6 +50,12 @@ def claim(output_dir, env=os.environ):
             held = {}
         held = held if isinstance(held, dict) else {}
         requeued = me["job"] and held.get("job") == me["job"] and held.get("restart", 0) < me["restart"]
+        if me["launch"] and held.get("launch") == me["launch"]:  # its rank 0 too: the same launch, store and port
+            name = "RANK" if "RANK" in env else "SLURM_PROCID"
+            raise Refusal(
+                f"error: rank 0: another task has {name} 0 too (host {held.get('host', '?')}, pid "
+                f"{held.get('pid', '?')}): two tasks claim rank 0; the launcher gives each task its own"
+            ) from None
         if not requeued or (held.get("host") == me["host"] and alive(held.get("pid"))):
             job = f", Slurm job {held['job']}" if held.get("job") else ""
             raise Refusal(
@@ -67,6 +74,16 @@ def claim(output_dir, env=os.environ):
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(me).encode(), 0)
     return fd
+
+
+def launch(env):
+    """This process's launch where it is one of several ranks (its job and step, torchrun's run, the rendezvous
+    address, the restart counts), as the lock records it: a second task claiming rank 0 holds the same; else None."""
+    first = launcher(env)
+    if first.world_size in (None, 1) or not first.addr:
+        return None
+    ids = (env.get(k, "") for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID"))
+    return " ".join([*ids, f"{first.addr}:{first.port}", *map(str, restarts(env))])
 
 
 def opened(path):
