@@ -152,7 +152,7 @@ def main(guard):
         checkpoint.save(args.output_dir, epoch, states)
     log.summary()
     if args.save_model:  # option: --save-model: the weights alone, for inference
-        export.save_model(model, args.output_dir)
+        export.save_model(model, args.output_dir, guard)
     distributed.cleanup()
 
 

@@ -162,7 +162,7 @@ def main(guard):
         sharded.save(args.output_dir, epoch, states)  # every rank writes its shards
     log.summary()
     if args.save_model:  # option: --save-model: the weights alone, for inference
-        export.save_model(model, args.output_dir)
+        export.save_model(model, args.output_dir, guard)
     distributed.cleanup()
 
 

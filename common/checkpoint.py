@@ -36,8 +36,7 @@ def unwrap(model):
 @contextlib.contextmanager
 def atomic(path, mode="wb"):
     """Write `path` whole or not at all: into a temporary file of this process, switched in once
-    complete. On any error the temporary file goes and the old `path` stays."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    complete. On any error it goes, the old `path` stays; a folder gone is one, never made again."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")  # two writers never share one
     try:
         with open(tmp, mode, **({} if "b" in mode else {"newline": ""})) as f:

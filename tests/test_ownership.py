@@ -415,6 +415,33 @@ def test_a_folder_replaced_or_its_lock_removed_is_named_before_a_save(tmp_path):
     os.close(fd)
 
 
+def test_a_folder_moved_inside_a_save_or_before_the_export_is_one_line_and_made_nowhere(tmp_path):
+    """A folder renamed between the check before a save and its write: atomic() made it again at the old path and
+    wrote there; the final --save-model export was checked against nothing. Now the write fails, naming the folder
+    gone in one line (failure.explain()), and the export checks the folder first: nothing at the old path."""
+    from common import checkpoint
+    from common.options import export
+
+    out = tmp_path / "run"
+    guard = rails.Guard()
+    guard.args = SimpleNamespace(task=None, output_dir=out)
+    guard.lock = lock.claim(out)
+    guard.hold = identity.held(out, guard.lock)
+    out.rename(tmp_path / "moved")
+    with pytest.raises(OSError) as raised:
+        with checkpoint.atomic(out / "checkpoint.pt") as f:
+            f.write(b"weights")
+    assert not out.exists() and f"--output-dir {out} is gone" in failure.explain(raised.value, guard)
+    (tmp_path / "moved").rename(out)  # back: the export passes the check and writes
+    export.save_model(torch.nn.Linear(2, 2), out, guard)
+    out.rename(tmp_path / "moved")
+    out.mkdir()  # a new run's folder at the old path
+    with pytest.raises(SystemExit, match="another folder now"):
+        export.save_model(torch.nn.Linear(2, 2), out, guard)
+    assert not (out / "model.pt").exists() and (tmp_path / "moved" / "model.pt").exists()
+    os.close(guard.lock)
+
+
 def test_stage05s_shared_folder_check_makes_and_deletes_no_file(tmp_path):
     """Stage 05's check that every rank sees the output folder created and deleted `.shared` there: a user's file
     of that name was lost. It reads the lock rank 0 holds instead: the folder's files are as they were."""

@@ -189,6 +189,9 @@ def test_a_tasks_optimizer_and_scheduler_step_per_optimizer_step_and_clip():
     same.load_state_dict(saved)
     assert same.get_last_lr() == scheduler.get_last_lr() and same.inner.last_epoch == 3
     _, elsewise = hooks.recipe(*other[:2], task(scheduler=warm_up), other[2])  # SGD, not AdamW
+    # the flags each recipe leaves unused, which the run's manifest records not (--optimizer's value was there)
+    assert scheduler.unused == ["optimizer", "scheduler", "gamma", "step_size"]
+    assert elsewise.unused == ["scheduler", "gamma", "step_size"]
     with pytest.raises(ValueError, match="the checkpoint was trained with AdamW .* this run defines SGD"):
         elsewise.load_state_dict(saved)
 
@@ -326,5 +329,8 @@ def test_an_example_stopped_mid_epoch_resumes_bit_identical(example, ranks, tmp_
     for part in ("model", "optimizer", "scheduler"):
         assert_same_state(checkpoint(cut)[part], checkpoint(whole)[part], part)
     assert [r["lr"] for r in metrics(cut)] == [r["lr"] for r in metrics(whole)]
-    recorded = json.loads((cut / "run-manifest.json").read_text())["record"].get("recipe", "")
+    record = json.loads((cut / "run-manifest.json").read_text())["record"]
+    recorded = record.get("recipe", "")
     assert recorded.startswith("AdamW") if example == "recipe" else recorded == "", recorded
+    # the task's AdamW and warm-up: --optimizer and --scheduler, unused, were recorded with their defaults
+    assert ("optimizer" in record["flags"] and "scheduler" in record["flags"]) == (example != "recipe"), record

@@ -23,8 +23,10 @@ from helpers import (
     assert_same_state,
     checkpoint,
     clean_env,
+    finish,
     metrics,
     python,
+    ranks,
     run,
     shared,
     srun_start,
@@ -245,6 +247,45 @@ def test_a_stop_during_start_up_is_one_line_and_the_run_starts_again(signum, tin
     assert "error:" not in stdout and "Traceback" not in stdout, stdout  # a request, not an error: srun's other tasks
     again = python(S01, *args(tiny_data, out, "--task", task, "--epochs", 1))
     assert again.returncode == 0 and len(metrics(out)) == 1, again.stdout + again.stderr
+
+
+WRAPPED = """
+import os, time
+from common.tasks.images import add_arguments, check, datasets, model as build
+
+def model(args):
+    net = build(args)
+    listed = type(net).named_parameters
+
+    def named_parameters(self, *a, **k):  # DDP's constructor lists them first (model.to() does not): rank 1 waits
+        if os.environ["RANK"] == "1" and not os.path.exists(os.environ["WRAP_MARK"]):
+            open(os.environ["WRAP_MARK"], "a").close()
+            time.sleep(120)
+        return listed(self, *a, **k)
+
+    net.named_parameters = named_parameters.__get__(net)
+    return net
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_while_ddp_is_constructed_is_one_line_on_every_rank(tiny_data, tmp_path):
+    """SIGTERM to every rank (scancel) while DDP is constructed: rank 1 in the constructor's Python, rank 0 in its
+    first collective, waiting for rank 1. The general stop path (signals.hold()) had no test: each rank ends with at
+    most one line, rank 0's the start-up stop or its error, and no traceback."""
+    task, out, mark = tmp_path / "task.py", tmp_path / "out", tmp_path / "wrapping"
+    task.write_text(WRAPPED)
+    procs = ranks(S03, [args(tiny_data, out, "--task", task, "--epochs", 1)] * 2, WRAP_MARK=mark)
+    wait_for(mark.exists, 120, procs[1])
+    time.sleep(1)  # rank 0 in DDP's first collective
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    ended = finish(procs, timeout=HANG)
+    for rank, end in enumerate(ended):
+        lines = [line for line in (end.stdout + end.stderr).splitlines() if line.startswith(("error:", "stopped by"))]
+        assert end.returncode != 0 and "Traceback" not in end.stderr + end.stdout, (rank, end.stderr[-3000:])
+        assert len(lines) == (rank == 0), (rank, lines, end.stderr[-2000:])
+        assert end.seconds < KILL_WAIT, (rank, end.seconds)  # Slurm's bound after the signal
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

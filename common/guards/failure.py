@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from common import distributed, environment
 from common.environment import is_rank0
-from common.guards import ownership, safeload, samples
+from common.guards import identity, ownership, safeload, samples
 from common.guards.described import LIMIT, alike, line, message, place
 from common.guards.ending import Refusal
 from common.guards.waits import fail
@@ -143,6 +143,8 @@ def explain(err, guard):
         return silent
     if isinstance(err, RuntimeError) and (said := worker_lost(err)):
         return said
+    if written(err, guard.args and guard.args.output_dir) and (moved := guard.hold and identity.lost(guard.hold)):
+        return moved  # the folder moved between the check before a save and its write: atomic() makes none
     if written(err, guard.args and guard.args.output_dir):  # checkpoint.atomic() removed its temporary file
         folder = guard.args.output_dir if guard.args else "."
         return (

@@ -10,6 +10,7 @@ may skip each of them: the training reads the same without. What each one holds 
   end_of_step()   a diverged loss stops the run; a stop or --checkpoint-minutes saves here and, during an
                   evaluation, at end_of_batch()
   check_epoch()   nothing non-finite is ever saved
+  check_folder()  the export writes in the run's own folder (export.save_model())
   run(main)       any failure ends the run with one line instead of a traceback
 """
 
@@ -109,6 +110,8 @@ class Guard:
         record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters, "world": world}
         if hasattr(states["scheduler"], "recipe"):  # a task's optimizer() or scheduler(), not --optimizer's
             record["recipe"] = states["scheduler"].recipe()
+            unused = getattr(states["scheduler"], "unused", ())  # its flags: recorded as none, never compared
+            record["flags"] = {k: v for k, v in record["flags"].items() if k not in unused}
         # what its checkpoint must hold: its parts, the model's dtypes and shapes, the steps of an epoch
         declared = recorded.declared(states, sharded, self.sizes and self.sizes[0], self.args)
         state = resume.state_to_resume(self.args, path, sharded, record, declared)
@@ -144,6 +147,10 @@ class Guard:
         samples.check_counts(epoch, sums, self.sizes, self.args.dry_run)
         self.saving.epoch_end(epoch)
 
+    def check_folder(self):
+        """Before --save-model's export (every rank): the folder and its lock still those rank 0 took."""
+        identity.check_held(self.hold)
+
     def close(self, together):
         """Stop the heartbeat; with `together`, rank 0 (which serves the store, past the process group's end)
         waits until every rank has left."""
@@ -161,8 +168,13 @@ def run(main):
     try:
         main(guard)
         code = 0
-    except BaseException as err:
-        signals.hold()  # the verdict is being reached: a stop now (torchrun's, for a rank that failed) waits for it
+    except BaseException as raised:
+        err = raised
+        try:
+            signals.hold()  # the verdict is being reached: a stop now (torchrun's, for a rank that failed) waits for it
+        except signals.Stopped as stop:  # one pending as main() failed, raised as hold() began: the stop is why (a
+            err = stop  # peer it stopped too broke the collective this rank was in: DDP's construction)
+            signals.hold()
         code, together = verdict(err, guard)
         if guard.watchdog is None and guard.args is not None and not isinstance(err, signals.Stopped):
             code = told(err, code, guard)

@@ -59,7 +59,10 @@ def recipe(step, states, task, args):
         inner, per_step = optim.scheduler(args, optimizer), False  # the stage's own, per epoch
     else:
         inner, per_step = states["scheduler"], False
-    schedule = Schedule(optimizer, inner, per_step, args.clip_grad)
+    # the stage's flags the task's optimizer or scheduler leaves unused: its manifest records none
+    unused = ["optimizer"] if optimizer is not step.optimizer else []
+    unused += ["scheduler", "gamma", "step_size"] if per_step else []
+    schedule = Schedule(optimizer, inner, per_step, args.clip_grad, unused)
     states.update(optimizer=optimizer, scheduler=schedule)
     return step._replace(optimizer=optimizer), schedule
 
@@ -70,8 +73,9 @@ class Schedule:
     what defines the recipe, saved with it: a resume with another optimizer or schedule is refused.
     """
 
-    def __init__(self, optimizer, inner, per_step, clip):
+    def __init__(self, optimizer, inner, per_step, clip, unused=()):
         self.optimizer, self.inner, self.per_step, self.clip = optimizer, inner, per_step, clip
+        self.unused = unused  # the stage's flags the recipe replaces
         self.used = [group["lr"] for group in optimizer.param_groups]
         optimizer.register_step_pre_hook(self.before)
         if per_step:
