@@ -43,8 +43,8 @@ class Metric(NamedTuple):
     better: str = "higher"  # or "lower": the direction --target is reached in
     score: Callable = accuracy  # summed over a batch (a task's totals: a row of sums)
 
-    def value(self, sums, samples):  # sums: score's over an epoch, all-reduced, as a row
-        return (100 if self.name == "accuracy" else 1) * sums[0] / samples
+    def value(self, row, samples):  # row: score's sums over an epoch, all-reduced
+        return (100 if self.name == "accuracy" else 1) * row[0] / samples
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Sums:
         return cls(*torch.zeros(3, device=device))
 
     def tensor(self, shape=()):  # score as wide as an evaluation's: a task's totals are a row
-        return torch.cat([self.loss[None], self.score.expand(shape).reshape(-1), self.samples[None]])
+        return torch.cat([self.loss[None], self.score.expand(shape).view(-1), self.samples[None]])
 
 
 class Epoch(NamedTuple):

@@ -44,7 +44,13 @@ class Totals:
     batch's, held here: another later would be summed into the wrong totals."""
 
     def __init__(self, name, better, totals, figure):
-        self.name, self.better, self.totals, self.figure, self.width = name, better, totals, figure, 0
+        self.name, self.better, self.totals, self.figure, self.width = (
+            name,
+            better,
+            totals,
+            figure,
+            0,
+        )
 
     def score(self, output, target):
         sums = self.totals(output, target)
@@ -54,7 +60,7 @@ class Totals:
             tensor = torch.is_tensor(sums)
             got = f"{sums.dtype} of shape {tuple(sums.shape)}" if tensor else type(sums).__name__
             raise ValueError(
-                f"the task's totals(output, target) must return a 1-D float tensor of the same length "
+                f"the task's totals(output, target) must return a 1-D float tensor of one length "
                 f"every batch (the first's: {self.width or 'none'}), not a {got}"
             )
         return sums

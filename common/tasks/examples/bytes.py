@@ -78,4 +78,5 @@ def totals(output, target):
 
 
 def figure(totals):
-    return torch.exp(totals[0] / totals[1])  # the epoch's loss per token, all ranks'
+    loss, tokens = totals  # the epoch's, all ranks'
+    return torch.exp(loss / tokens)

@@ -50,11 +50,15 @@ def gathered(z):
     to the longest for the all_gather (which needs one shape), and the padding is cut again."""
     if not dist.is_initialized():
         return z, 0
-    sizes = [torch.zeros(1, dtype=torch.long, device=z.device) for _ in range(dist.get_world_size())]
+    sizes = [
+        torch.zeros(1, dtype=torch.long, device=z.device) for _ in range(dist.get_world_size())
+    ]
     dist.all_gather(sizes, torch.tensor([len(z)], device=z.device))
     sizes = [int(size) for size in sizes]
     rows = all_gather(F.pad(z, (0, 0, 0, max(sizes) - len(z))))
-    return torch.cat([r[:size] for r, size in zip(rows, sizes)]), sum(sizes[: dist.get_rank()])
+    return torch.cat([r[:size] for r, size in zip(rows, sizes, strict=True)]), sum(
+        sizes[: dist.get_rank()]
+    )
 
 
 def loss(output, target):
