@@ -75,11 +75,11 @@ def evaluate(step, loader, samples, guard):
     for x, y in loader:
         x, y = data.to_device((x, y), step.device)
         output, n = step.model(x), min(data.count(y), samples)  # each forward on every rank (FSDP)
-        samples -= n
-        if n:
-            output, y = data.first(output, n), data.first(y, n)
-            sums.loss += step.loss_fn(output, y) * n
-            sums.score += step.score(output, y)
+        output, y, samples = data.first(output, n), data.first(y, n), samples - n  # padding: cut
+        loss = step.loss_fn(output, y)  # on every rank, of none too: a collective in it lines up
+        if n:  # (the mean over no samples is nan)
+            sums.loss += loss * n
+            sums.score = sums.score + step.score(output, y)  # a task's totals: a row, from 0
             sums.samples += n
         guard.end_of_batch()  # guard: a stop saves here too
     return sums

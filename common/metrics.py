@@ -41,10 +41,10 @@ class Metric(NamedTuple):
 
     name: str = "accuracy"
     better: str = "higher"  # or "lower": the direction --target is reached in
-    score: Callable = accuracy  # summed over a batch
+    score: Callable = accuracy  # summed over a batch (a task's totals: a row of sums)
 
-    def value(self, total, samples):
-        return (100 if self.name == "accuracy" else 1) * total / samples
+    def value(self, row, samples):  # row: score's sums over an epoch, all-reduced
+        return (100 if self.name == "accuracy" else 1) * row[0] / samples
 
 
 @dataclass
@@ -59,8 +59,8 @@ class Sums:
     def zeros(cls, device):
         return cls(*torch.zeros(3, device=device))
 
-    def tensor(self):
-        return torch.stack([self.loss, self.score, self.samples])  # Sums(*values) reads it back
+    def tensor(self, shape=()):  # score as wide as an evaluation's: a task's totals are a row
+        return torch.cat([self.loss[None], self.score.expand(shape).view(-1), self.samples[None]])
 
 
 class Epoch(NamedTuple):
@@ -71,11 +71,11 @@ class Epoch(NamedTuple):
     test: Sums
 
     def tensor(self):
-        return torch.stack([sums.tensor() for sums in self])
+        return torch.stack([sums.tensor(self.test.score.shape) for sums in self])
 
     @classmethod
-    def read(cls, tensor):
-        return cls(*(Sums(*row) for row in tensor.tolist()))
+    def read(cls, tensor):  # each score a row: loss, score..., samples
+        return cls(*(Sums(row[0], row[1:-1], row[-1]) for row in tensor.tolist()))
 
 
 def progress(epoch, batch, batches, loss):
@@ -136,7 +136,7 @@ class Log:
         row += [seconds, speed, speed / self.world_size, self.world_size, self.nodes, peak]
         self.rows.append(dict(zip(self.fields, [*row, compiling, self.metric.better], strict=True)))
         self.write()
-        self.say(self.rows[-1], f"{int(test.score)}/{int(test.samples)}")
+        self.say(self.rows[-1], f"{int(test.score[0])}/{int(test.samples)}")
 
     def mean(self, sums):
         """(loss, metric) of an evaluation's sums; blank for no samples (no --val-fraction)."""

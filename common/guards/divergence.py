@@ -46,10 +46,11 @@ def check_epoch(epoch, sums, output_dir):
     for name, part in sums._asdict().items():  # training, validation, test
         if not math.isfinite(part.loss):
             stop(f"error: epoch {epoch} ended with a non-finite {name} loss ({part.loss}): " + advice(output_dir))
-        if not math.isfinite(part.score):  # the task's score(): e.g. a relative error of a target of 0
+        if not all(map(math.isfinite, part.score)):  # the task's score(): a relative error of a target of 0
             stop(
-                f"error: epoch {epoch} ended with a non-finite {name} score ({part.score}): the task's score() must "
-                f"sum finite values over a batch; the checkpoint in {output_dir} keeps the last epoch before"
+                f"error: epoch {epoch} ended with a non-finite {name} score ({', '.join(map(str, part.score))}): "
+                "the task's score() must "
+                f"sum finite values over a batch (totals() too); the checkpoint in {output_dir} keeps the last epoch before"
             )
 
 

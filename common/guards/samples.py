@@ -27,13 +27,14 @@ def shapes(batch):
 def check_metric(args, task):
     """The task's metric, if it has one (common/metrics.py Metric)."""
     metric, scored = getattr(task, "metric", None), callable(getattr(task, "score", None))
-    if (metric is not None or scored) and not (
-        scored and isinstance(metric, tuple) and len(metric) == 2 and metric[1] in ("higher", "lower")
+    totalled = callable(getattr(task, "totals", None)) and callable(getattr(task, "figure", None))
+    if (metric is not None or scored or hasattr(task, "totals") or hasattr(task, "figure")) and not (
+        scored != totalled and isinstance(metric, tuple) and len(metric) == 2 and metric[1] in ("higher", "lower")
     ):
         stop(
-            f'error: --task {args.task}: a metric is `metric = (name, "higher" or "lower")` with a function '
-            "score(output, target) that returns it per sample, shape (B,): it defines one without the other, "
-            "or another kind"
+            f'error: --task {args.task}: a metric is `metric = (name, "higher" or "lower")` with either a function '
+            "score(output, target) that returns it per sample, shape (B,), or totals(output, target), a row of sums, "
+            "and figure(totals) of the epoch's: it defines one without the other, both, or another kind"
         )
     if metric is not None and metric[0] in ("loss", ""):  # metrics.csv: test_<name> beside test_loss
         stop(

@@ -1,6 +1,6 @@
 """A task's hooks beyond model() and datasets() (common/tasks/README.md), read where a task defines
-them: its own metric and score(), or its loss() as its figure (metric()); its collate() is the
-loaders' (loaders.py)."""
+them: its own metric and score(), or totals() and figure(), or its loss() as its figure (metric());
+its collate() is the loaders' (loaders.py)."""
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,8 @@ def metric(task):
     loss() and no metric of its own: its mean loss, lower is better, never an accuracy."""
     if not hasattr(task, "metric"):
         return Metric("mean_loss", "lower", lambda output, y: task.loss(output, y) * count(y))
+    if hasattr(task, "totals"):
+        return Totals(*task.metric, task.totals, task.figure)
     return Metric(*task.metric, lambda output, y: per_sample(task.score(output, y), count(y)))
 
 
@@ -32,6 +34,39 @@ def per_sample(scores, samples):
             f"({samples},) for this batch, not {got}: the stages sum it and divide by the samples"
         )
     return scores.sum()
+
+
+class Totals:
+    """A task's metric of sums over the whole epoch: totals(output, target), a row of K sums over
+    the rank's samples of a batch (true and false positives, intersections and unions, a summed
+    loss and its tokens), summed over the epoch and the ranks as score() is; figure(totals) of
+    them, e.g. micro-F1 (a mean over samples cannot give it). The row's length is the first
+    batch's, held here: another later would be summed into the wrong totals."""
+
+    def __init__(self, name, better, totals, figure):
+        self.name, self.better, self.totals, self.figure, self.width = (
+            name,
+            better,
+            totals,
+            figure,
+            0,
+        )
+
+    def score(self, output, target):
+        sums = self.totals(output, target)
+        row = torch.is_tensor(sums) and sums.is_floating_point() and sums.ndim == 1
+        self.width = self.width or (len(sums) if row else 0)
+        if not (row and len(sums) == self.width):
+            tensor = torch.is_tensor(sums)
+            got = f"{sums.dtype} of shape {tuple(sums.shape)}" if tensor else type(sums).__name__
+            raise ValueError(
+                f"the task's totals(output, target) must return a 1-D float tensor of one length "
+                f"every batch (the first's: {self.width or 'none'}), not a {got}"
+            )
+        return sums
+
+    def value(self, sums, samples):
+        return float(self.figure(torch.tensor(sums, dtype=torch.float64)))
 
 
 RECIPE = {"optimizer", "scheduler", "weights"}  # a task's own; with --clip-grad: recipe()

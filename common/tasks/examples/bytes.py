@@ -1,7 +1,9 @@
 """A byte-level causal language model: a small transformer reads --seq-len bytes of a text and
 predicts each next byte. Labels are (B, T), the input shifted by one; loss() flattens the tokens
-(the default cross-entropy takes (B, C, ...) outputs); the metric is each sample's share of next
-bytes right (a value per sample, as score() must return). The text is made from --seed: words
+(the default cross-entropy takes (B, C, ...) outputs); the metric is the perplexity, exp of the
+loss per token over the whole test set: totals() sums a batch's token losses and counts its
+tokens, figure() divides the epoch's sums (a mean of each batch's perplexity would be another
+figure). The text is made from --seed: words
 drawn from a small vocabulary, so that a byte after the first of a word is mostly predictable.
 
     python 01_single_gpu/train.py --task common/tasks/examples/bytes.py --epochs 2
@@ -14,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-metric = ("token_accuracy", "higher")
+metric = ("perplexity", "lower")
 WORDS = (
     "the of and to in is was that for on with as by at from it his an were are which this".split()
 )
@@ -70,5 +72,11 @@ def loss(output, target):
     return F.cross_entropy(output.flatten(0, 1), target.flatten())
 
 
-def score(output, target):
-    return (output.argmax(-1) == target).float().mean(1)  # one value per sample
+def totals(output, target):
+    summed = F.cross_entropy(output.flatten(0, 1), target.flatten(), reduction="sum")
+    return torch.stack([summed, torch.tensor(float(target.numel()), device=summed.device)])
+
+
+def figure(totals):
+    loss, tokens = totals  # the epoch's, all ranks'
+    return torch.exp(loss / tokens)

@@ -1,7 +1,9 @@
 """A segmentation UNet: each pixel of a 16 x 16 image is background or inside a square (class 1)
 or a disc (class 2) drawn at random from --seed. Labels are (B, H, W) class numbers; the stages'
-default loss (cross-entropy over the outputs' dim 1) and accuracy take them as they are: the
-accuracy is the share of pixels right.
+default loss (cross-entropy over the outputs' dim 1) takes them as they are. The metric is the
+mean IoU over the classes on the whole test set: totals() counts a batch's intersections and
+unions per class, figure() divides the epoch's (a mean of each image's IoU would be another
+figure, undefined for an image without a disc).
 
     python 01_single_gpu/train.py --task common/tasks/examples/segmentation.py --epochs 2
     torchrun --standalone --nproc_per_node=2 05_fsdp/train.py \
@@ -13,6 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 SIZE, CLASSES = 16, 3
+metric = ("iou", "higher")
 
 
 def add_arguments(group):
@@ -62,3 +65,16 @@ class UNet(nn.Module):
 
 def model(args):
     return UNet()
+
+
+def totals(output, target):
+    """Per class, the pixels both predicted and labelled it, then those either."""
+    predicted = nn.functional.one_hot(output.argmax(1), CLASSES).flatten(0, -2)
+    labelled = nn.functional.one_hot(target, CLASSES).flatten(0, -2)
+    both = (predicted & labelled).sum(0)
+    return torch.cat([both, (predicted | labelled).sum(0)]).float()
+
+
+def figure(totals):
+    both, either = totals.view(2, CLASSES)
+    return (both / either)[either > 0].mean()  # over the classes present
