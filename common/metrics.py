@@ -84,8 +84,9 @@ def progress(epoch, batch, batches, loss):
 
 
 class Log:
-    """metrics.csv's rows and the epoch lines from all-reduced sums, alike on every rank; rank 0
-    writes. `carried`: epoch -> (seconds, this rank's Sums) before a stop; `compiles`: times."""
+    """The rows of metrics.csv and the epoch lines, from sums all-reduced: alike on every rank; rank
+    0 writes. `carried`: epoch -> (seconds, this rank's training Sums) of an epoch resumed part-way,
+    before the stop (common/options/resuming.py); `compiles`: the compiler's start and end times."""
 
     def __init__(self, output_dir, world_size, metric):
         output_dir.mkdir(parents=True, exist_ok=True)  # the run's folder: atomic() makes none

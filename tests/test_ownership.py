@@ -290,6 +290,7 @@ def test_a_folder_a_run_left_before_its_first_checkpoint_is_taken_over(tmp_path)
     (tmp_path / "checkpoint").unlink()
     (tmp_path / "epoch-1").rmdir()
     other = tmp_path / "other"  # --resume other/checkpoint.pt into it: that run continues here
+    other.mkdir()
     ownership.write(other, {"run": "other", "writes": [*ownership.WRITES[False]], "launch": None})
     (other / "checkpoint.pt").write_text("a checkpoint")
     assert ownership.check_resume(tmp_path, ownership.read(tmp_path), other / "checkpoint.pt") == "other"
