@@ -72,7 +72,7 @@ def main():
             name: build(ddp, compiled) for name, (ddp, compiled) in OPTIONS.items() if not (compiled and args.eager)
         }
         for model, optimizer in built.values():
-            ms_per_step(model, optimizer, x, y, n=10)  # warm-up, and the compiler's time
+            ms_per_step(model, optimizer, x, y, n=min(10, args.steps))  # warm-up, and the compiler's time
         times = {name: [] for name in built}
         for _ in range(5):  # alternated, so that drifts of the machine hit every option alike
             for name, (model, optimizer) in built.items():
@@ -85,9 +85,9 @@ def main():
         model, optimizer = built["DDP as stage 03 builds it"]
         activities = [torch.profiler.ProfilerActivity.CPU]
         with torch.profiler.profile(activities=activities) as profile:
-            for _ in range(20):
+            for _ in range(min(20, args.steps)):
                 step(model, optimizer, x, y)
-        print("\nthe host's top costs of 20 DDP steps (self CPU time):")
+        print(f"\nthe host's top costs of {min(20, args.steps)} DDP steps (self CPU time):")
         print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=8, max_name_column_width=45))
         dist.destroy_process_group()
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import REPO, clean_env, run
+from helpers import REPO, clean_env, free_port, run
 
 GPU = REPO / "bench" / "gpu"
 
@@ -93,7 +93,7 @@ def test_fsdp_cost_bare_loop_shards_and_steps_as_stage_05(tmp_path):
 
 SMALLEST = {  # each bench script on the CPU at its smallest size: (arguments, environment). Not bench.py (make
     # benchmarks): its CPU rows compile stage 01, minutes on a CPU at any size
-    "check_cost.py": ([], {"N": "5"}),
+    "check_cost.py": ([], {"N": "2"}),
     "ddp_profile.py": (["--eager", "--steps", "2"], {}),
     "fsdp_cost.py": (["--rounds", "1", "--limit", "16", "--batch-size", "4"], {}),
     "gpu/step_probe.py": ([], {"N": "2"}),
@@ -107,7 +107,7 @@ SMALLEST = {  # each bench script on the CPU at its smallest size: (arguments, e
 def test_each_bench_script_runs_on_the_cpu_at_its_smallest_size(script, tmp_path):
     args, env = SMALLEST[script]
     cmd = [sys.executable, str(REPO / "bench" / script), *(a.format(tmp=tmp_path) for a in args)]
-    out = run(cmd, env=clean_env(**env), timeout=900)
+    out = run(cmd, env=clean_env(MASTER_PORT=free_port(), **env), timeout=900)  # two probes side by side
     assert out.returncode == 0 and "Traceback" not in out.stderr and out.stdout.strip(), (
         out.stdout,
         out.stderr[-3000:],

@@ -311,7 +311,7 @@ def test_signals_during_the_exit_change_neither_the_status_nor_the_line(tiny_dat
     while proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         sent += 1
-        time.sleep(0.005)
+        time.sleep(0.001)
     saved_mid_epoch(tmp_path, "".join(lines) + proc.stdout.read(), 128 + signal.SIGTERM, proc)
     assert sent >= 10, sent  # the exit took long enough for them to land in it
 

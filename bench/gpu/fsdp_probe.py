@@ -58,7 +58,7 @@ def main():
         for kind in KINDS:
             model = build(kind, device)
             optimizer = torch.optim.Adadelta(model.parameters(), foreach=True if kind == "fsdp-stage05" else None)
-            steps(model, optimizer, batch, 20)  # warm-up
+            steps(model, optimizer, batch, min(20, n))  # warm-up (N=2: a check of the script)
             start = time.perf_counter()
             steps(model, optimizer, batch, n)
             times[kind].append(1e3 * (time.perf_counter() - start) / n)
@@ -66,9 +66,9 @@ def main():
         print(f"{kind:16s} {min(ms):.3f} ms/step (runs {', '.join(f'{t:.3f}' for t in ms)})")
     model = build("fsdp-blocks", device)
     optimizer = torch.optim.Adadelta(model.parameters())
-    steps(model, optimizer, batch, 10)
+    steps(model, optimizer, batch, min(10, n))
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as p:
-        steps(model, optimizer, batch, 20)
+        steps(model, optimizer, batch, min(20, n))
     print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
     dist.destroy_process_group()
 

@@ -4,7 +4,7 @@ Steps to an accuracy do not depend on the hardware; the time per step does (meas
 time to 99 % = steps x time per step. Prints a row per candidate, then `best:` the flags of the one that reached 99 %
 in every seed in the least eager time (epochs x s/epoch).
 
-python bench/gpu/recipes.py [SEEDS] [EPOCHS_CAP]    (from the project's root; QUICK=1: 640 images, to check it)
+python bench/gpu/recipes.py [SEEDS] [EPOCHS_CAP]    (from the project's root; EPOCHS_CAP caps every candidate, its own --epochs too; QUICK=1: 640 images, to check it)
 """
 
 import contextlib
@@ -42,7 +42,8 @@ def stage():
 
 def run(main, flags, seed, cap, folder):
     argv = [*flags.split(), "--seed", str(seed), "--loader", "device", "--target", "99"]
-    argv += [] if "--epochs" in flags else ["--epochs", str(cap)]
+    own = int(flags.split("--epochs ")[1].split()[0]) if "--epochs" in flags else cap
+    argv += ["--epochs", str(min(own, cap))]  # the last --epochs is the one read: a cap on every candidate
     argv += ["--limit", "640"] if os.environ.get("QUICK") else []
     sys.argv = ["train.py", *argv, "--output-dir", folder]
     with contextlib.redirect_stdout(io.StringIO()):
