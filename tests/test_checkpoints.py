@@ -82,6 +82,7 @@ def test_a_checkpoint_copied_away_from_its_run_is_refused_not_resumed_unchecked(
     model = Net()
     optimizer = torch.optim.Adadelta(model.parameters())
     states = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    (tmp_path / "copied").mkdir()
     lesson.save(tmp_path / "copied", 1, states)  # a checkpoint.pt, and no run-manifest.json beside it
     args, _ = cli.parse_args(
         stage_args(tiny_data, tmp_path / "new", "--lr", 0.1, "--resume", tmp_path / "copied"), [flags.add]

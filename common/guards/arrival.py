@@ -213,9 +213,10 @@ def first_job(store):
 
 
 def wait_reachable(launch, seconds):
+    """Whether rank 0's store answers within `seconds`: at once not where its address does not resolve."""
     end = time.monotonic() + seconds
     while not rendezvous.reachable(launch.addr, launch.port):
-        if time.monotonic() > end:
+        if time.monotonic() > end or not rendezvous.resolves(launch.addr):
             return False
         time.sleep(0.2)
     return True

@@ -69,6 +69,13 @@ def reachable(addr, port):
         return False
 
 
+def resolves(addr):
+    try:
+        return bool(socket.getaddrinfo(addr, None))
+    except socket.gaierror:
+        return False
+
+
 def port_in_use(port):
     """The line for rank 0's port, taken: by another job's rendezvous store (its job named), or another program."""
     job, mine = holder(port), os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
