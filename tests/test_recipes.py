@@ -77,6 +77,18 @@ def test_a_tasks_totals_are_summed_over_the_epoch_and_its_figure_taken_of_them()
         samples.check_metric(argparse.Namespace(task="task.py"), both)
 
 
+def test_totals_at_more_ranks_than_a_split_has_samples_are_refused_in_one_line(monkeypatch):
+    """A rank without a sample of a split makes no row of totals: the ranks' rows differ in length, and gloo
+    aborted the run ("Received data size doesn't match expected size") with rank 0 blaming rank 1."""
+    monkeypatch.setattr(samples.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(samples.dist, "get_world_size", lambda: 2)
+    args, totalled = argparse.Namespace(task="t.py"), task(totals=right_and_all, figure=lambda t: t[0] / t[1])
+    with pytest.raises(SystemExit, match=r"totals\(\) need a sample on every rank: a split of 1 samples at 2 ranks"):
+        samples.check_totals(args, totalled, (0, 1))
+    samples.check_totals(args, totalled, (0, 2))  # no validation split; a test sample on each rank
+    samples.check_totals(args, task(score=lambda o, t: o), (0, 1))  # scores per sample: a rank without adds 0
+
+
 def test_an_evaluation_calls_loss_on_every_rank_and_batch_and_counts_each_sample_once():
     """Nine samples at two ranks in batches of 2 and 3: rank 1's last batch is its padding alone, or shares it
     with a sample. loss() was called only where a rank held samples, so a collective in it (a loss over the

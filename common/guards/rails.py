@@ -88,6 +88,7 @@ class Guard:
         """Every rank trains the same run on the same data; the run's manifest records what it is trained on."""
         preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.sizes = (len(train_set), len(val_set), len(test_set))  # what each epoch must count: check_epoch()
+        samples.check_totals(self.args, task, self.sizes[1:])  # a task's totals: a row on every rank
         samples.check_weights(self.args, task)  # the task's file of whole weights, before it is trusted
         samples.check_meta_load(self.args, task)  # stage 05: weights model(args) loads itself are lost on meta
         self.data = preflight.fingerprint(train_set)

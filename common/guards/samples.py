@@ -43,6 +43,18 @@ def check_metric(args, task):
         )
 
 
+def check_totals(args, task, sizes):
+    """A task's totals(): a row only where a rank has a sample of the split it evaluates, so a split of fewer
+    samples than ranks gave rows of two lengths to one all-reduce (gloo aborted, "Received data size doesn't
+    match")."""
+    ranks, short = dist.get_world_size() if dist.is_initialized() else 1, [n for n in sizes if 0 < n]
+    if callable(getattr(task, "totals", None)) and short and min(short) < ranks:
+        stop(
+            f"error: --task {args.task}: totals() need a sample on every rank: a split of {min(short)} samples at "
+            f"{ranks} ranks; give it more samples (--limit, --val-fraction) or use fewer ranks"
+        )
+
+
 def check_weights(args, task):
     """The task's `weights(args)` file, which rank 0 alone reads (meta.load_whole()): checked there against what
     it declares, headers only, before it is trusted; a FIFO blocked rank 0 for ever, a file cut short was torch's
