@@ -84,12 +84,12 @@ def progress(epoch, batch, batches, loss):
 
 
 class Log:
-    """The rows of metrics.csv and the epoch lines, from sums all-reduced: alike on every rank; rank
-    0 writes. `carried`: epoch -> (seconds, this rank's training Sums) of an epoch resumed part-way,
-    before the stop (common/options/resuming.py); `compiles`: the compiler's start and end times."""
+    """metrics.csv's rows and the epoch lines, from sums all-reduced: alike on every rank; rank 0
+    writes. `carried`: epoch -> (seconds, training Sums) before a stop; `compiles`: compile spans."""
 
     def __init__(self, output_dir, world_size, metric):
-        output_dir.mkdir(parents=True, exist_ok=True)  # the run's folder: atomic() makes none
+        if is_rank0():  # the run's folder, where rank 0 alone writes (atomic() makes none)
+            output_dir.mkdir(parents=True, exist_ok=True)
         self.path, self.world_size, self.metric = output_dir / "metrics.csv", world_size, metric
         self.fields = [field.replace("accuracy", metric.name) for field in FIELDS]
         self.nodes = max(world_size // ranks_per_node(world_size), 1)
