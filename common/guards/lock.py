@@ -13,6 +13,7 @@ import time
 from common.environment import is_rank0, launcher, restarts
 from common.guards.check import integer
 from common.guards.ending import Refusal
+from common.guards.rendezvous import TWO_RANK_0
 
 # checkpoint.atomic()'s temporary files of what a run writes (<name>.tmp<pid>): no other name is a run's
 TEMPORARY = re.compile(r"(checkpoint\.pt|checkpoint-previous\.pt|metrics\.csv|model\.pt|run-manifest\.json)\.tmp\d+")
@@ -54,7 +55,7 @@ def claim(output_dir, env=os.environ):
             name = "RANK" if "RANK" in env else "SLURM_PROCID"
             raise Refusal(
                 f"error: rank 0: another task has {name} 0 too (host {held.get('host', '?')}, pid "
-                f"{held.get('pid', '?')}): two tasks claim rank 0; the launcher gives each task its own"
+                f"{held.get('pid', '?')}): {TWO_RANK_0}; the launcher gives each task its own"
             ) from None
         if not requeued or (held.get("host") == me["host"] and alive(held.get("pid"))):
             job = f", Slurm job {held['job']}" if held.get("job") else ""

@@ -10,6 +10,8 @@ import time
 
 from common.guards.ending import Refusal
 
+TWO_RANK_0 = "two tasks claim rank 0"  # the line of a second task of rank 0 (here, and lock.py's)
+
 
 def check_rendezvous(launch, timeout):
     """Before setup() meets the others at MASTER_ADDR:MASTER_PORT: the address resolves and, off the first node,
@@ -80,7 +82,7 @@ def port_in_use(port):
     """The line for rank 0's port, taken: by another job's rendezvous store (its job named), or another program."""
     job, mine = holder(port), os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "none"
     if job == mine:  # this job's own store: a second task that claims rank 0
-        return f"error: MASTER_PORT {port} on {socket.gethostname()} is served by this job's rank 0: two tasks claim rank 0"
+        return f"error: MASTER_PORT {port} on {socket.gethostname()} is served by this job's rank 0: {TWO_RANK_0}"
     by = f"Slurm job {job}'s rendezvous store (job ids 40000 apart share a port)" if job else "another program"
     return f"error: MASTER_PORT {port} is in use on {socket.gethostname()} by {by}: choose another port (MASTER_PORT)"
 
