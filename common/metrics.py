@@ -85,7 +85,7 @@ def progress(epoch, batch, batches, loss):
 
 class Log:
     """metrics.csv's rows and the epoch lines, from sums all-reduced: alike on every rank; rank 0
-    writes. `carried`: epoch -> (seconds, training Sums) before a stop; `compiles`: compile spans."""
+    writes. `carried`: epoch -> (seconds, training Sums) before a stop; `compiles`: compilations."""
 
     def __init__(self, output_dir, world_size, metric):
         if is_rank0():  # the run's folder, where rank 0 alone writes (atomic() makes none)
