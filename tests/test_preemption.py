@@ -193,7 +193,9 @@ def test_stage03_under_torchrun_with_workers_saves_however_the_signal_comes(sign
     env = clean_env(**SLOW, TEST_RUN=run, PET_SIGNALS_TO_HANDLE=PASS_ON)  # as the job scripts export it
     proc = start(S03, *args(tiny_data, cut, "--num-workers", 1), nproc=2, env=env)
     output, seconds = signal_mid_epoch_2(proc, cut, signum, everyone=everyone and f"TEST_RUN={run}")
-    assert proc.returncode != 0 and seconds < 35 and "error:" not in output, output
+    # no line of the run's says error:. torchrun's agent, signalled with its workers, may abort once they have
+    # saved and ended ("terminate called without an active exception", "Fatal Python error: Aborted": torch's own)
+    assert proc.returncode != 0 and seconds < 35 and not re.search("^error:", output, re.MULTILINE), output
     step = saved_mid_epoch(cut, output, proc.returncode, proc)
     assert f"({signal.Signals(signum).name})" in output
     resumed = torchrun(2, S03, *args(tiny_data, cut, "--resume", "--num-workers", 1))
