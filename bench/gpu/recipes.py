@@ -4,7 +4,8 @@ Steps to an accuracy do not depend on the hardware; the time per step does (meas
 time to 99 % = steps x time per step. Prints a row per candidate, then `best:` the flags of the one that reached 99 %
 in every seed in the least eager time (epochs x s/epoch).
 
-python bench/gpu/recipes.py [SEEDS] [EPOCHS_CAP]    (from the project's root; EPOCHS_CAP caps every candidate, its own --epochs too; QUICK=1: 640 images, to check it)
+python bench/gpu/recipes.py [SEEDS] [EPOCHS_CAP]    (from the project's root; QUICK=1: 640 images, to check it)
+EPOCHS_CAP (10) caps every candidate's epochs, its own --epochs too.
 """
 
 import contextlib

@@ -145,8 +145,9 @@ def clear(store):
 def tell(launch, timeout, line, alone):
     """A rank that failed before it arrived: its line in the store, that the others name it; bounded, as rank 0's
     store may never start (rank 0 failed too). Rank 0, which would serve it, starts it and keeps it a few seconds
-    for the others to read; a second task of rank 0 leaves the port to the first, and tells it in its store. Returns the line this rank says: a launch unlike the others' (its cause), or, where
-    `alone` (a verdict rank 0 says for all), its line unless rank 0 says the same."""
+    for the others to read; a second task of rank 0 leaves the port to the first, and tells it in its store.
+    Returns the line this rank says: a launch unlike the others' (its cause), or, where `alone` (a verdict rank 0
+    says for all), its line unless rank 0 says the same."""
     if not launch.addr or not line:
         return None
     served, second = None, rendezvous.TWO_RANK_0 in line  # the other rank 0 serves the store: tell it there
