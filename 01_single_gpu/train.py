@@ -106,8 +106,8 @@ def main(guard):
     val_loader = loader(val_set, range(len(val_set)), args.test_batch_size, device)
     test_loader = loader(test_set, range(len(test_set)), args.test_batch_size, device)
     distributed.banner(args, rank, local_rank, world_size, device, train_loader)
-
-    metric = hooks.metric(task) if hooks.OWN & vars(task).keys() else metrics.Metric()  # option
+    # option: a task's own metric, loss() or speed unit; else accuracy, in samples/s
+    metric = hooks.metric(task, args) if hooks.OWN & vars(task).keys() else metrics.Metric()
     log = metrics.Log(args.output_dir, world_size, metric)
     model = task.model(args).to(device)
     optimizer = optim.optimizer(args, model.parameters())

@@ -111,8 +111,8 @@ def main(guard):
     val_loader = loader(val_set, val_shard.indices, args.test_batch_size, device)
     test_loader = loader(test_set, test_shard.indices, args.test_batch_size, device)
     distributed.banner(args, rank, local_rank, world_size, device, train_loader)
-
-    metric = hooks.metric(task) if hooks.OWN & vars(task).keys() else metrics.Metric()  # option
+    # option: a task's own metric, loss() or speed unit; else accuracy, in samples/s
+    metric = hooks.metric(task, args) if hooks.OWN & vars(task).keys() else metrics.Metric()
     log = metrics.Log(args.output_dir, world_size, metric)
     with torch.device("meta" if getattr(task, "META", True) else "cpu"):  # shapes: no whole model
         model = task.model(args)

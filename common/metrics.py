@@ -42,6 +42,7 @@ class Metric(NamedTuple):
     name: str = "accuracy"
     better: str = "higher"  # or "lower": the direction --target is reached in
     score: Callable = accuracy  # summed over a batch (a task's totals: a row of sums)
+    unit: tuple = ("samples", 1)  # the speed's: a task's throughput(args), e.g. ("tokens", 32)
 
     def value(self, row, samples):  # row: score's sums over an epoch, all-reduced
         return (100 if self.name == "accuracy" else 1) * row[0] / samples
@@ -154,9 +155,10 @@ class Log:
         tested = self.shown(row, "test")
         if self.metric.name == "accuracy":  # as pytorch/examples prints it
             tested = f"accuracy {correct} ({tested})"
-        speed = row["images_per_s"]
+        unit, per_sample = self.metric.unit
+        speed = row["images_per_s"] * per_sample
         line += [f"test loss {row['test_loss']:.4f}", tested, f"{row['epoch_seconds']:.2f} s"]
-        line.append(f"{speed:.0f} samples/s ({speed / self.world_size:.0f} per process)")
+        line.append(f"{speed:.0f} {unit}/s ({speed / self.world_size:.0f} per process)")
         line += [f"peak {row['peak_memory_mib']:.0f} MiB"] if row["peak_memory_mib"] != "" else []
         line += [f"compile {row['compile_seconds']:.1f} s"] if row["compile_seconds"] else []
         print0(" | ".join(line))
@@ -168,10 +170,11 @@ class Log:
 
     def summary(self):
         seconds = sum(r["epoch_seconds"] for r in self.rows)
-        images = sum(r["images_per_s"] * r["epoch_seconds"] for r in self.rows)
+        unit, per_sample = self.metric.unit
+        images = sum(r["images_per_s"] * r["epoch_seconds"] for r in self.rows) * per_sample
         last = self.shown(self.rows[-1], "test")
         last = f"accuracy {last}" if self.metric.name == "accuracy" else last
         print0(
             f"done: {len(self.rows)} epochs, {seconds:.1f} s of training, "
-            f"{images / seconds:.0f} samples/s, test {last} | metrics in {self.path}"
+            f"{images / seconds:.0f} {unit}/s, test {last} | metrics in {self.path}"
         )

@@ -4,7 +4,10 @@ line, its optimizer() and scheduler() (stepped per optimizer step), --clip-grad,
 refused. The examples of common/tasks/examples/ through the stages are the slow tests at the end."""
 
 import argparse
+import contextlib
+import io
 import json
+import re
 import signal
 import types
 
@@ -19,7 +22,7 @@ from torch.utils.data import TensorDataset
 
 from common import data, optim
 from common.guards import preflight, samples
-from common.metrics import Epoch, Metric
+from common.metrics import Epoch, Log, Metric
 from common.options import hooks
 
 EXAMPLES = REPO / "common" / "tasks" / "examples"
@@ -29,13 +32,17 @@ def task(**hooks_):
     return types.SimpleNamespace(**hooks_)
 
 
+def metric_of(task_, **flags):
+    return hooks.metric(task_, argparse.Namespace(**flags))
+
+
 def test_a_score_summed_over_the_batch_is_refused_in_one_line():
     """score() returns one value per sample; a sum over every token printed "token_accuracy 1970.0000"."""
     output, target = torch.randn(4, 3, 5), torch.randint(0, 3, (4, 5))
-    summed = hooks.metric(task(metric=("token_accuracy", "higher"), score=lambda o, t: (o.argmax(1) == t).sum()))
+    summed = metric_of(task(metric=("token_accuracy", "higher"), score=lambda o, t: (o.argmax(1) == t).sum()))
     with pytest.raises(ValueError, match=r"one value per sample, of shape \(4,\) for this batch, not \(\)"):
         summed.score(output, target)
-    per_sample = hooks.metric(
+    per_sample = metric_of(
         task(metric=("token_accuracy", "higher"), score=lambda o, t: (o.argmax(1) == t).float().mean(1))
     )
     assert per_sample.score(output, target) == (output.argmax(1) == target).float().mean(1).sum()
@@ -57,7 +64,7 @@ def right_and_all(output, target):
 def test_a_tasks_totals_are_summed_over_the_epoch_and_its_figure_taken_of_them():
     """Micro-F1, a data set's IoU, perplexity: a figure of the epoch's sums, which a mean of per-sample values
     is not; a row of another length, or not a float tensor, is one line."""
-    totalled = hooks.metric(task(metric=("share", "higher"), totals=right_and_all, figure=lambda t: t[0] / t[1]))
+    totalled = metric_of(task(metric=("share", "higher"), totals=right_and_all, figure=lambda t: t[0] / t[1]))
     output, target = torch.eye(3), torch.tensor([0, 1, 0])
     assert totalled.score(output, target).tolist() == [2.0, 3.0] and totalled.better == "higher"
     read = Epoch.read(torch.tensor([[1.0, 0, 0, 8], [0, 0, 0, 0], [0.5, 2, 3, 3]]))  # loss, totals..., samples
@@ -65,13 +72,13 @@ def test_a_tasks_totals_are_summed_over_the_epoch_and_its_figure_taken_of_them()
     for wrong, said in ((torch.ones(3), r"float32 of shape \(3,\)"), (torch.ones(2, 1), r"shape \(2, 1\)")):
         with pytest.raises(ValueError, match=r"a 1-D float tensor of one length every batch \(the first's: 2\)"):
             task_ = task(metric=("share", "higher"), totals=lambda o, t, w=wrong: w, figure=None)
-            broken = hooks.metric(task_)
+            broken = metric_of(task_)
             broken.width = 2  # as after a first batch of two sums
             broken.score(output, target)
         with pytest.raises(ValueError, match=said):
             broken.score(output, target)
     with pytest.raises(ValueError, match="not a int"):
-        hooks.metric(task(metric=("share", "higher"), totals=lambda o, t: 3, figure=None)).score(output, target)
+        metric_of(task(metric=("share", "higher"), totals=lambda o, t: 3, figure=None)).score(output, target)
     with pytest.raises(SystemExit, match="either a function score"):  # both ways at once: neither is right
         both = task(metric=("share", "higher"), score=lambda o, t: o, totals=right_and_all, figure=lambda t: t)
         samples.check_metric(argparse.Namespace(task="task.py"), both)
@@ -97,7 +104,7 @@ def test_an_evaluation_calls_loss_on_every_rank_and_batch_and_counts_each_sample
     x, y = torch.randn(9, 3, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2] * 3)
     x[0] = torch.tensor([0.0, 0.0, 9.0])  # sample 0, the padding, wrong: counted twice it would show
     shares = task(metric=("share", "higher"), totals=right_and_all, figure=lambda t: t[0] / t[1])
-    for batch, made in ((2, Metric), (3, Metric), (2, lambda: hooks.metric(shares)), (3, lambda: hooks.metric(shares))):
+    for batch, made in ((2, Metric), (3, Metric), (2, lambda: metric_of(shares)), (3, lambda: metric_of(shares))):
         metric = made()
         calls, sums = [], []
         for rank in range(2):
@@ -120,10 +127,30 @@ def test_an_evaluation_calls_loss_on_every_rank_and_batch_and_counts_each_sample
 
 def test_a_task_with_a_loss_and_no_metric_reports_its_loss_never_an_accuracy():
     """A float-target MSE task without a metric printed "accuracy 263/1001 (26.27%)"."""
-    mse = hooks.metric(task(loss=lambda o, t: F.mse_loss(o.squeeze(1), t)))
+    mse = metric_of(task(loss=lambda o, t: F.mse_loss(o.squeeze(1), t)))
     output, target = torch.tensor([[1.0], [2.0]]), torch.tensor([0.0, 0.0])
     assert (mse.name, mse.better) == ("mean_loss", "lower") and mse.score(output, target) == pytest.approx(5.0)
     assert hooks.OWN & {"loss"}  # the stages enter hooks.metric() for a task with a loss() alone
+
+
+def test_a_tasks_throughput_names_the_speeds_unit_or_is_one_line():
+    """A language model's epoch line said samples/s: its throughput(args) makes it tokens/s, --seq-len to a
+    sample; anything but (a name, a whole count above 0) is refused before the first step."""
+    lm = task(loss=F.cross_entropy, throughput=lambda args: ("tokens", args.seq_len))
+    assert metric_of(lm, seq_len=16).unit == ("tokens", 16) and metric_of(task(loss=F.cross_entropy)).unit[1] == 1
+    for wrong in (("tokens", 0), ("tokens", 2.5), "tokens", ("tokens", 16, "x")):
+        with pytest.raises(ValueError, match=r"must return \(unit, count per sample\), e.g."):
+            metric_of(task(throughput=lambda args, w=wrong: w))
+    for hooked in (task(throughput=lambda args: ("pixels", 4)), lm):  # the default metric too, and a task's
+        log = Log.__new__(Log)
+        log.world_size, log.metric = 2, metric_of(hooked, seq_len=16)
+        row = {"epoch": 1, "lr": 1.0, "train_loss": 1.0, "val_loss": "", "test_loss": 1.0, "epoch_seconds": 2.0}
+        row |= {"images_per_s": 100.0, "peak_memory_mib": "", "compile_seconds": 0, f"test_{log.metric.name}": 1.0}
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            log.say(row, "1/2")
+        unit, per_sample = log.metric.unit
+        assert f"| {100 * per_sample} {unit}/s ({50 * per_sample} per process)\n" in printed.getvalue()
 
 
 def test_token_labels_without_a_loss_are_one_line_naming_loss():
@@ -361,7 +388,11 @@ def test_an_example_trains_alike_in_stages_01_03_and_05(example, tmp_path):
         row = metrics(tmp_path / stage)[0]
         low, high = {"accuracy": (0, 100), "perplexity": (1, 256), "alignment": (-1, 1)}.get(figure, (0, 1))
         assert low <= float(row[f"test_{figure}"]) <= high, row
-        assert "samples/s" in out.stdout and "img/s" not in out.stdout
+        unit, per_sample = ("tokens", 16) if example == "bytes" else ("samples", 1)  # bytes: its --seq-len
+        speed = re.search(rf"\| ([\d.]+) {unit}/s \(", out.stdout)
+        assert speed and "img/s" not in out.stdout, out.stdout[-2000:]
+        rate = float(row["images_per_s"]) * per_sample  # metrics.csv: samples/s
+        assert float(speed[1]) == pytest.approx(rate, abs=0.5), (speed[0], row)  # printed to the unit
     one, ddp, fsdp = (float(metrics(tmp_path / stage)[0]["train_loss"]) for stage in runs)
     assert ddp == pytest.approx(fsdp, abs=1e-3), (ddp, fsdp)  # two ranks: the same global batch, the same start
     if example != "finetune":  # resnet18's BatchNorm normalises each rank's half batch: not one rank's numbers

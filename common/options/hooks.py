@@ -11,18 +11,33 @@ from common.data import count
 from common.metrics import Metric
 from common.options import large
 
-OWN = {"metric", "loss"}  # a task defining either is measured here: accuracy counts class numbers
+OWN = {"metric", "loss", "throughput"}  # a task defining one is measured here
 
 
-def metric(task):
+def metric(task, args):
     """The task's `metric = ("mae", "lower")` with score(output, target), a value per sample, summed
     here: the epoch lines, metrics.csv (test_mae), --target and the tools follow it. A task with a
-    loss() and no metric of its own: its mean loss, lower is better, never an accuracy."""
-    if not hasattr(task, "metric"):
-        return Metric("mean_loss", "lower", lambda output, y: task.loss(output, y) * count(y))
+    loss() and no metric of its own: its mean loss, lower is better, never an accuracy. Its
+    throughput(args), e.g. ("tokens", args.seq_len): what each sample counts, the speed's unit."""
+    unit = throughput(task.throughput(args)) if hasattr(task, "throughput") else ("samples", 1)
     if hasattr(task, "totals"):
-        return Totals(*task.metric, task.totals, task.figure)
-    return Metric(*task.metric, lambda output, y: per_sample(task.score(output, y), count(y)))
+        return Totals(*task.metric, task.totals, task.figure, unit)
+    if hasattr(task, "metric"):
+        return Metric(*task.metric, lambda out, y: per_sample(task.score(out, y), count(y)), unit)
+    if hasattr(task, "loss"):
+        return Metric("mean_loss", "lower", lambda output, y: task.loss(output, y) * count(y), unit)
+    return Metric(unit=unit)
+
+
+def throughput(unit):
+    """(name, count per sample) as the task's throughput(args) returns it, or one line."""
+    name, per_sample = unit if isinstance(unit, tuple) and len(unit) == 2 else (None, None)
+    if not (isinstance(name, str) and isinstance(per_sample, int) and per_sample > 0):
+        raise ValueError(
+            f"the task's throughput(args) must return (unit, count per sample), e.g. "
+            f'("tokens", args.seq_len), not {unit!r}: the epoch line\'s speed in that unit'
+        )
+    return unit
 
 
 def per_sample(scores, samples):
@@ -43,14 +58,10 @@ class Totals:
     them, e.g. micro-F1 (a mean over samples cannot give it). The row's length is the first
     batch's, held here: another later would be summed into the wrong totals."""
 
-    def __init__(self, name, better, totals, figure):
-        self.name, self.better, self.totals, self.figure, self.width = (
-            name,
-            better,
-            totals,
-            figure,
-            0,
-        )
+    def __init__(self, name, better, totals, figure, unit=("samples", 1)):
+        self.name, self.better, self.unit = name, better, unit
+        self.totals, self.figure = totals, figure
+        self.width = 0  # the row's length, once the first batch's is known
 
     def score(self, output, target):
         sums = self.totals(output, target)

@@ -3,8 +3,9 @@ predicts each next byte. Labels are (B, T), the input shifted by one; loss() fla
 (the default cross-entropy takes (B, C, ...) outputs); the metric is the perplexity, exp of the
 loss per token over the whole test set: totals() sums a batch's token losses and counts its
 tokens, figure() divides the epoch's sums (a mean of each batch's perplexity would be another
-figure). The text is made from --seed: words
-drawn from a small vocabulary, so that a byte after the first of a word is mostly predictable.
+figure); throughput() makes the epoch line's speed tokens/s, --seq-len to a sample. The text is
+made from --seed: words drawn from a small vocabulary, so that a byte after the first of a word
+is mostly predictable.
 
     python 01_single_gpu/train.py --task common/tasks/examples/bytes.py --epochs 2
     torchrun --standalone --nproc_per_node=2 05_fsdp/train.py \
@@ -66,6 +67,10 @@ class Causal(nn.Module):
 
 def model(args):
     return Causal(args.seq_len, args.dim)
+
+
+def throughput(args):
+    return "tokens", args.seq_len  # each sample's labels: --seq-len next bytes
 
 
 def loss(output, target):
