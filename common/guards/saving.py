@@ -28,6 +28,25 @@ class Cut(NamedTuple):
         return self.log.state_dict() | {"cut": self.cut}
 
 
+class Buffers(NamedTuple):
+    """Stage 05's floating-point buffers of every rank, on rank 0, as a checkpoint saved part-way keeps them: FSDP
+    shards none, and until an evaluation averages them (distributed.average_buffers) each rank's BatchNorm statistics
+    are its own (common/options/resuming.py set_buffers() puts them back)."""
+
+    everyone: list
+
+    @classmethod
+    def gathered(cls, model):
+        mine = {name: b.detach().cpu() for name, b in model.named_buffers() if b.is_floating_point()}
+        everyone = [mine] * (dist.get_world_size() if dist.is_initialized() else 1)
+        if dist.is_initialized():
+            dist.gather_object(mine, everyone if is_rank0() else None)
+        return cls(everyone)
+
+    def state_dict(self):
+        return self.everyone
+
+
 class Saving:
     """The saves of a run whose `states` (the lesson's, watched) may be `sharded` (stage 05), where `progress`
     (progress.Progress) says it started; `watchdog`: the process group's (None without one); `hold`: the folder
@@ -89,6 +108,8 @@ class Saving:
             resume.keep_previous(self.args.output_dir)
         self.writing(f"epoch-{epoch}-step-{step}")
         states = self.states | {"log": Cut(log, cut)}  # the lesson's states as they are, the log with its cut
+        if self.sharded:  # each rank's own statistics: one copy in the shards
+            states["buffers"] = Buffers.gathered(self.states["model"])
         (sharded.save if self.sharded else checkpoint.save)(self.args.output_dir, epoch, states, step)
         self.preemption.saved(time.monotonic() - started)
         self.saved_at = (epoch, step)
