@@ -28,10 +28,6 @@ def save(output_dir, epoch, states, step=0):
 
     weights, optimizer_state = get_state_dict(states["model"], states["optimizer"])  # this rank's
     folder = output_dir / (f"epoch-{epoch}-step-{step}" if step else f"epoch-{epoch}")
-    if is_rank0():
-        shutil.rmtree(folder, ignore_errors=True)  # what a save killed half-way left behind
-    if dist.is_initialized():
-        dist.barrier()
     # tensors only: DCP unpickles any other item unrestricted, which would run whatever it names
     dcp.save({"model": weights, "optimizer": optimizer_state["state"]}, checkpoint_id=folder)
     if is_rank0():

@@ -3,6 +3,7 @@ or --checkpoint-minutes saves at a step every rank agrees on (preemption.py), pa
 between two evaluation batches; nothing non-finite is ever saved; and while a checkpoint is written, a failure's
 line names it and torchrun's end waits for it (watchdog.heartbeat())."""
 
+import shutil
 import time
 from dataclasses import asdict
 from typing import NamedTuple
@@ -129,13 +130,17 @@ class Saving:
         self.epoch_done = time.monotonic()
 
     def writing(self, name):
-        """Before a checkpoint is written: stage 05's folder `name` is listed in the run's manifest first. Until the
-        next step, torchrun's end (a third Ctrl-C ends it at once) waits for the save (watchdog.heartbeat())."""
+        """Before a checkpoint is written: stage 05's folder `name` is listed in the run's manifest first, and what a
+        save of it killed half-way left there goes. Until the next step, torchrun's end (a third Ctrl-C ends it at
+        once) waits for the save (watchdog.heartbeat())."""
         self.doing = f"write {self.args.output_dir / name}"
         if self.watchdog:
             self.watchdog.saving.set()
         if self.sharded and is_rank0():
             ownership.writes(self.args.output_dir, name)
+            shutil.rmtree(self.args.output_dir / name, ignore_errors=True)
+        if self.sharded and dist.is_initialized():
+            dist.barrier()  # no rank writes into the folder before it is gone
 
     def check_weights(self, what):
         """The weights and the optimizer's state finite, or every rank ends in one line (divergence.py)."""
