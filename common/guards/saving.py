@@ -109,7 +109,7 @@ class Saving:
             resume.keep_previous(self.args.output_dir)
         self.writing(f"epoch-{epoch}-step-{step}")
         states = self.states | {"log": Cut(log, cut)}  # the lesson's states as they are, the log with its cut
-        if self.sharded:  # each rank's own statistics: one copy in the shards
+        if self.sharded:  # each rank's own statistics: the shards hold one copy
             states["buffers"] = Buffers.gathered(self.states["model"])
         (sharded.save if self.sharded else checkpoint.save)(self.args.output_dir, epoch, states, step)
         self.preemption.saved(time.monotonic() - started)

@@ -48,7 +48,7 @@ def restore_rest(state, states, sampler):
     """Everything but the model and the optimizer: the random generators (the guard rails' "rng")
     among them."""
     for name, thing in states.items():
-        if name == "log":  # metrics.Log: its rows, not a state_dict() to load
+        if name == "log":  # metrics.Log: a resume alone loads rows into one
             rewrite(thing, state[name]["rows"])
         elif name not in SPLIT:
             thing.load_state_dict(state[name])
