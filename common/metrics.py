@@ -99,12 +99,6 @@ class Log:
     def state_dict(self):
         return {"rows": self.rows}
 
-    def load_state_dict(self, state):
-        """A resumed run rewrites the CSV from the checkpoint's rows: an epoch logged, not saved,
-        counts once."""
-        self.rows = list(state["rows"])
-        self.write()
-
     def start(self, epoch, device):
         """The epoch's clock and this rank's training sums, counting any part before a stop."""
         seconds, sums = self.carried.get(epoch, (0.0, None))

@@ -28,17 +28,12 @@ def save(output_dir, epoch, states, step=0):
 
     weights, optimizer_state = get_state_dict(states["model"], states["optimizer"])  # this rank's
     folder = output_dir / (f"epoch-{epoch}-step-{step}" if step else f"epoch-{epoch}")
-    if is_rank0():
-        shutil.rmtree(folder, ignore_errors=True)  # what a save killed half-way left behind
-    if dist.is_initialized():
-        dist.barrier()
     # tensors only: DCP unpickles any other item unrestricted, which would run whatever it names
     dcp.save({"model": weights, "optimizer": optimizer_state["state"]}, checkpoint_id=folder)
-    buffers = every_ranks_buffers(states["model"]) if step else None  # one copy in the shards
     if is_rank0():
         rest = {name: thing for name, thing in states.items() if name not in SPLIT}
         # the optimizer's plain values too: loaded with weights_only=True
-        groups = {"param_groups": optimizer_state["param_groups"], "buffers": buffers}
+        groups = {"param_groups": optimizer_state["param_groups"]}
         with atomic(folder / "state.pt") as f:
             torch.save(run_state(epoch, step, rest) | groups, f)
         latest, before = linked(output_dir / SHARDED), linked(output_dir / f"{SHARDED}-previous")
@@ -49,16 +44,6 @@ def save(output_dir, epoch, states, step=0):
             shutil.rmtree(output_dir / before, ignore_errors=True)  # what no link names now goes
     if dist.is_initialized():
         dist.barrier()  # rank 0 has switched the link
-
-
-def every_ranks_buffers(model):
-    """Each rank's floating-point buffers, on rank 0: FSDP shards none, and until an evaluation
-    averages them (distributed.average_buffers) each rank's BatchNorm statistics are its own."""
-    mine = {name: b.detach().cpu() for name, b in model.named_buffers() if b.is_floating_point()}
-    everyone = [mine] * (dist.get_world_size() if dist.is_initialized() else 1)
-    if dist.is_initialized():
-        dist.gather_object(mine, everyone if is_rank0() else None)
-    return everyone
 
 
 def linked(link):

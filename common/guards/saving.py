@@ -3,6 +3,7 @@ or --checkpoint-minutes saves at a step every rank agrees on (preemption.py), pa
 between two evaluation batches; nothing non-finite is ever saved; and while a checkpoint is written, a failure's
 line names it and torchrun's end waits for it (watchdog.heartbeat())."""
 
+import shutil
 import time
 from dataclasses import asdict
 from typing import NamedTuple
@@ -26,6 +27,25 @@ class Cut(NamedTuple):
 
     def state_dict(self):
         return self.log.state_dict() | {"cut": self.cut}
+
+
+class Buffers(NamedTuple):
+    """Stage 05's floating-point buffers of every rank, on rank 0, as a checkpoint saved part-way keeps them: FSDP
+    shards none, and until an evaluation averages them (distributed.average_buffers) each rank's BatchNorm statistics
+    are its own (common/options/resuming.py set_buffers() puts them back)."""
+
+    everyone: list
+
+    @classmethod
+    def gathered(cls, model):
+        mine = {name: b.detach().cpu() for name, b in model.named_buffers() if b.is_floating_point()}
+        everyone = [mine] * (dist.get_world_size() if dist.is_initialized() else 1)
+        if dist.is_initialized():
+            dist.gather_object(mine, everyone if is_rank0() else None)
+        return cls(everyone)
+
+    def state_dict(self):
+        return self.everyone
 
 
 class Saving:
@@ -89,6 +109,8 @@ class Saving:
             resume.keep_previous(self.args.output_dir)
         self.writing(f"epoch-{epoch}-step-{step}")
         states = self.states | {"log": Cut(log, cut)}  # the lesson's states as they are, the log with its cut
+        if self.sharded:  # each rank's own statistics: the shards hold one copy
+            states["buffers"] = Buffers.gathered(self.states["model"])
         (sharded.save if self.sharded else checkpoint.save)(self.args.output_dir, epoch, states, step)
         self.preemption.saved(time.monotonic() - started)
         self.saved_at = (epoch, step)
@@ -108,13 +130,17 @@ class Saving:
         self.epoch_done = time.monotonic()
 
     def writing(self, name):
-        """Before a checkpoint is written: stage 05's folder `name` is listed in the run's manifest first. Until the
-        next step, torchrun's end (a third Ctrl-C ends it at once) waits for the save (watchdog.heartbeat())."""
+        """Before a checkpoint is written: stage 05's folder `name` is listed in the run's manifest first, and what a
+        save of it killed half-way left there goes. Until the next step, torchrun's end (a third Ctrl-C ends it at
+        once) waits for the save (watchdog.heartbeat())."""
         self.doing = f"write {self.args.output_dir / name}"
         if self.watchdog:
             self.watchdog.saving.set()
         if self.sharded and is_rank0():
             ownership.writes(self.args.output_dir, name)
+            shutil.rmtree(self.args.output_dir / name, ignore_errors=True)
+        if self.sharded and dist.is_initialized():
+            dist.barrier()  # no rank writes into the folder before it is gone
 
     def check_weights(self, what):
         """The weights and the optimizer's state finite, or every rank ends in one line (divergence.py)."""

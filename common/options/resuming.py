@@ -48,12 +48,21 @@ def restore_rest(state, states, sampler):
     """Everything but the model and the optimizer: the random generators (the guard rails' "rng")
     among them."""
     for name, thing in states.items():
-        if name not in SPLIT:
+        if name == "log":  # metrics.Log: a resume alone loads rows into one
+            rewrite(thing, state[name]["rows"])
+        elif name not in SPLIT:
             thing.load_state_dict(state[name])
     if state["step"]:  # saved part-way: the epoch's time and each rank's sums go on from its cut
         states["log"].carried[state["epoch"]] = carried(state["log"]["cut"], states["model"])
     sampler.resume_at(state["epoch"], state["step"])
     return state["epoch"] if state["step"] else state["epoch"] + 1
+
+
+def rewrite(log, rows):
+    """The log's rows as the checkpoint holds them, metrics.csv rewritten: an epoch logged, not
+    saved, counts once."""
+    log.rows = list(rows)
+    log.write()
 
 
 def carried(cut, model):
