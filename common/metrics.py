@@ -95,6 +95,7 @@ class Log:
         self.fields = [field.replace("accuracy", metric.name) for field in FIELDS]
         self.nodes = max(world_size // ranks_per_node(world_size), 1)
         self.rows, self.clock, self.carried, self.compiles = [], 0.0, {}, []
+        self.unit, self.per_sample = metric.unit  # the speed's, and what a sample counts in it
 
     def state_dict(self):
         return {"rows": self.rows}
@@ -125,9 +126,9 @@ class Log:
         if torch.cuda.is_initialized():  # each epoch's own peak
             peak = torch.cuda.max_memory_allocated() / 2**20
             torch.cuda.reset_peak_memory_stats()
-        # the compiler's seconds in training, inside `seconds` (an evaluation compiles after it)
-        end, spans, self.compiles = self.clock + seconds, self.compiles, []
-        compiling = sum(min(b, end) - a for a, b in zip(spans[::2], spans[1::2], strict=False))
+        end = self.clock + seconds  # the compiler's seconds in training, inside `seconds`
+        spans, self.compiles = zip(self.compiles[::2], self.compiles[1::2], strict=False), []
+        compiling = sum(max(min(b, end) - a, 0) for a, b in spans)  # an evaluation's after: none
         row = [epoch, lr, training.loss / training.samples, *self.mean(val), *self.mean(test)]
         row += [seconds, speed, speed / self.world_size, self.world_size, self.nodes, peak]
         self.rows.append(dict(zip(self.fields, [*row, compiling, self.metric.better], strict=True)))
@@ -149,10 +150,9 @@ class Log:
         tested = self.shown(row, "test")
         if self.metric.name == "accuracy":  # as pytorch/examples prints it
             tested = f"accuracy {correct} ({tested})"
-        unit, per_sample = self.metric.unit
-        speed = row["images_per_s"] * per_sample
+        speed = row["images_per_s"] * self.per_sample
         line += [f"test loss {row['test_loss']:.4f}", tested, f"{row['epoch_seconds']:.2f} s"]
-        line.append(f"{speed:.0f} {unit}/s ({speed / self.world_size:.0f} per process)")
+        line.append(f"{speed:.0f} {self.unit}/s ({speed / self.world_size:.0f} per process)")
         line += [f"peak {row['peak_memory_mib']:.0f} MiB"] if row["peak_memory_mib"] != "" else []
         line += [f"compile {row['compile_seconds']:.1f} s"] if row["compile_seconds"] else []
         print0(" | ".join(line))
@@ -164,11 +164,10 @@ class Log:
 
     def summary(self):
         seconds = sum(r["epoch_seconds"] for r in self.rows)
-        unit, per_sample = self.metric.unit
-        images = sum(r["images_per_s"] * r["epoch_seconds"] for r in self.rows) * per_sample
+        counted = sum(r["images_per_s"] * r["epoch_seconds"] for r in self.rows) * self.per_sample
         last = self.shown(self.rows[-1], "test")
         last = f"accuracy {last}" if self.metric.name == "accuracy" else last
         print0(
             f"done: {len(self.rows)} epochs, {seconds:.1f} s of training, "
-            f"{images / seconds:.0f} {unit}/s, test {last} | metrics in {self.path}"
+            f"{counted / seconds:.0f} {self.unit}/s, test {last} | metrics in {self.path}"
         )

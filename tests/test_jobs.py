@@ -34,7 +34,7 @@ from torch.utils.data import default_collate
 
 from common import cli, data
 from common.guards import divergence, preflight, resume
-from common.metrics import Epoch, Log, Metric
+from common.metrics import Epoch, Log, Metric, Sums
 from common.options import flags, holdout, large
 from common.tasks import text
 
@@ -187,6 +187,18 @@ def test_the_target_of_a_lower_is_better_metric_is_reached_at_or_below_it(tmp_pa
     accuracy_log = Log(tmp_path, 1, Metric())
     accuracy_log.rows = [{"val_accuracy": "", "test_accuracy": 90.0}]
     assert holdout.reached(accuracy_log, 90, 1) and not holdout.reached(accuracy_log, 91, 1)
+
+
+def test_compile_seconds_count_the_compilations_inside_the_epochs_training_alone(tmp_path, capsys):
+    """A compilation that began in the evaluation, after the training's clock stopped, subtracted its start from the
+    end (a few ms less each time); one that ended after it counts up to the end."""
+    log = Log(tmp_path, 1, Metric())
+    log.clock = 100.0  # the epoch's training ran from 100 s to 110 s
+    log.compiles = [101.0, 103.0, 109.0, 112.0, 115.0, 118.0]  # 2 s, 1 s of a span that ended after, 0 s: the test's
+    sums = Sums(torch.tensor(1.0), torch.tensor([1.0]), torch.tensor(2.0))  # loss, score, samples
+    log.epoch(1, 1.0, 10.0, Epoch(sums, sums, sums))
+    assert log.rows[-1]["compile_seconds"] == pytest.approx(3.0) and log.compiles == []
+    assert "compile 3.0 s" in capsys.readouterr().out
 
 
 def test_a_one_output_model_counts_its_logit_above_zero_as_class_1():

@@ -133,7 +133,7 @@ def test_a_task_with_a_loss_and_no_metric_reports_its_loss_never_an_accuracy():
     assert hooks.OWN & {"loss"}  # the stages enter hooks.metric() for a task with a loss() alone
 
 
-def test_a_tasks_throughput_names_the_speeds_unit_or_is_one_line():
+def test_a_tasks_throughput_names_the_speeds_unit_or_is_one_line(tmp_path):
     """A language model's epoch line said samples/s: its throughput(args) makes it tokens/s, --seq-len to a
     sample; anything but (a name, a whole count above 0) is refused before the first step."""
     lm = task(loss=F.cross_entropy, throughput=lambda args: ("tokens", args.seq_len))
@@ -142,8 +142,7 @@ def test_a_tasks_throughput_names_the_speeds_unit_or_is_one_line():
         with pytest.raises(ValueError, match=r"must return \(unit, count per sample\), e.g."):
             metric_of(task(throughput=lambda args, w=wrong: w))
     for hooked in (task(throughput=lambda args: ("pixels", 4)), lm):  # the default metric too, and a task's
-        log = Log.__new__(Log)
-        log.world_size, log.metric = 2, metric_of(hooked, seq_len=16)
+        log = Log(tmp_path, 2, metric_of(hooked, seq_len=16))
         row = {"epoch": 1, "lr": 1.0, "train_loss": 1.0, "val_loss": "", "test_loss": 1.0, "epoch_seconds": 2.0}
         row |= {"images_per_s": 100.0, "peak_memory_mib": "", "compile_seconds": 0, f"test_{log.metric.name}": 1.0}
         printed = io.StringIO()
