@@ -230,6 +230,20 @@ def test_every_stage_starts_from_weights_and_a_fresh_head_keeps_its_initialisati
     assert torch.equal(model[0].weight, torch.load(path)["0.weight"]) and torch.equal(model[2].weight, head)
 
 
+def test_stage_05_starts_from_weights_with_a_model_built_whole_too(tmp_path):
+    """Stage 05 maps weights(args) as it fills a model built on the meta device; one built whole on the CPU
+    (META = False) was filled by nothing: it trained from its random start, without a word."""
+    path = tmp_path / "whole.pt"
+    torch.save(nn.Linear(4, 3).state_dict(), path)
+    for meta, loaded in ((False, True), (True, False)):  # on the meta device, materialise() loaded it, once
+        model = nn.Linear(4, 3)
+        start = model.weight.detach().clone()
+        step, states, args = recipe_step(model)
+        args.full_shard = True  # stage 05's
+        hooks.recipe(step, states, task(weights=lambda a: path, META=meta), args)
+        assert torch.equal(model.weight, torch.load(path)["weight"] if loaded else start), meta
+
+
 def recipe_step(model, clip=None):
     args = argparse.Namespace(
         optimizer="sgd",
