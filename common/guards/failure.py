@@ -13,6 +13,7 @@ import argparse
 import errno
 import linecache
 import os
+import pathlib
 import re
 import shutil
 import traceback
@@ -69,9 +70,13 @@ def refusal(err):
 
 def loading_task(err):
     """Is `err` the failure to read the --task file itself (missing, a folder, a FIFO), not one of the task's own
-    reads? Python's loader raised it, or environment.regular_file() before it: the task never ran."""
-    raised = traceback.extract_tb(err.__traceback__)[-1].filename if err.__traceback__ else ""
-    return isinstance(err, OSError) and (raised.startswith("<frozen importlib") or raised == environment.__file__)
+    reads? cli.load_task()'s own read raised it (pathlib's, called from load_task()), or environment.regular_file()
+    before it, or Python's loader: the task never ran."""
+    frames = traceback.extract_tb(err.__traceback__) if err.__traceback__ else []
+    raised, outside = frames[-1].filename if frames else "", [f for f in frames if f.filename != pathlib.__file__]
+    read = raised == pathlib.__file__ and outside and outside[-1].name == "load_task"  # not the task's, as it runs
+    read = read or raised.startswith("<frozen importlib") or raised == environment.__file__
+    return isinstance(err, OSError) and bool(read)
 
 
 def written(err, output_dir):
