@@ -21,10 +21,9 @@ def materialise(model, device, task, args):
     model.to_empty(device=device)
     if not hasattr(task, "FRESH") and (path := getattr(task, "weights", lambda _: None)(args)):
         return load_whole(model, path)
-    resets = [m for m in post_order(model, set()) if reset_of(m) and list(held(m, True))]
     done, init = set(), getattr(task, "init_weights", None) or getattr(model, "init_weights", None)
-    for m in resets:
-        on_cpu(m, reset_of(m), done, recurse=True)
+    for m in [m for m in post_order(model, set()) if reset_of(m) and list(held(m, True))]:
+        on_cpu(m, reset_of(m), done, recurse=True)  # those with tensors, children first
     for m in model.modules() if init else ():
         on_cpu(m, lambda m=m: init(m), done)
     for name, m in model.named_modules():  # a constructor's buffer, a parametrisation's original
@@ -53,8 +52,7 @@ def held(module, recurse=False):
     """(owner, "_parameters" or "_buffers", name, tensor) of each tensor of `module` (or below)."""
     for owner in module.modules() if recurse else [module]:
         for kind in ("_parameters", "_buffers"):
-            tensors = getattr(owner, kind).items()
-            yield from ((owner, kind, name, t) for name, t in tensors if t is not None)
+            yield from ((owner, kind, n, t) for n, t in vars(owner)[kind].items() if t is not None)
 
 
 @torch.no_grad()
