@@ -32,8 +32,10 @@ def save(output_dir, epoch, states, step=0):
         shutil.rmtree(folder, ignore_errors=True)  # what a save killed half-way left behind
     if dist.is_initialized():
         dist.barrier()
+    writer = dcp.FileSystemWriter(folder)  # its mkdir -p made a moved run folder again: no parent
+    writer.fs.mkdir = lambda path: path.mkdir(exist_ok=True)  # `folder` alone
     # tensors only: DCP unpickles any other item unrestricted, which would run whatever it names
-    dcp.save({"model": weights, "optimizer": optimizer_state["state"]}, checkpoint_id=folder)
+    dcp.save({"model": weights, "optimizer": optimizer_state["state"]}, storage_writer=writer)
     buffers = every_ranks_buffers(states["model"]) if step else None  # one copy in the shards
     if is_rank0():
         rest = {name: thing for name, thing in states.items() if name not in SPLIT}

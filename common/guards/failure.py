@@ -148,8 +148,10 @@ def explain(err, guard):
         return silent
     if isinstance(err, RuntimeError) and (said := worker_lost(err)):
         return said
-    if written(err, guard.args and guard.args.output_dir) and (moved := guard.hold and identity.lost(guard.hold)):
-        return moved  # the folder moved between the check before a save and its write: atomic() makes none
+    cause = safeload.first(err)  # stage 05's shards: the first rank's failure, which every rank is told
+    if written(cause, guard.args and guard.args.output_dir) and (moved := guard.hold and identity.lost(guard.hold)):
+        return moved  # the folder moved between the check before a save and its write: atomic() makes none, nor
+        # stage 05's writer (common/sharded.py), whose parents DCP made again; the other ranks: the branch below
     if written(err, guard.args and guard.args.output_dir):  # checkpoint.atomic() removed its temporary file
         folder = guard.args.output_dir if guard.args else "."
         return (
@@ -163,6 +165,8 @@ def explain(err, guard):
             return once(
                 f"error: cannot load the checkpoint {folder}: {safeload.describe(err)}: resume from a complete one"
             )
+        if not is_rank0():  # rank 0 says it (its folder may be gone: no free space to tell)
+            return 1
         spare = free_mib(guard.args.output_dir)
         return once(
             f"error: could not write {folder}: {safeload.describe(err)} ({spare:.0f} MiB free there): the previous "

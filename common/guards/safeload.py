@@ -78,6 +78,12 @@ def tensors(folder):
     return {name: (str(item.properties.dtype), tuple(item.size)) for name, item in listed if hasattr(item, "size")}
 
 
+def first(err):
+    """The first rank's failure a torch.distributed.checkpoint save or load raised (a CheckpointException, which
+    every rank gets), else `err`."""
+    return next(iter(err.failures.values()))[0] if getattr(err, "failures", None) else err
+
+
 def describe(err):
     """The first failure of a torch.distributed.checkpoint save or load, in a few words: which rank, what."""
     rank, (cause, _) = next(iter(err.failures.items())) if hasattr(err, "failures") else ("?", (err, None))
