@@ -30,8 +30,8 @@ def materialise(model, device, task, args):
         if unset := [n for _, _, n, t in held(m) if id(t) not in done]:
             raise TypeError(
                 f"{name} ({type(m).__name__}) has tensors that no reset_parameters() sets "
-                f"({', '.join(unset)}) on the meta device: it keeps no constructor's values; set "
-                "them in the layer's reset_parameters() (or init_weights()), or META = False in the task"
+                f"({', '.join(unset)}) on the meta device: it keeps no constructor's values; "
+                "set them in its reset_parameters() or init_weights(), or META = False in the task"
             )
     return model
 
@@ -57,8 +57,8 @@ def held(module, recurse=False):
 
 @torch.no_grad()
 def on_cpu(module, init, done, recurse=False):
-    """init() on whole CPU copies of `module`'s tensors (their values so far if `done`), twice from one
-    generator state, as a constructor draws: over NaN (or 1), then 0; what both leave alike, it set."""
+    """init() on whole CPU copies of `module`'s tensors (values so far if `done`), twice from one
+    generator state as a constructor draws, over NaN (or 1) then 0: what both leave alike is set."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     slots, state, runs = list(held(module, recurse)), torch.get_rng_state(), []

@@ -571,7 +571,7 @@ def test_every_tensor_starts_as_stage01s_or_is_named(make, unset):
     if unset:
         with pytest.raises(TypeError, match="^" + re.escape(unset) + r" on the meta device: .*META = False") as no:
             meta.materialise(model, CPU, None, None)
-        assert "keeps no constructor's values; set them in the layer's reset_parameters()" in str(no.value)
+        assert "keeps no constructor's values; set them in its reset_parameters() or init_weights()" in str(no.value)
         return
     meta.materialise(model, CPU, None, None)
     found, expected = dict(model.named_buffers()) | dict(model.named_parameters()), dict(whole.named_buffers())
