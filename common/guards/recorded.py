@@ -49,7 +49,8 @@ def mismatch(run, state, args, fingerprint, verb="resume"):
 
 def declared(states, sharded, train_size, args):
     """What a checkpoint of this run holds: the parts of `states` (stage 05's model and optimizer are in its
-    shards), the model's tensors as (dtype, shape) by name (whole checkpoints), and the most steps an epoch has."""
+    shards), the model's tensors as (dtype, shape) by name (a whole checkpoint's, or what a sharded one's .metadata
+    lists: shards_differ()), and the most steps an epoch has."""
     parts = [name for name in states if not (sharded and name in SPLIT)]
     model = unwrap(states["model"]).state_dict()  # stage 05's: DTensors, of the whole model's shapes
     tensors = {name: (str(t.dtype), tuple(t.shape)) for name, t in model.items()}
