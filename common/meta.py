@@ -21,17 +21,17 @@ def materialise(model, device, task, args):
     model.to_empty(device=device)
     if not hasattr(task, "FRESH") and (path := getattr(task, "weights", lambda _: None)(args)):
         return load_whole(model, path)
-    resets = [m for m in post_order(model, set()) if reset_of(m) and list(held(m, True))]
     done, init = set(), getattr(task, "init_weights", None) or getattr(model, "init_weights", None)
-    for m in resets:
-        on_cpu(m, reset_of(m), done, recurse=True)
+    for m in [m for m in post_order(model, set()) if reset_of(m) and list(held(m, True))]:
+        on_cpu(m, reset_of(m), done, recurse=True)  # those with tensors, children first
     for m in model.modules() if init else ():
         on_cpu(m, lambda m=m: init(m), done)
     for name, m in model.named_modules():  # a constructor's buffer, a parametrisation's original
         if unset := [n for _, _, n, t in held(m) if id(t) not in done]:
             raise TypeError(
                 f"{name} ({type(m).__name__}) has tensors that no reset_parameters() sets "
-                f"({', '.join(unset)}) on the meta device: set them, or META = False in the task"
+                f"({', '.join(unset)}) on the meta device: it keeps no constructor's values; "
+                "set them in its reset_parameters() or init_weights(), or META = False in the task"
             )
     return model
 
@@ -52,40 +52,38 @@ def held(module, recurse=False):
     """(owner, "_parameters" or "_buffers", name, tensor) of each tensor of `module` (or below)."""
     for owner in module.modules() if recurse else [module]:
         for kind in ("_parameters", "_buffers"):
-            tensors = getattr(owner, kind).items()
-            yield from ((owner, kind, name, t) for name, t in tensors if t is not None)
+            yield from ((owner, kind, n, t) for n, t in vars(owner)[kind].items() if t is not None)
 
 
+@torch.no_grad()
 def on_cpu(module, init, done, recurse=False):
-    """init() on whole CPU copies of `module`'s tensors (their values so far if `done`), drawing
-    from the global generator as a constructor does; each rank then keeps its shard of each."""
+    """init() on whole CPU copies of `module`'s tensors (values so far if `done`), twice from one
+    generator state as a constructor draws, over NaN (or 1) then 0: what both leave alike is set."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    slots = list(held(module, recurse))
-    for owner, kind, name, t in slots:
-        whole = torch.full(t.shape, torch.nan)  # not memory's leftovers: unset is named
-        if id(t) in done:  # its values so far
-            whole = t.full_tensor() if isinstance(t, DTensor) else t
-        whole = whole.detach().to("cpu", t.dtype, copy=True)
-        param = kind == "_parameters"
-        getattr(owner, kind)[name] = nn.Parameter(whole, t.requires_grad) if param else whole
-    try:
-        with torch.no_grad():
-            init()
+    slots, state, runs = list(held(module, recurse)), torch.get_rng_state(), []
+    so_far = {id(t): getattr(t, "full_tensor", t.detach)() for *_, t in slots if id(t) in done}
+    try:  # by the values, not by a write: an integer, a NaN on purpose, a write through .data
+        for fill in (torch.nan, 0):
+            torch.set_rng_state(state)
             for owner, kind, name, t in slots:
-                whole, local = getattr(owner, kind)[name], t
-                if whole.isnan().any() if whole.is_floating_point() else whole._version == 0:
-                    continue  # left unset by init(), or in part: named after, unless set before
-                if isinstance(t, DTensor):  # this rank's piece, cut as fully_shard cut it, locally
-                    whole = distribute_tensor(
-                        whole, t.device_mesh, t.placements, src_data_rank=None
-                    )
-                    whole, local = whole.to_local(), t.to_local()
-                local.copy_(whole)
-                done.add(id(t))
+                blank = torch.full(t.shape, fill if t.is_floating_point() or not fill else 1)
+                whole = (so_far[id(t)] if id(t) in done else blank).to("cpu", t.dtype, copy=True)
+                whole = nn.Parameter(whole, t.requires_grad) if kind == "_parameters" else whole
+                getattr(owner, kind)[name] = whole
+            init()
+            runs.append([getattr(owner, kind)[name] for owner, kind, name, _ in slots])
     finally:
         for owner, kind, name, t in slots:
             getattr(owner, kind)[name] = t
+    for (*_, t), before, whole in zip(slots, *runs, strict=True):
+        if not (before.eq(whole) | before.isnan() & whole.isnan()).all():
+            continue  # left unset by init(), or in part: named after, unless set before
+        done.add(id(t))
+        if isinstance(t, DTensor):  # this rank's piece, cut as fully_shard cut it, locally
+            mesh, placements, t = t.device_mesh, t.placements, t.to_local()
+            whole = distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
+        t.copy_(whole)
 
 
 def load_whole(model, path):

@@ -28,8 +28,10 @@ def save(output_dir, epoch, states, step=0):
 
     weights, optimizer_state = get_state_dict(states["model"], states["optimizer"])  # this rank's
     folder = output_dir / (f"epoch-{epoch}-step-{step}" if step else f"epoch-{epoch}")
+    writer = dcp.FileSystemWriter(folder)  # its mkdir -p made a moved run folder again: no parent
+    writer.fs.mkdir = lambda path: path.mkdir(exist_ok=True)  # `folder` alone
     # tensors only: DCP unpickles any other item unrestricted, which would run whatever it names
-    dcp.save({"model": weights, "optimizer": optimizer_state["state"]}, checkpoint_id=folder)
+    dcp.save({"model": weights, "optimizer": optimizer_state["state"]}, storage_writer=writer)
     if is_rank0():
         rest = {name: thing for name, thing in states.items() if name not in SPLIT}
         # the optimizer's plain values too: loaded with weights_only=True

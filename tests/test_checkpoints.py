@@ -208,6 +208,62 @@ def test_a_checkpoints_own_values_are_checked_before_anything_is_restored(tiny_d
     assert resume.find(args, path, resume.WHOLE, False, "64-0", declared)[0]["epoch"] == 2
 
 
+def test_a_sharded_checkpoints_dtypes_are_checked_before_anything_is_restored(tiny_data, tmp_path):
+    """Stage 05's shards were left to DCP, which loads a float64 or int64 tensor listed under a float32 parameter's
+    name into it, cast: an int64 weight resumed as its truncated values, exit 0. Rank 0 checks what .metadata
+    lists against the model as it checks 01-04's checkpoint.pt (one check): one line naming the key and both dtypes
+    (an optimizer's state, its parameter's), before any rank reads a shard."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from common import sharded
+
+    args, _ = cli.parse_args(stage_args(tiny_data, tmp_path, "--limit", 64, "--epochs", 3, "--resume"), [flags.add])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))  # an int64 buffer too
+    optimizer = torch.optim.Adadelta(model.parameters())
+    states = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()  # a state for each parameter, of its shape
+    sharded.save(tmp_path, 2, states)  # stage 05 under a plain python: one process's shards, in epoch-2
+    record = {"flags": preflight.defining(args), "data": "64-0"}
+    ownership.write(tmp_path, {"run": "r", "writes": ["epoch-2"], "record": record})
+    declared = recorded.declared(states, True, 64, args)
+    path, folder = tmp_path / lesson.SHARDED, tmp_path / "epoch-2"
+    weights, optimizer_state = get_state_dict(model, optimizer)
+    square_avg = optimizer_state["state"]["0.weight"]["square_avg"]
+    changes = [
+        (
+            {"1.bias": weights["1.bias"].double()},
+            {},
+            "its 1.bias is float64 of shape [3], the model's float32 of shape [3]",
+        ),
+        ({"0.weight": weights["0.weight"].long()}, {}, "its 0.weight is int64 of shape [3, 4], the model's float32"),
+        (
+            {"1.num_batches_tracked": weights["1.num_batches_tracked"].float()},
+            {},
+            "its 1.num_batches_tracked is float32 of shape [], the model's int64 of shape []",
+        ),
+        (
+            {},
+            {"square_avg": square_avg.long()},
+            "holds the optimizer's square_avg of 0.weight as int64 of shape [3, 4], the model's 0.weight being float32",
+        ),
+        ({}, {"square_avg": square_avg[:2]}, "holds the optimizer's square_avg of 0.weight as float32 of shape [2, 4]"),
+    ]
+    for model_changed, state_changed, said in [*changes, ({}, {}, None)]:
+        for shard in folder.glob("*.distcp"):
+            shard.unlink()
+        (folder / ".metadata").unlink()
+        of_weight = optimizer_state["state"]["0.weight"] | state_changed
+        saved = {"model": weights | model_changed, "optimizer": optimizer_state["state"] | {"0.weight": of_weight}}
+        dcp.save(saved, checkpoint_id=folder)
+        if said is None:  # as the run wrote it: resumed
+            assert resume.find(args, path, lesson.SHARDED, False, "64-0", declared)[0]["epoch"] == 2
+            continue
+        with pytest.raises(SystemExit, match=f"^error: {re.escape(str(path))} .*{re.escape(said)}"):
+            resume.find(args, path, lesson.SHARDED, False, "64-0", declared)
+
+
 def data_of(folder):
     """The fingerprint of the training set the run in `folder` trained on, as its manifest records it."""
     return json.loads((folder / "run-manifest.json").read_text())["record"]["data"]

@@ -11,7 +11,7 @@ import pytest
 from helpers import HANG, S03, S05, clean_env, run
 
 from common import cli
-from common.guards import check, options, preflight, recorded
+from common.guards import check, options, preflight, rails, recorded
 from common.options import flags
 
 LAUNCHER = ("RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_JOB_ID")
@@ -277,3 +277,19 @@ def test_the_default_output_folder_stays_inside_runs_whatever_the_variables_hold
         folder = cli.default_output_dir(script, env)
         assert folder.parent == runs and folder.name not in (".", "..") and "/" not in folder.name, (env, folder)
         assert folder.resolve().parent == runs.resolve(), (env, folder)
+
+
+@pytest.mark.parametrize("after", ["os.remove(__file__)", "open(__file__, 'a').write('# edited')"])
+def test_the_task_is_recorded_by_the_bytes_that_ran(tiny_data, tmp_path, after):
+    """A task file that deletes itself once loaded (or is edited after): the manifest's hash read the file again,
+    a FileNotFoundError in one generic line (or the hash of bytes that never ran). The file is read once: the bytes
+    that run are the bytes hashed."""
+    source = f"import os\nfrom common.tasks.images import *  # noqa: F403\n{after}\n"
+    (tmp_path / "t.py").write_text(source)
+    args, task = check.parse_args(["--task", str(tmp_path / "t.py"), "--data-dir", str(tiny_data), "--no-cuda"])
+    guard = rails.Guard()
+    guard.args = args
+    train_set, test_set = task.datasets(args)
+    guard.agree(train_set, [], test_set, task)
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    assert preflight.defining(guard.args)["task"] == f"t.py (sha256 {digest})"

@@ -508,6 +508,34 @@ class InPart(OwnReset):
         self.steps.zero_()
 
 
+class Sentinels(nn.Module):
+    """A reset_parameters() that sets an integer buffer through .data (a write its version does not count), a
+    boolean one, and a float one to NaN on purpose (a sentinel: "not seen yet")."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.zeros(3, dtype=torch.long))
+        self.register_buffer("seen", torch.zeros(3, dtype=torch.bool))
+        self.register_buffer("unseen", torch.empty(3))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        self.n.data.fill_(7)
+        self.seen.data.copy_(torch.tensor([True, False, True]))
+        self.unseen.fill_(float("nan"))
+
+
+class SetInConstructor(nn.Module):
+    """An integer buffer its constructor sets through .data, which no reset_parameters() sets: on the meta device
+    no value is kept, so nothing tells it from one never set."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.register_buffer("n", torch.zeros(3, dtype=torch.long))
+        self.n.data.fill_(7)
+
+
 class Doubled(nn.Module):
     def forward(self, x):
         return 2 * x
@@ -524,28 +552,33 @@ def parametrised():
     [(OwnReset, None), (BufferOfInit, "1 (BufferOfInit) has tensors that no reset_parameters() sets (scale)"),
      (InPart, "1 (InPart) has tensors that no reset_parameters() sets (w)"),
      (parametrised, "1.parametrizations.weight (ParametrizationList) has tensors that no reset_parameters() sets "
-      "(original)")],
-    ids=["own-reset", "buffer-of-init", "in-part", "parametrisation"],
+      "(original)"), (Sentinels, None),
+     (SetInConstructor, "1 (SetInConstructor) has tensors that no reset_parameters() sets (n)")],
+    ids=["own-reset", "buffer-of-init", "in-part", "parametrisation", "sentinels", "set-in-constructor"],
 )  # fmt: skip
 def test_every_tensor_starts_as_stage01s_or_is_named(make, unset):
     """Stage 05 builds on the meta device, whose tensors to_empty() leaves as memory held them (5.1e3, 2e-41, zeros):
     every parameter and buffer, non-persistent ones too, holds stage 01's value at the same seed, or the task is
-    refused in one line naming the tensor that no reset_parameters() sets; none is left as memory held it."""
+    refused in one line naming the tensor that no reset_parameters() sets; none is left as memory held it. Whether
+    init() set a tensor is told by its values, not its version: an integer set through .data (which counts no
+    write), a NaN on purpose, are set; one only a constructor sets is named with where to set it (the meta device
+    keeps no values: nothing tells it from one never set)."""
     torch.manual_seed(3)
     whole = nn.Sequential(nn.Linear(2, 3), make())
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(2, 3), make())
     torch.manual_seed(3)
     if unset:
-        with pytest.raises(TypeError, match="^" + re.escape(unset) + r" on the meta device: .*META = False"):
+        with pytest.raises(TypeError, match="^" + re.escape(unset) + r" on the meta device: .*META = False") as no:
             meta.materialise(model, CPU, None, None)
+        assert "keeps no constructor's values; set them in its reset_parameters() or init_weights()" in str(no.value)
         return
     meta.materialise(model, CPU, None, None)
     found, expected = dict(model.named_buffers()) | dict(model.named_parameters()), dict(whole.named_buffers())
     expected |= dict(whole.named_parameters())
-    assert found.keys() == expected.keys() and "1.mask" in found
+    assert found.keys() == expected.keys() and ("1.mask" in found or "1.unseen" in found)
     for name, value in expected.items():
-        torch.testing.assert_close(found[name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(found[name], value, rtol=0, atol=0, equal_nan=True, msg=name)
 
 
 def test_tied_weights_are_refused_on_the_meta_device_and_kept_from_the_cpu():

@@ -264,6 +264,22 @@ def test_the_lessons_refusal_is_its_line_and_the_same_class_elsewhere_is_not(tmp
         assert failure.refusal(err) is None and failure.settle(err, rails.Guard()).startswith(said), err
 
 
+def test_a_task_file_that_cannot_be_read_is_named_and_a_read_of_the_tasks_own_is_not(tmp_path):
+    """cli.load_task() reads the file itself (once: the bytes that run are those the run records, not Python's
+    loader): a --task that is missing or a folder is still named as the task file, and a file the task's own code
+    fails to read as it loads is the task's failure, with its place."""
+    reads = tmp_path / "reads.py"
+    reads.write_text("from pathlib import Path\n\nPath('/nonexistent/x.bin').read_bytes()\n")
+    for path, said in [
+        (tmp_path / "missing.py", f"error: --task {tmp_path / 'missing.py'}: No such file or directory: give a task"),
+        (tmp_path, f"error: --task {tmp_path}: Is a directory: give a task file"),
+        (reads, "error: FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/x.bin' (at "),
+    ]:
+        line = failure.settle(raised(lambda path=path: cli.load_task(path)), rails.Guard())
+        assert line.startswith(said), line
+    assert f"(at {reads}:3, in <module>)" in line
+
+
 def test_run_says_the_lessons_refusal_as_it_is_and_a_tasks_error_with_its_place(tmp_path, monkeypatch):
     """rails.run(): every rank that met the lesson's refusal says its line and ends together (as a
     SystemExit did); a ValueError of the task's own code keeps the fallback's type and place."""

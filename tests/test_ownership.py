@@ -443,6 +443,29 @@ def test_a_folder_moved_inside_a_save_or_before_the_export_is_one_line_and_made_
     os.close(guard.lock)
 
 
+def test_a_folder_moved_just_before_stage05s_sharded_save_is_one_line_and_made_nowhere(tmp_path):
+    """Stage 05's shards are written by DCP's FileSystemWriter, which made its folder with every parent (mkdir -p):
+    a run folder renamed between the check before a save and the save was made again at its old path, and the
+    shards, state.pt and the links were written there, exit 0. The writer makes the epoch's folder alone now: the
+    save fails before anything is written, naming the folder gone in one line; nothing at the old path."""
+    out = tmp_path / "run"
+    guard = rails.Guard()
+    guard.args = SimpleNamespace(task=None, output_dir=out)
+    guard.lock = lock.claim(out)
+    guard.hold = identity.held(out, guard.lock)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    states = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    sharded.save(out, 1, states)  # the folder where it was: saved
+    out.rename(tmp_path / "moved")
+    with pytest.raises(BaseException) as raised:  # DCP's CheckpointException is no Exception
+        sharded.save(out, 2, states)
+    assert not out.exists(), sorted(p.name for p in out.rglob("*"))
+    assert failure.settle(raised.value, guard).startswith(f"error: --output-dir {out} is gone: ")
+    assert sorted(p.name for p in (tmp_path / "moved").iterdir()) == [".lock", "checkpoint", "epoch-1"]
+    os.close(guard.lock)
+
+
 def test_stage05s_shared_folder_check_makes_and_deletes_no_file(tmp_path):
     """Stage 05's check that every rank sees the output folder created and deleted `.shared` there: a user's file
     of that name was lost. It reads the lock rank 0 holds instead: the folder's files are as they were."""

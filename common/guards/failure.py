@@ -13,6 +13,7 @@ import argparse
 import errno
 import linecache
 import os
+import pathlib
 import re
 import shutil
 import traceback
@@ -69,9 +70,13 @@ def refusal(err):
 
 def loading_task(err):
     """Is `err` the failure to read the --task file itself (missing, a folder, a FIFO), not one of the task's own
-    reads? Python's loader raised it, or environment.regular_file() before it: the task never ran."""
-    raised = traceback.extract_tb(err.__traceback__)[-1].filename if err.__traceback__ else ""
-    return isinstance(err, OSError) and (raised.startswith("<frozen importlib") or raised == environment.__file__)
+    reads? cli.load_task()'s own read raised it (pathlib's, called from load_task()), or environment.regular_file()
+    before it, or Python's loader: the task never ran."""
+    frames = traceback.extract_tb(err.__traceback__) if err.__traceback__ else []
+    raised, outside = frames[-1].filename if frames else "", [f for f in frames if f.filename != pathlib.__file__]
+    read = raised == pathlib.__file__ and outside and outside[-1].name == "load_task"  # not the task's, as it runs
+    read = read or raised.startswith("<frozen importlib") or raised == environment.__file__
+    return isinstance(err, OSError) and bool(read)
 
 
 def written(err, output_dir):
@@ -143,8 +148,10 @@ def explain(err, guard):
         return silent
     if isinstance(err, RuntimeError) and (said := worker_lost(err)):
         return said
-    if written(err, guard.args and guard.args.output_dir) and (moved := guard.hold and identity.lost(guard.hold)):
-        return moved  # the folder moved between the check before a save and its write: atomic() makes none
+    cause = safeload.first(err)  # stage 05's shards: the first rank's failure, which every rank is told
+    if written(cause, guard.args and guard.args.output_dir) and (moved := guard.hold and identity.lost(guard.hold)):
+        return moved  # the folder moved between the check before a save and its write: atomic() makes none, nor
+        # stage 05's writer (common/sharded.py), whose parents DCP made again; the other ranks: the branch below
     if written(err, guard.args and guard.args.output_dir):  # checkpoint.atomic() removed its temporary file
         folder = guard.args.output_dir if guard.args else "."
         return (
@@ -158,6 +165,8 @@ def explain(err, guard):
             return once(
                 f"error: cannot load the checkpoint {folder}: {safeload.describe(err)}: resume from a complete one"
             )
+        if not is_rank0():  # rank 0 says it (its folder may be gone: no free space to tell)
+            return 1
         spare = free_mib(guard.args.output_dir)
         return once(
             f"error: could not write {folder}: {safeload.describe(err)} ({spare:.0f} MiB free there): the previous "

@@ -21,12 +21,24 @@ from common.guards.ending import stop
 from common.options import loaders
 
 
+class Task(type(Path())):
+    """--task's path, with the bytes the run loaded from it (`source`: cli.load_task() reads the file once, runs and
+    keeps them): what the run records of its task is what it runs, though the file changes or goes after (a task
+    that deletes itself as it is loaded was a FileNotFoundError when the manifest was written)."""
+
+    def __new__(cls, path, source):
+        task = super().__new__(cls, path)
+        task.source = source
+        return task
+
+
 def defining(args):
     """{dest: value} of the options that define what a run computes: all but options.FREE, the task's own too, as
     plain values for the run's manifest (JSON). A cosine schedule's --epochs too: it decays to 0 over them."""
     values = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in options.FREE}
-    # where the file lies may change; which task it is may not: its name and what it holds
-    values["task"] = f"{args.task.name} (sha256 {hashlib.sha256(args.task.read_bytes()).hexdigest()[:16]})"
+    # where the file lies may change; which task it is may not: its name and what it holds, as it was loaded
+    source = args.task.source if isinstance(args.task, Task) else args.task.read_bytes()
+    values["task"] = f"{args.task.name} (sha256 {hashlib.sha256(source).hexdigest()[:16]})"
     if args.scheduler == "cosine":
         values["epochs"] = args.epochs
     return values

@@ -4,7 +4,8 @@ change the numbers (options.DEFINING, --grad-accum among them), the task file by
 preflight.defining()), the training data (its fingerprint); the world size, which changes the numbers but not the
 samples, is said in one line before the first step (say_world()). A checkpoint's own values are checked against what
 the model and the options declare (check_values()) before anything of it is restored: its parts present, each tensor
-of the model of the model's dtype and shape, an epoch and a step in range; each a one-line refusal."""
+of the model of the model's dtype and shape (stage 05's as its .metadata lists them: DCP casts what it loads), an
+epoch and a step in range; each a one-line refusal."""
 
 import math
 
@@ -48,14 +49,15 @@ def mismatch(run, state, args, fingerprint, verb="resume"):
 
 def declared(states, sharded, train_size, args):
     """What a checkpoint of this run holds: the parts of `states` (stage 05's model and optimizer are in its
-    shards), the model's tensors as (dtype, shape) by name (whole checkpoints), and the most steps an epoch has."""
+    shards), the model's tensors as (dtype, shape) by name (a whole checkpoint's, or what a sharded one's .metadata
+    lists: shards_differ()), and the most steps an epoch has."""
     parts = [name for name in states if not (sharded and name in SPLIT)]
-    model = {} if sharded else unwrap(states["model"]).state_dict()
+    model = unwrap(states["model"]).state_dict()  # stage 05's: DTensors, of the whole model's shapes
     tensors = {name: (str(t.dtype), tuple(t.shape)) for name, t in model.items()}
     steps = math.inf if train_size is None else 1 if args.dry_run else math.ceil(train_size / args.batch_size)
     groups = [] if sharded or states.get("optimizer") is None else states["optimizer"].param_groups
     shapes = [tuple(p.shape) for group in groups for p in group["params"]]  # in the order its state numbers them
-    return {"parts": parts, "tensors": None if sharded else tensors, "steps": steps, "shapes": shapes or None}
+    return {"parts": parts, "tensors": tensors, "steps": steps, "shapes": shapes or None}
 
 
 def check_values(state, declared=None):
@@ -76,13 +78,13 @@ def check_values(state, declared=None):
         return f"lacks its {', '.join(missing)} (or holds no state there): resume from another checkpoint"
     if (optimizer := state.get("optimizer")) is not None and not {"state", "param_groups"} <= optimizer.keys():
         return "holds an optimizer state without its state and param_groups: resume from another checkpoint"
+    if state.get("shards") is not None:  # stage 05: what its .metadata lists, before any rank reads a shard
+        return shards_differ(state["shards"], declared["tensors"])
     return model_differs(state.get("model"), declared["tensors"]) or optimizer_differs(optimizer, declared["shapes"])
 
 
 def model_differs(saved, tensors):
     """Why the checkpoint's model `saved` does not fit the model's `tensors` ({name: (dtype, shape)}), or None."""
-    if tensors is None:  # stage 05: its shards, checked against the model by the load itself
-        return None
     for name in sorted(set(tensors) | set(saved)):
         found = saved.get(name)
         found = (str(found.dtype), tuple(found.shape)) if hasattr(found, "dtype") else found
@@ -94,10 +96,29 @@ def model_differs(saved, tensors):
     return None
 
 
+def shards_differ(listed, tensors):
+    """Why the tensors a sharded checkpoint lists (`listed`, {name: (dtype, shape)}: safeload.tensors()) do not fit
+    the model's `tensors`, or None: its model's as model_differs() checks a whole one's (DCP would load each cast to
+    the model's dtype), each of the optimizer's states (but a count, as Adam's step) a float of its parameter's."""
+    saved = {name.removeprefix("model."): found for name, found in listed.items() if name.startswith("model.")}
+    if problem := model_differs(saved, tensors):
+        return problem
+    for name, (dtype, shape) in sorted(listed.items()):
+        parameter, _, key = name.removeprefix("optimizer.").rpartition(".")
+        if not name.startswith("optimizer.") or math.prod(shape) <= 1:
+            continue
+        if parameter not in tensors or shape != tensors[parameter][1] or "float" not in dtype:
+            return (
+                f"holds the optimizer's {key} of {parameter} as {shown((dtype, shape))}, the model's {parameter} "
+                f"being {shown(tensors.get(parameter))}: {ANOTHER}"
+            )
+    return None
+
+
 def optimizer_differs(saved, shapes):
     """Why the optimizer state `saved` does not fit this run's parameters (their `shapes`, in order), or None: as
     many parameters, and each tensor of a parameter's state (but a count, as Adam's step) of its shape, in floats."""
-    if saved is None or shapes is None:  # stage 05: in its shards
+    if saved is None or shapes is None:  # stage 05: in its shards (shards_differ())
         return None
     groups = saved["param_groups"] if isinstance(saved["param_groups"], list) else [None]
     count = sum(len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), list) else -1 for g in groups)

@@ -22,7 +22,7 @@ from common.guards import ownership, recorded
 from common.guards.bounded import PICKLE, Refused, torch_file
 from common.guards.ending import Refusal, stop
 from common.guards.recorded import mismatch
-from common.guards.safeload import Planted, damage
+from common.guards.safeload import Planted, damage, tensors
 from common.options.resuming import read
 
 PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
@@ -215,7 +215,7 @@ def load(path):
         )
     if folder and (problem := damage(folder)):
         raise Unusable(f"{path} is damaged: {problem}")
-    return state | {"folder": folder}
+    return state | {"folder": folder, "shards": tensors(folder) if folder else None}  # checked as 01-04's are
 
 
 def fallback(output_dir, damaged):

@@ -70,6 +70,20 @@ def damage(folder):
     return None
 
 
+def tensors(folder):
+    """{name: (dtype, shape)} of each tensor the sharded checkpoint `folder` lists (its .metadata, read as
+    metadata() reads it), as the model's are declared (recorded.declared()): DCP would load a float64 or int64
+    tensor into a float32 parameter, cast, where it is listed under its name."""
+    listed = metadata(folder).state_dict_metadata.items()
+    return {name: (str(item.properties.dtype), tuple(item.size)) for name, item in listed if hasattr(item, "size")}
+
+
+def first(err):
+    """The first rank's failure a torch.distributed.checkpoint save or load raised (a CheckpointException, which
+    every rank gets), else `err`."""
+    return next(iter(err.failures.values()))[0] if getattr(err, "failures", None) else err
+
+
 def describe(err):
     """The first failure of a torch.distributed.checkpoint save or load, in a few words: which rank, what."""
     rank, (cause, _) = next(iter(err.failures.items())) if hasattr(err, "failures") else ("?", (err, None))

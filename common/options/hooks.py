@@ -85,10 +85,11 @@ RECIPE = {"optimizer", "scheduler", "weights"}  # a task's own; with --clip-grad
 
 def recipe(step, states, task, args):
     """The task's own recipe (common/tasks/README.md): its weights(args) to start from (stage 05
-    maps them in common/meta.py, but for FRESH keys or a model built whole: META = False), its optimizer(args, model), its
-    scheduler(args, optimizer), stepped after every optimizer step, and --clip-grad, before each
-    step (after --amp's unscaling; stage 05's sharded gradients as they are); stage 05's
-    --grad-accum too. Returns the step, and the scheduler the stage steps at each epoch's end."""
+    maps them in common/meta.py, but for FRESH keys or a model built whole, META = False), its
+    optimizer(args, model), its scheduler(args, optimizer), stepped after every optimizer step,
+    and --clip-grad, before each step (after --amp's unscaling; stage 05's sharded gradients as
+    they are); stage 05's --grad-accum too. Returns the step, and the scheduler the stage steps at
+    each epoch's end."""
     path = getattr(task, "weights", None) and task.weights(args)
     fresh = tuple(getattr(task, "FRESH", ()))
     on_meta = hasattr(args, "full_shard") and getattr(task, "META", True)  # materialise() loaded it
