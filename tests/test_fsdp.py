@@ -1,6 +1,7 @@
 """Stage 05: sharded training trains as DDP does, its checkpoints survive a kill and a change of world
 size, and its exported model is stage 01's."""
 
+import fcntl
 import os
 import re
 import shutil
@@ -29,6 +30,7 @@ from helpers import (
     nodes,
     python,
     run,
+    shared,
     srun_like,
     stage_args,
     torchrun,
@@ -138,13 +140,39 @@ def ranks(rank, world_size, port, data_dir, result):
     dist.destroy_process_group()
 
 
+def spawned_checks(rank, world_size, ports, data_dir, folder):
+    """The two checks of this file that spawn their ranks, in one pair of processes, one process group each, one
+    after the other: ranks()'s trainings (in fresh processes, as alone), then materialised()'s builds (seeded)."""
+    ranks(rank, world_size, ports[0], data_dir, folder / "w.pt")
+    materialised(rank, world_size, ports[1], folder / "found.pt")
+
+
+@pytest.fixture(scope="session")
+def spawned(tiny_data, tmp_path_factory):
+    """The folder of spawned_checks()'s results, with the file of whole weights materialised() loads: run once per
+    pytest run, whichever worker asks first (the others wait for it, as conftest.py's `uninterrupted`)."""
+    folder = shared(tmp_path_factory) / "fsdp-spawned"
+    with open(f"{folder}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not Path(f"{folder}.done").exists():  # none yet, or a worker's failed run left it unfinished
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            shapes = sequences.Transformer(16, 16, 32, 2, 2).state_dict()  # materialised()'s transformer's
+            torch.save({k: torch.randn_like(v) for k, v in shapes.items()}, folder / "whole.pt")
+            ports = [free_port(), free_port()]
+            while ports[1] == ports[0]:
+                ports[1] = free_port()
+            mp.spawn(spawned_checks, args=(2, ports, tiny_data, folder), nprocs=2)
+            Path(f"{folder}.done").touch()
+    return folder
+
+
 @pytest.mark.slow
-def test_fsdp_micro_batches_and_recompute_equal_ddp(tiny_data, tmp_path):
+def test_fsdp_micro_batches_and_recompute_equal_ddp(spawned):
     """After a few steps at world size 2, FSDP's weights are DDP's, with the global batch in four
     micro-batches too (gradients summed, reduced once), with recomputed activations, and under HSDP's
     2-D mesh (replicated across two "nodes")."""
-    mp.spawn(ranks, args=(2, free_port(), tiny_data, tmp_path / "w.pt"), nprocs=2)
-    trained = torch.load(tmp_path / "w.pt", weights_only=True)
+    trained = torch.load(spawned / "w.pt", weights_only=True)
     start = model_without_dropout().state_dict()
     for way in ("fsdp", "accum", "recompute", "hsdp"):
         assert_close_weights(trained[way], trained["ddp"])
@@ -442,7 +470,7 @@ def materialised(rank, world_size, port, result):
 
 
 @pytest.mark.slow
-def test_sharded_initialisation_is_the_whole_models(tmp_path):
+def test_sharded_initialisation_is_the_whole_models(spawned):
     """At 2 ranks, no rank building any model whole: the sharded weights are those the models' constructors
     give at the same seed, and a file of whole weights loads into the shards as it was saved."""
     whole = {}
@@ -450,10 +478,9 @@ def test_sharded_initialisation_is_the_whole_models(tmp_path):
                        ("transformer", lambda: sequences.Transformer(16, 16, 32, 2, 2))):  # fmt: skip
         torch.manual_seed(7)
         whole[name] = make().state_dict()
-    whole["loaded"] = {k: torch.randn_like(v) for k, v in whole["transformer"].items()}
-    torch.save(whole["loaded"], tmp_path / "whole.pt")
-    mp.spawn(materialised, args=(2, free_port(), tmp_path / "found.pt"), nprocs=2)
-    found = torch.load(tmp_path / "found.pt", weights_only=True)
+    whole["loaded"] = torch.load(spawned / "whole.pt", weights_only=True)  # random weights, not the constructor's
+    assert whole["loaded"].keys() == whole["transformer"].keys()
+    found = torch.load(spawned / "found.pt", weights_only=True)
     for name in whole:
         assert found[name].keys() == whole[name].keys(), name
         for key, value in found[name].items():
