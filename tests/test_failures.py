@@ -132,8 +132,10 @@ def test_divergence_on_one_rank_stops_every_rank_at_the_same_batch(tiny_data, tm
 
 @pytest.mark.slow
 def test_a_second_run_into_the_same_folder_exits_at_once_naming_the_first(tiny_data, tmp_path):
-    # the first run, stopped (SIGSTOP) once it holds the lock: alive, on no CPU, until the second has ended
-    first = start(S01, *stage_args(tiny_data, tmp_path, "--epochs", 8))
+    # the first run, stopped (SIGSTOP) once it holds the lock: alive, on no CPU, until the second has ended. Its 8
+    # steps sleep 0.5 s each: it cannot end in the moment between its lock and the stop, and trains little after it
+    slow = clean_env(PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_SLEEP=0.5)
+    first = start(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2), env=slow)
     lock = tmp_path / ".lock"
     wait_for(lambda: lock.exists() and lock.read_text(), proc=first)
     first.send_signal(signal.SIGSTOP)
@@ -145,7 +147,7 @@ def test_a_second_run_into_the_same_folder_exits_at_once_naming_the_first(tiny_d
     one_error(second, "is in use by another run", f"pid {first.pid}", socket.gethostname())
     assert second.seconds < 15 and alive  # refused while the first runs
     assert first.wait(120) == 0
-    kept(tmp_path, 8)
+    kept(tmp_path, 2)
 
 
 @pytest.mark.slow
