@@ -1,7 +1,6 @@
 """Stage 05: sharded training trains as DDP does, its checkpoints survive a kill and a change of world
 size, and its exported model is stage 01's."""
 
-import fcntl
 import os
 import re
 import shutil
@@ -13,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from helpers import (
     INJECT,
@@ -24,18 +22,16 @@ from helpers import (
     TEST_SIZE,
     checkpoint,
     clean_env,
-    free_port,
     kill_rank_1_after_a_checkpoint,
     metrics,
     nodes,
     python,
     run,
-    shared,
     srun_like,
     stage_args,
     torchrun,
 )
-from test_equivalence import ARGS, BATCH, CPU, RUN, model_without_dropout, stage, step
+from test_equivalence import ARGS, BATCH, CPU, OPTIONS, RUN, ddp_rank, model_without_dropout, stage, step
 from test_stages import check_run
 from torch import nn
 from torch.distributed._composable import checkpoint as recompute
@@ -141,30 +137,21 @@ def ranks(rank, world_size, port, data_dir, result):
 
 
 def spawned_checks(rank, world_size, ports, data_dir, folder):
-    """The two checks of this file that spawn their ranks, in one pair of processes, one process group each, one
-    after the other: ranks()'s trainings (in fresh processes, as alone), then materialised()'s builds (seeded)."""
+    """The slow checks that start two ranks of their own (conftest.py `spawned`), in one pair of processes, one
+    process group each, one after another: ranks()'s trainings (first: in fresh processes, as alone), then
+    materialised()'s builds (seeded), test_plan.py's bytes held at 2 ranks, test_equivalence.py's DDP options."""
+    import test_plan
+
     ranks(rank, world_size, ports[0], data_dir, folder / "w.pt")
     materialised(rank, world_size, ports[1], folder / "found.pt")
+    test_plan.held(rank, world_size, ports[2], [2], folder / "held-2.pt")
+    ddp_rank(rank, world_size, ports[3], data_dir, [(folder / "plain.pt", {}), (folder / "stage.pt", OPTIONS)])
 
 
-@pytest.fixture(scope="session")
-def spawned(tiny_data, tmp_path_factory):
-    """The folder of spawned_checks()'s results, with the file of whole weights materialised() loads: run once per
-    pytest run, whichever worker asks first (the others wait for it, as conftest.py's `uninterrupted`)."""
-    folder = shared(tmp_path_factory) / "fsdp-spawned"
-    with open(f"{folder}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not Path(f"{folder}.done").exists():  # none yet, or a worker's failed run left it unfinished
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir()
-            shapes = sequences.Transformer(16, 16, 32, 2, 2).state_dict()  # materialised()'s transformer's
-            torch.save({k: torch.randn_like(v) for k, v in shapes.items()}, folder / "whole.pt")
-            ports = [free_port(), free_port()]
-            while ports[1] == ports[0]:
-                ports[1] = free_port()
-            mp.spawn(spawned_checks, args=(2, ports, tiny_data, folder), nprocs=2)
-            Path(f"{folder}.done").touch()
-    return folder
+def whole_weights(folder):
+    """The file of whole weights materialised() loads into its third model: random, not the constructor's."""
+    shapes = sequences.Transformer(16, 16, 32, 2, 2).state_dict()  # materialised()'s transformer's
+    torch.save({k: torch.randn_like(v) for k, v in shapes.items()}, folder / "whole.pt")
 
 
 @pytest.mark.slow
@@ -478,7 +465,7 @@ def test_sharded_initialisation_is_the_whole_models(spawned):
                        ("transformer", lambda: sequences.Transformer(16, 16, 32, 2, 2))):  # fmt: skip
         torch.manual_seed(7)
         whole[name] = make().state_dict()
-    whole["loaded"] = torch.load(spawned / "whole.pt", weights_only=True)  # random weights, not the constructor's
+    whole["loaded"] = torch.load(spawned / "whole.pt", weights_only=True)  # whole_weights()
     assert whole["loaded"].keys() == whole["transformer"].keys()
     found = torch.load(spawned / "found.pt", weights_only=True)
     for name in whole:

@@ -58,20 +58,20 @@ def held(rank, world_size, port, sizes, result):
 
 
 @pytest.fixture(scope="session")
-def measured_at(tmp_path_factory):
-    """measured_at(size): held()'s bytes on the mesh of `size`. The meshes of one world size (4 ranks: FSDP over
-    all four, HSDP 2 x 2) are measured in one spawn of their processes, once per pytest run, whichever worker asks
-    first (the others wait for it, as conftest.py's `uninterrupted`)."""
+def measured_at(request, tmp_path_factory):
+    """measured_at(size): held()'s bytes on the mesh of `size`. At 2 ranks, among the checks that share a pair of
+    processes (conftest.py `spawned`); the meshes of 4 ranks (FSDP over all four, HSDP 2 x 2) in one spawn of their
+    own, once per pytest run, whichever worker asks first (the others wait for it)."""
 
     def measured(size):
-        world_size = 4 if size == "2x2" else size
-        sizes = [s for s in MESHES if s != 1 and (4 if s == "2x2" else s) == world_size]
-        out = shared(tmp_path_factory) / f"plan-held-{world_size}.pt"
+        if size == 2:
+            return torch.load(request.getfixturevalue("spawned") / "held-2.pt", weights_only=True)["2"]
+        out = shared(tmp_path_factory) / "plan-held-4.pt"
         with open(f"{out}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not out.exists():
                 part = out.with_name(f"{out.name}.{os.getpid()}")
-                mp.spawn(held, args=(world_size, free_port(), sizes, part), nprocs=world_size)
+                mp.spawn(held, args=(4, free_port(), [4, "2x2"], part), nprocs=4)
                 part.replace(out)
         return torch.load(out, weights_only=True)[str(size)]
 
