@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import REPO, TEST_SIZE, TRAIN_SIZE, python, shared, stage_args, torchrun, write_idx_subset
+import torch.multiprocessing as mp
+from helpers import REPO, TEST_SIZE, TRAIN_SIZE, free_port, python, shared, stage_args, torchrun, write_idx_subset
 
 CIFAR_BATCH = 8  # images per CIFAR file: 40 training images in CIFAR-10's five batches, 8 test images
 
@@ -88,6 +89,30 @@ def uninterrupted(tiny_data, tmp_path_factory):
                 Path(f"{out}.done").touch()
         return out
 
+    return folder
+
+
+@pytest.fixture(scope="session")
+def spawned(tiny_data, tmp_path_factory):
+    """The folder of the results of the slow checks that start two ranks of their own (test_fsdp.py
+    spawned_checks(): FSDP against DDP, the sharded initialisation, test_plan.py's bytes held at 2 ranks,
+    test_equivalence.py's DDP options at 2 ranks): run in one pair of processes, a process group each, once per
+    pytest run, whichever worker asks first (the others wait for it). Each process imports torch once, not once a
+    check."""
+    import test_fsdp  # the checks' own module, imported where they are asked for
+
+    folder = shared(tmp_path_factory) / "spawned"
+    with open(f"{folder}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not Path(f"{folder}.done").exists():  # none yet, or a worker's failed run left it unfinished
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            test_fsdp.whole_weights(folder)
+            ports = set()
+            while len(ports) < 4:  # a port each: the checks' stores, one after another
+                ports.add(free_port())
+            mp.spawn(test_fsdp.spawned_checks, args=(2, sorted(ports), tiny_data, folder), nprocs=2)
+            Path(f"{folder}.done").touch()
     return folder
 
 

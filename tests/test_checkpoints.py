@@ -317,8 +317,9 @@ def test_resume_restores_everything(launch, uninterrupted, tiny_data, tmp_path):
     whole = uninterrupted(*(("python", S01) if launch == "python" else (2, S03)), "--epochs", 3)
     if launch == "python":
         trained(uninterrupted, tmp_path / "parts", S01, "--epochs", 1)  # the run of one epoch, shared
-    else:
-        train(tmp_path / "parts", 1)
+    else:  # a copy of the run of one epoch at 2 ranks, shared (conftest.py): --save-model is a free option, which
+        # exports model.pt at the end and changes nothing the checkpoint holds
+        shutil.copytree(uninterrupted(2, S03, "--epochs", 1, "--save-model"), tmp_path / "parts", symlinks=True)
     assert "resumed after epoch 1" in train(tmp_path / "parts", 3, "--resume")
     assert_same_state(checkpoint(tmp_path / "parts"), checkpoint(whole))
     finished = train(tmp_path / "parts", 3, "--resume")  # all epochs done: report and exit 0
@@ -517,11 +518,14 @@ def test_checkpoints_move_between_stages(uninterrupted, tiny_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_resume_at_another_world_size_says_so_before_its_first_step(tiny_data, tmp_path):
+def test_a_resume_at_another_world_size_says_so_before_its_first_step(uninterrupted, tiny_data, tmp_path):
     """Stage 03 saved at 2 ranks and resumed at 1 exited 0, its weights 0.032 from those of a run that stayed at 1,
     without a word. It trains the same samples (the global batch is the same) but each rank draws its own dropout
     masks: one line says so before the first step of the resumed run, and its weights are another run's."""
-    assert torchrun(2, S03, *stage_args(tiny_data, tmp_path / "resized", "--epochs", 1)).returncode == 0
+    # a copy of the run of one epoch at 2 ranks, shared (conftest.py); --save-model, a free option, exported its
+    # model, which the resumed run must write anew
+    shutil.copytree(uninterrupted(2, S03, "--epochs", 1, "--save-model"), tmp_path / "resized", symlinks=True)
+    (tmp_path / "resized" / "model.pt").unlink()
     resumed = python(S03, *stage_args(tiny_data, tmp_path / "resized", "--epochs", 2, "--resume", "--save-model"))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = resumed.stdout.splitlines()

@@ -112,12 +112,11 @@ def test_the_stages_ddp_options_train_bit_identically_to_plain_ddp(tiny_data, tm
 
 
 @pytest.mark.slow
-def test_the_stages_ddp_options_train_bit_identically_on_two_ranks(tiny_data, tmp_path):
+def test_the_stages_ddp_options_train_bit_identically_on_two_ranks(spawned):
     """Two ranks with half batches, the stage's DDP options against none: the same bits. Both trainings run in
-    one pair of processes, one after the other, each from a fresh model."""
-    runs = [(tmp_path / "plain.pt", {}), (tmp_path / "stage.pt", OPTIONS)]
-    mp.spawn(ddp_rank, args=(2, free_port(), tiny_data, runs), nprocs=2)
-    plain, stage_ = (torch.load(tmp_path / name, weights_only=True) for name in ("plain.pt", "stage.pt"))
+    one pair of processes, one after the other, each from a fresh model (ddp_rank(), in the pair of processes
+    conftest.py `spawned` shares among the checks that start two ranks)."""
+    plain, stage_ = (torch.load(spawned / name, weights_only=True) for name in ("plain.pt", "stage.pt"))
     assert all(torch.equal(plain[k], stage_[k]) for k in plain), OPTIONS
 
 

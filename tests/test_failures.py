@@ -40,6 +40,7 @@ from helpers import (
     ranks,
     run,
     srun_like,
+    srun_start,
     stage_args,
     start,
     torchrun,
@@ -131,8 +132,10 @@ def test_divergence_on_one_rank_stops_every_rank_at_the_same_batch(tiny_data, tm
 
 @pytest.mark.slow
 def test_a_second_run_into_the_same_folder_exits_at_once_naming_the_first(tiny_data, tmp_path):
-    # the first run, stopped (SIGSTOP) once it holds the lock: alive, on no CPU, until the second has ended
-    first = start(S01, *stage_args(tiny_data, tmp_path, "--epochs", 8))
+    # the first run, stopped (SIGSTOP) once it holds the lock: alive, on no CPU, until the second has ended. Its 8
+    # steps sleep 0.5 s each: it cannot end in the moment between its lock and the stop, and trains little after it
+    slow = clean_env(PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_SLEEP=0.5)
+    first = start(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2), env=slow)
     lock = tmp_path / ".lock"
     wait_for(lambda: lock.exists() and lock.read_text(), proc=first)
     first.send_signal(signal.SIGSTOP)
@@ -144,7 +147,7 @@ def test_a_second_run_into_the_same_folder_exits_at_once_naming_the_first(tiny_d
     one_error(second, "is in use by another run", f"pid {first.pid}", socket.gethostname())
     assert second.seconds < 15 and alive  # refused while the first runs
     assert first.wait(120) == 0
-    kept(tmp_path, 8)
+    kept(tmp_path, 2)
 
 
 @pytest.mark.slow
@@ -279,8 +282,10 @@ def test_a_resume_with_a_changed_defining_option_is_refused_naming_both_values(u
 
 
 @pytest.mark.slow
-def test_resuming_from_a_model_file_says_it_is_not_a_checkpoint(tiny_data, tmp_path):
-    assert python(S01, *stage_args(tiny_data, tmp_path / "a", "--epochs", 1, "--save-model")).returncode == 0
+def test_resuming_from_a_model_file_says_it_is_not_a_checkpoint(uninterrupted, tiny_data, tmp_path):
+    # the model.pt of the run of one epoch at 2 ranks, shared (conftest.py): stage 01's Net, as stage 01 exports it
+    (tmp_path / "a").mkdir()
+    shutil.copy(uninterrupted(2, S03, "--epochs", 1, "--save-model") / "model.pt", tmp_path / "a" / "model.pt")
     out = python(S01, *stage_args(tiny_data, tmp_path / "b", "--resume", tmp_path / "a" / "model.pt"))
     one_error(out, "model.pt is not a training checkpoint", "checkpoint.pt")
 
@@ -584,15 +589,17 @@ def test_missing_data_fails_every_rank_fast(tmp_path):
 # 10: two jobs on one node pick the same MASTER_PORT
 @pytest.mark.slow
 def test_two_jobs_on_one_node_run_side_by_side(tiny_data, tmp_path):
-    jobs = []
-    for job_id in (3001, 3002):
-        args = stage_args(tiny_data, tmp_path / str(job_id), "--epochs", 1)
-        jobs.append(subprocess.Popen(
-            [sys.executable, "-c", "import helpers, sys; sys.exit(max(helpers.srun_like(2, *sys.argv[2:], job_id=sys.argv[1])[0]))",
-             str(job_id), str(S04), *map(str, args)],
-            cwd=REPO / "tests", env=clean_env(),
-        ))  # fmt: skip
-    assert [job.wait(timeout=120) for job in jobs] == [0, 0]
+    # both jobs' ranks started before either is waited for (srun_start): the two steps at once, as on a shared node
+    jobs = [
+        srun_start(2, S04, *stage_args(tiny_data, tmp_path / str(job_id), "--epochs", 1), job_id=job_id)
+        for job_id in (3001, 3002)
+    ]
+    try:
+        outputs = [[p.communicate(timeout=120)[0] for p in job] for job in jobs]
+    finally:
+        for p in jobs[0] + jobs[1]:
+            p.kill()
+    assert [[p.returncode for p in job] for job in jobs] == [[0, 0], [0, 0]], outputs
 
 
 # 14: batch size not divisible by the world size, zero or negative values

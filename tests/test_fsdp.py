@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from helpers import (
     INJECT,
@@ -23,7 +22,6 @@ from helpers import (
     TEST_SIZE,
     checkpoint,
     clean_env,
-    free_port,
     kill_rank_1_after_a_checkpoint,
     metrics,
     nodes,
@@ -33,7 +31,7 @@ from helpers import (
     stage_args,
     torchrun,
 )
-from test_equivalence import ARGS, BATCH, CPU, RUN, model_without_dropout, stage, step
+from test_equivalence import ARGS, BATCH, CPU, OPTIONS, RUN, ddp_rank, model_without_dropout, stage, step
 from test_stages import check_run
 from torch import nn
 from torch.distributed._composable import checkpoint as recompute
@@ -138,13 +136,30 @@ def ranks(rank, world_size, port, data_dir, result):
     dist.destroy_process_group()
 
 
+def spawned_checks(rank, world_size, ports, data_dir, folder):
+    """The slow checks that start two ranks of their own (conftest.py `spawned`), in one pair of processes, one
+    process group each, one after another: ranks()'s trainings (first: in fresh processes, as alone), then
+    materialised()'s builds (seeded), test_plan.py's bytes held at 2 ranks, test_equivalence.py's DDP options."""
+    import test_plan
+
+    ranks(rank, world_size, ports[0], data_dir, folder / "w.pt")
+    materialised(rank, world_size, ports[1], folder / "found.pt")
+    test_plan.held(rank, world_size, ports[2], [2], folder / "held-2.pt")
+    ddp_rank(rank, world_size, ports[3], data_dir, [(folder / "plain.pt", {}), (folder / "stage.pt", OPTIONS)])
+
+
+def whole_weights(folder):
+    """The file of whole weights materialised() loads into its third model: random, not the constructor's."""
+    shapes = sequences.Transformer(16, 16, 32, 2, 2).state_dict()  # materialised()'s transformer's
+    torch.save({k: torch.randn_like(v) for k, v in shapes.items()}, folder / "whole.pt")
+
+
 @pytest.mark.slow
-def test_fsdp_micro_batches_and_recompute_equal_ddp(tiny_data, tmp_path):
+def test_fsdp_micro_batches_and_recompute_equal_ddp(spawned):
     """After a few steps at world size 2, FSDP's weights are DDP's, with the global batch in four
     micro-batches too (gradients summed, reduced once), with recomputed activations, and under HSDP's
     2-D mesh (replicated across two "nodes")."""
-    mp.spawn(ranks, args=(2, free_port(), tiny_data, tmp_path / "w.pt"), nprocs=2)
-    trained = torch.load(tmp_path / "w.pt", weights_only=True)
+    trained = torch.load(spawned / "w.pt", weights_only=True)
     start = model_without_dropout().state_dict()
     for way in ("fsdp", "accum", "recompute", "hsdp"):
         assert_close_weights(trained[way], trained["ddp"])
@@ -442,7 +457,7 @@ def materialised(rank, world_size, port, result):
 
 
 @pytest.mark.slow
-def test_sharded_initialisation_is_the_whole_models(tmp_path):
+def test_sharded_initialisation_is_the_whole_models(spawned):
     """At 2 ranks, no rank building any model whole: the sharded weights are those the models' constructors
     give at the same seed, and a file of whole weights loads into the shards as it was saved."""
     whole = {}
@@ -450,10 +465,9 @@ def test_sharded_initialisation_is_the_whole_models(tmp_path):
                        ("transformer", lambda: sequences.Transformer(16, 16, 32, 2, 2))):  # fmt: skip
         torch.manual_seed(7)
         whole[name] = make().state_dict()
-    whole["loaded"] = {k: torch.randn_like(v) for k, v in whole["transformer"].items()}
-    torch.save(whole["loaded"], tmp_path / "whole.pt")
-    mp.spawn(materialised, args=(2, free_port(), tmp_path / "found.pt"), nprocs=2)
-    found = torch.load(tmp_path / "found.pt", weights_only=True)
+    whole["loaded"] = torch.load(spawned / "whole.pt", weights_only=True)  # whole_weights()
+    assert whole["loaded"].keys() == whole["transformer"].keys()
+    found = torch.load(spawned / "found.pt", weights_only=True)
     for name in whole:
         assert found[name].keys() == whole[name].keys(), name
         for key, value in found[name].items():

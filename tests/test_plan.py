@@ -1,14 +1,16 @@
 """tools/plan.py: its state figures are the bytes real FSDP and HSDP runs hold, its activations what a real
 training step saves, and its answer a job script's #SBATCH lines."""
 
+import fcntl
 import json
+import os
 import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import HANG, REPO, free_port, run
+from helpers import HANG, REPO, free_port, run, shared
 from test_equivalence import ARGS, RUN, stage, step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -27,32 +29,58 @@ def local_bytes(tensors):
     return sum(t.to_local().nbytes if hasattr(t, "to_local") else t.nbytes for t in tensors if t.dim())
 
 
-def held(rank, world_size, port, shape, result):
-    """Rank 0's bytes of weights, gradients and optimizer state in stage 05's sharding on `shape`."""
+def held(rank, world_size, port, sizes, result):
+    """Rank 0's bytes of weights, gradients and optimizer state in stage 05's sharding on the mesh of each of
+    `sizes` (of one world size), a fresh model each, one after another in one process group."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model = plan.build(plan.parse(SMALL))
-    for norm in models.norms(model):  # as stage 05 shards: BatchNorm layers, blocks, root
-        fully_shard(norm, mesh=mesh)
-    for block in models.blocks(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = optim.optimizer(plan.parse(SMALL), model.parameters())
-    model(torch.randn(4, 3, 32, 32)).sum().backward()
-    optimizer.step()
-    found = [local_bytes(model.parameters()), local_bytes(p.grad for p in model.parameters()),
-             local_bytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))]  # fmt: skip
+    found = {}
+    for size in sizes:
+        shape = MESHES[size]
+        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        model = plan.build(plan.parse(SMALL))
+        for norm in models.norms(model):  # as stage 05 shards: BatchNorm layers, blocks, root
+            fully_shard(norm, mesh=mesh)
+        for block in models.blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = optim.optimizer(plan.parse(SMALL), model.parameters())
+        model(torch.randn(4, 3, 32, 32)).sum().backward()
+        optimizer.step()
+        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        grads = [p.grad for p in model.parameters()]
+        found[str(size)] = [local_bytes(model.parameters()), local_bytes(grads), local_bytes(state)]
     if rank == 0:
         torch.save(found, result)
     dist.barrier()
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="session")
+def measured_at(request, tmp_path_factory):
+    """measured_at(size): held()'s bytes on the mesh of `size`. At 2 ranks, among the checks that share a pair of
+    processes (conftest.py `spawned`); the meshes of 4 ranks (FSDP over all four, HSDP 2 x 2) in one spawn of their
+    own, once per pytest run, whichever worker asks first (the others wait for it)."""
+
+    def measured(size):
+        if size == 2:
+            return torch.load(request.getfixturevalue("spawned") / "held-2.pt", weights_only=True)["2"]
+        out = shared(tmp_path_factory) / "plan-held-4.pt"
+        with open(f"{out}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not out.exists():
+                part = out.with_name(f"{out.name}.{os.getpid()}")
+                mp.spawn(held, args=(4, free_port(), [4, "2x2"], part), nprocs=4)
+                part.replace(out)
+        return torch.load(out, weights_only=True)[str(size)]
+
+    return measured
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("size", list(MESHES))
-def test_the_plans_state_is_what_fsdp_and_hsdp_hold(size, tmp_path):
+def test_the_plans_state_is_what_fsdp_and_hsdp_hold(size, measured_at):
     args = plan.parse(SMALL + ["--gpus-per-node", "2"])
     world_size = 4 if size == "2x2" else size
     measured = plan.measure(args)
@@ -66,8 +94,7 @@ def test_the_plans_state_is_what_fsdp_and_hsdp_hold(size, tmp_path):
         found = [local_bytes(model.parameters()), local_bytes(p.grad for p in model.parameters()),
                  local_bytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))]  # fmt: skip
     else:
-        mp.spawn(held, args=(world_size, free_port(), MESHES[size], tmp_path / "b.pt"), nprocs=world_size)
-        found = torch.load(tmp_path / "b.pt", weights_only=True)
+        found = measured_at(size)
     assert found == [planned["weights"], planned["gradients"], planned["optimizer"]]
 
 

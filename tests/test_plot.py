@@ -6,6 +6,7 @@ import errno
 import importlib
 import importlib.util
 import os
+import shutil
 import sys
 
 import pytest
@@ -65,12 +66,16 @@ def test_legend_names_stage_world_size_and_run_in_numeric_order(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_data, tmp_path_factory):
-    """Three runs of stage 01, two epochs each, in folders named as sweeps/ names them: bs16, bs32, bs64."""
+def runs(uninterrupted, tiny_data, tmp_path_factory):
+    """Three runs of stage 01, two epochs each, in folders named as sweeps/ names them: bs16, bs32, bs64. bs32 is a
+    copy of the run test_preemption.py's stops resume to, trained once (conftest.py `uninterrupted`)."""
     pytest.importorskip("matplotlib")  # before training for nothing
     root = tmp_path_factory.mktemp("runs")
     runs = [root / f"bs{bs}" for bs in BATCH_SIZES]
     for bs, folder in zip(BATCH_SIZES, runs, strict=True):
+        if bs == 32:
+            shutil.copytree(uninterrupted("python", S01, "--epochs", 2, "--batch-size", 32), folder, symlinks=True)
+            continue
         args = stage_args(tiny_data, folder, "--epochs", 2, "--batch-size", bs)
         result = run([sys.executable, S01, *args])
         assert result.returncode == 0, result.stderr
