@@ -7,13 +7,13 @@ run at any world size.
 import itertools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
 def materialise(model, device, task, args):
-    """Stage 05's model, built on the meta device (no memory) and sharded: each rank fills its
-    shards, a layer whole at most, from the task's `weights(args)` file, else as stage 01 starts at
-    the seed (reset_parameters(), children first, then init_weights(layer)); a CPU one moves."""
+    """Stage 05's model, built on the meta device and sharded: each rank fills its shards, a layer
+    whole at most, from the task's weights(args) file, else as stage 01 starts at the seed."""
     if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         return model.to(device)
     if len(dict(model.named_parameters())) < len([*model.named_parameters(remove_duplicate=False)]):
@@ -57,13 +57,13 @@ def held(module, recurse=False):
 
 @torch.no_grad()
 def on_cpu(module, init, done, recurse=False):
-    """init() on whole CPU copies of `module`'s tensors (values so far if `done`), twice from one
-    generator state as a constructor draws, over NaN (or 1) then 0: what both leave alike is set."""
+    """init() on whole CPU copies of `module`'s tensors (values so far if `done`) over NaN; if a NaN
+    or an integer is left, again over 0 from the same generator state: what both keep is set."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     slots, state, runs = list(held(module, recurse)), torch.get_rng_state(), []
     so_far = {id(t): getattr(t, "full_tensor", t.detach)() for *_, t in slots if id(t) in done}
-    try:  # by the values, not by a write: an integer, a NaN on purpose, a write through .data
+    try:  # an integer, a NaN on purpose, a write through .data: each told by its values
         for fill in (torch.nan, 0):
             torch.set_rng_state(state)
             for owner, kind, name, t in slots:
@@ -73,10 +73,12 @@ def on_cpu(module, init, done, recurse=False):
                 getattr(owner, kind)[name] = whole
             init()
             runs.append([getattr(owner, kind)[name] for owner, kind, name, _ in slots])
+            if all(w.is_floating_point() and not w.isnan().any() for w in runs[0]):
+                break  # each set by the first run: no second (a layer's init, once)
     finally:
         for owner, kind, name, t in slots:
             getattr(owner, kind)[name] = t
-    for (*_, t), before, whole in zip(slots, *runs, strict=True):
+    for (*_, t), before, whole in zip(slots, runs[0], runs[-1], strict=True):
         if not (before.eq(whole) | before.isnan() & whole.isnan()).all():
             continue  # left unset by init(), or in part: named after, unless set before
         done.add(id(t))
@@ -88,7 +90,6 @@ def on_cpu(module, init, done, recurse=False):
 
 def load_whole(model, path):
     """A file of whole weights into the sharded model: rank 0 maps it, each rank gets its shards."""
-    import torch.distributed as dist
     from torch.distributed.checkpoint import state_dict as sd
 
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
