@@ -138,7 +138,7 @@ def test_a_tasks_throughput_names_the_speeds_unit_or_is_one_line(tmp_path):
     sample; anything but (a name, a whole count above 0) is refused before the first step."""
     lm = task(loss=F.cross_entropy, throughput=lambda args: ("tokens", args.seq_len))
     assert metric_of(lm, seq_len=16).unit == ("tokens", 16) and metric_of(task(loss=F.cross_entropy)).unit[1] == 1
-    for wrong in (("tokens", 0), ("tokens", 2.5), "tokens", ("tokens", 16, "x")):
+    for wrong in (("tokens", 0), ("tokens", 2.5), ("tokens", True), "tokens", ("tokens", 16, "x")):
         with pytest.raises(ValueError, match=r"must return \(unit, count per sample\), e.g."):
             metric_of(task(throughput=lambda args, w=wrong: w))
     for hooked in (task(throughput=lambda args: ("pixels", 4)), lm):  # the default metric too, and a task's

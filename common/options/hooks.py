@@ -32,7 +32,7 @@ def metric(task, args):
 def throughput(unit):
     """(name, count per sample) as the task's throughput(args) returns it, or one line."""
     name, per_sample = unit if isinstance(unit, tuple) and len(unit) == 2 else (None, None)
-    if not (isinstance(name, str) and isinstance(per_sample, int) and per_sample > 0):
+    if not (isinstance(name, str) and type(per_sample) is int and per_sample > 0):  # no bool
         raise ValueError(
             f"the task's throughput(args) must return (unit, count per sample), e.g. "
             f'("tokens", args.seq_len), not {unit!r}: the epoch line\'s speed in that unit'
