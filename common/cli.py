@@ -86,7 +86,7 @@ def learning_rate(args):
 def load_task(path):
     """The task file `path` as a module: model(), datasets(), options... (common/tasks/images.py)"""
     name, source = f"task_{path.stem}", regular_file(path).read_bytes()  # once: run and recorded
-    task = types.ModuleType(name)
+    task = sys.modules[name] = types.ModuleType(name)  # found by name: dataclasses, pickle
     task.__file__, task.__source__ = str(path), source  # hashed: what ran, the file gone after
     exec(compile(source, path, "exec"), vars(task))  # any path: read as Python, or an OSError
     return task

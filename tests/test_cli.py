@@ -3,6 +3,7 @@ defined by, and `python -m common.guards.check` as the job scripts' check before
 
 import hashlib
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -293,3 +294,28 @@ def test_the_task_is_recorded_by_the_bytes_that_ran(tiny_data, tmp_path, after):
     guard.agree(train_set, [], test_set, task)
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     assert preflight.defining(guard.args)["task"] == f"t.py (sha256 {digest})"
+
+
+TYPED = '''from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from common.tasks.images import *  # noqa: F403
+
+
+@dataclasses.dataclass
+class Crop:
+    size: int = 24
+    kinds: ClassVar[tuple] = ("centre", "random")
+'''
+
+
+def test_a_tasks_own_classes_are_found_by_their_module(tmp_path):
+    """A task with a dataclass under `from __future__ import annotations` was an AttributeError of dataclasses'
+    own (it looks its module up in sys.modules, where the task was not), and its objects could not be pickled
+    (DataLoader workers started by spawn or forkserver pickle the data set)."""
+    (tmp_path / "typed.py").write_text(TYPED)
+    task = cli.load_task(tmp_path / "typed.py")
+    crop = pickle.loads(pickle.dumps(task.Crop(20)))
+    assert crop == task.Crop(20) and task.Crop.kinds == ("centre", "random")
