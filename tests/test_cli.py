@@ -296,7 +296,7 @@ def test_the_task_is_recorded_by_the_bytes_that_ran(tiny_data, tmp_path, after):
     assert preflight.defining(guard.args)["task"] == f"t.py (sha256 {digest})"
 
 
-TYPED = '''from __future__ import annotations
+TYPED = """from __future__ import annotations
 
 import dataclasses
 from typing import ClassVar
@@ -308,7 +308,7 @@ from common.tasks.images import *  # noqa: F403
 class Crop:
     size: int = 24
     kinds: ClassVar[tuple] = ("centre", "random")
-'''
+"""
 
 
 def test_a_tasks_own_classes_are_found_by_their_module(tmp_path):
