@@ -390,13 +390,16 @@ def test_a_model_of_a_gigabyte_never_whole_on_a_rank(tmp_path):
     out = tmp_path / "out"
     args = ("--task", tmp_path / "big.py", "--output-dir", out, "--num-workers", 0, "--batch-size", 4,
             "--optimizer", "sgd", "--lr", 0.01)  # fmt: skip
-    done = torchrun(4, S05, *args, "--epochs", 1, timeout=600)
+    # huge pages for glibc's blocks: the same bytes held, 512 times fewer page faults (179 -> 131 CPU-s for this
+    # test); without stage 05's threshold it still measures 3.48 of the weights
+    huge = clean_env(GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+    done = torchrun(4, S05, *args, "--epochs", 1, env=huge, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     weights = (64 * 2049 * 2048 + 2 * 2049) * 4
     for rank in range(4):
         before, peak = map(int, (out / f"memory-4-{rank}").read_text().split())
         assert peak - before < 0.75 * weights, f"rank {rank}: {(peak - before) / weights:.2f} of the weights"
-    resumed = torchrun(2, S05, *args, "--epochs", 2, "--resume", timeout=600)
+    resumed = torchrun(2, S05, *args, "--epochs", 2, "--resume", env=huge, timeout=600)
     assert resumed.returncode == 0 and "resumed after epoch 1" in resumed.stdout, resumed.stderr[-3000:]
     assert "done: 2 epochs" in resumed.stdout, resumed.stdout[-3000:]
 

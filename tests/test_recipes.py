@@ -14,7 +14,20 @@ import types
 import pytest
 import test_equivalence
 import torch
-from helpers import REPO, S01, S03, S05, assert_same_state, checkpoint, clean_env, metrics, python, start, torchrun
+from helpers import (
+    REPO,
+    S01,
+    S03,
+    S05,
+    assert_same_state,
+    checkpoint,
+    clean_env,
+    metrics,
+    python,
+    srun_like,
+    start,
+    torchrun,
+)
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
 from torch import nn
 from torch.nn import functional as F
@@ -391,10 +404,17 @@ def test_an_example_trains_alike_in_stages_01_03_and_05(example, tmp_path):
     if example == "finetune":
         extra += folder_of_photos(tmp_path / "photos")
     common = ["--task", EXAMPLES / name, "--epochs", 1, *extra]
+
+    def two_tasks(script, folder):  # as srun starts them: no launcher process of its own to import torch
+        codes, outputs = srun_like(2, script, *common, "--output-dir", folder, timeout=600)
+        return types.SimpleNamespace(
+            returncode=next(filter(None, codes), 0), stdout=outputs[0], stderr="".join(outputs)
+        )
+
     runs = {
         "01": python(S01, *common, "--output-dir", tmp_path / "01", timeout=600),
-        "03": torchrun(2, S03, *common, "--output-dir", tmp_path / "03", timeout=600),
-        "05": torchrun(2, S05, *common, "--output-dir", tmp_path / "05", timeout=600),
+        "03": two_tasks(S03, tmp_path / "03"),
+        "05": two_tasks(S05, tmp_path / "05"),
     }
     for stage, out in runs.items():
         assert out.returncode == 0, (stage, out.stderr[-2000:])
