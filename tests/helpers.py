@@ -91,6 +91,15 @@ def torchrun(nproc, script, *args, env=None, timeout=HANG):
     return run(torchrun_cmd(nproc, script, *args), env=env, timeout=timeout)
 
 
+def launched(nproc, script, *args, timeout=HANG, **env):
+    """torchrun()'s result without torchrun's own process, which imports torch too (~4 CPU-s each), for the tests
+    whose launcher is not what they check: `nproc` ranks started by hand (ranks()). stdout: rank 0's; stderr:
+    every rank's; the status: the first failed rank's, else 0."""
+    outs = finish(ranks(script, [args] * nproc, **env), timeout=timeout)
+    status = next((out.returncode for out in outs if out.returncode), 0)
+    return subprocess.CompletedProcess(script, status, outs[0].stdout, "".join(out.stderr for out in outs))
+
+
 def srun_like(world_size, script, *args, job_id=None, nodelist="localhost", timeout=HANG, cwds=None, **env_extra):
     """Start `world_size` processes with the variables srun gives its tasks (one node, or one working
     folder per rank with `cwds`, as on nodes that share no filesystem); wait for all of them."""

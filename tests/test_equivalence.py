@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import REPO, S03, S05, TEST_SIZE, free_port, stage_args, torchrun
+from helpers import REPO, S03, S05, TEST_SIZE, free_port, launched, stage_args, torchrun
 from no_guard import NoGuard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
@@ -160,7 +160,7 @@ def test_fsdp_evaluates_uneven_shards_without_waiting(tiny_data, tmp_path, world
     extra = ["--epochs", 1, "--batch-size", 14 * world_size, "--test-batch-size", batch, "--dist-timeout", 30]
     args = stage_args(tiny_data, tmp_path, *extra, "--val-fraction", 0.05, "--save-model")
     start = time.monotonic()
-    out = torchrun(world_size, S05, *args)
+    out = launched(world_size, S05, *args)
     assert out.returncode == 0, out.stderr[-2000:]
     assert time.monotonic() - start < 25 + 5 * world_size  # no rank waited for a partner
     assert_counted_once(out.stdout, tmp_path / "model.pt", tiny_data, val_fraction=0.05)

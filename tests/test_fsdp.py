@@ -23,6 +23,7 @@ from helpers import (
     checkpoint,
     clean_env,
     kill_rank_1_after_a_checkpoint,
+    launched,
     metrics,
     nodes,
     python,
@@ -95,7 +96,7 @@ def test_stage05_trains_as_stage03(uninterrupted, tiny_data, tmp_path):
     # stage 03's checkpoint.pt starts a stage 05 run, which continues as stage 05's own checkpoint does
     for name, resume in (("05", fsdp / "checkpoint"), ("from03", ddp / "checkpoint.pt")):
         args = stage_args(tiny_data, tmp_path / name, "--epochs", 2, "--save-model", "--resume", resume)
-        out = torchrun(2, S05, *args)
+        out = launched(2, S05, *args)
         assert out.returncode == 0 and "resumed after epoch 1" in out.stdout, out.stderr
     assert_close_weights(checkpoint(tmp_path / "from03", "model.pt"), checkpoint(tmp_path / "05", "model.pt"))
 
@@ -190,13 +191,13 @@ def test_resume_at_other_world_sizes_continues_the_same_run(tiny_data, tmp_path)
     (tests/inject NO_DROPOUT): each rank draws its own masks, which alone would tell the world sizes apart.
     No rank unpickles anything but through the guard rails' restricted unpickler (common/guards/safeload.py) or torch.load(weights_only=True)
     (tests/inject NO_UNPICKLE)."""
-    env = clean_env(PYTHONPATH=f"{INJECT}:{REPO}", NO_DROPOUT=1, NO_UNPICKLE=1)
+    env = dict(PYTHONPATH=f"{INJECT}:{REPO}", NO_DROPOUT=1, NO_UNPICKLE=1)
     for size, epochs in ((4, 1), (2, 2), (1, 3)):
         args = stage_args(tiny_data, tmp_path / "resized", "--epochs", epochs, "--save-model")
-        out = torchrun(size, S05, *args, *(["--resume"] if epochs > 1 else []), env=env)
+        out = launched(size, S05, *args, *(["--resume"] if epochs > 1 else []), **env)
         assert out.returncode == 0, out.stderr
         assert epochs == 1 or f"resumed after epoch {epochs - 1}" in out.stdout
-    out = torchrun(2, S05, *stage_args(tiny_data, tmp_path / "stayed", "--epochs", 3, "--save-model"), env=env)
+    out = launched(2, S05, *stage_args(tiny_data, tmp_path / "stayed", "--epochs", 3, "--save-model"), **env)
     assert out.returncode == 0, out.stderr
     resized, stayed = checkpoint(tmp_path / "resized", "model.pt"), checkpoint(tmp_path / "stayed", "model.pt")
     assert_close_weights(resized, stayed, WORLD_SIZES)  # a sample skipped or seen twice: 30x that and more
@@ -392,14 +393,14 @@ def test_a_model_of_a_gigabyte_never_whole_on_a_rank(tmp_path):
             "--optimizer", "sgd", "--lr", 0.01)  # fmt: skip
     # huge pages for glibc's blocks: the same bytes held, 512 times fewer page faults (179 -> 131 CPU-s for this
     # test); without stage 05's threshold it still measures 3.48 of the weights
-    huge = clean_env(GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
-    done = torchrun(4, S05, *args, "--epochs", 1, env=huge, timeout=600)
+    huge = dict(GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+    done = launched(4, S05, *args, "--epochs", 1, timeout=600, **huge)
     assert done.returncode == 0, done.stderr[-3000:]
     weights = (64 * 2049 * 2048 + 2 * 2049) * 4
     for rank in range(4):
         before, peak = map(int, (out / f"memory-4-{rank}").read_text().split())
         assert peak - before < 0.75 * weights, f"rank {rank}: {(peak - before) / weights:.2f} of the weights"
-    resumed = torchrun(2, S05, *args, "--epochs", 2, "--resume", env=huge, timeout=600)
+    resumed = launched(2, S05, *args, "--epochs", 2, "--resume", timeout=600, **huge)
     assert resumed.returncode == 0 and "resumed after epoch 1" in resumed.stdout, resumed.stderr[-3000:]
     assert "done: 2 epochs" in resumed.stdout, resumed.stdout[-3000:]
 
@@ -426,7 +427,8 @@ def test_initial_weights_are_stage01s_at_any_world_size(tiny_data, tmp_path):
     start = checkpoint(tmp_path / "01", "model.pt")
     for size in (1, 2, 4):
         out = tmp_path / f"05-{size}"
-        done = python(S05, *stage_args(tiny_data, out, *flags)) if size == 1 else torchrun(size, S05, *stage_args(tiny_data, out, *flags))  # fmt: skip
+        args = stage_args(tiny_data, out, *flags)
+        done = python(S05, *args) if size == 1 else launched(size, S05, *args)
         assert done.returncode == 0, done.stderr[-3000:]
         assert [p.name for p in out.glob("built-on-*")] == ["built-on-meta"]
         torch.testing.assert_close(checkpoint(out, "model.pt"), start, rtol=0, atol=0)

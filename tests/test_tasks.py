@@ -20,6 +20,7 @@ from helpers import (
     assert_same_state,
     checkpoint,
     clean_env,
+    launched,
     one_error,
     python,
     srun_like,
@@ -97,11 +98,11 @@ def test_the_example_task_stopped_mid_epoch_at_two_ranks_resumes_bit_identical(u
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "amp"])
 def test_the_example_task_in_stage_05_at_two_ranks_resumes_at_one(amp, tmp_path):
     """Each transformer layer a block of its own, the head at the root; under --amp FSDP's bf16 meets the root's
-    head after the last block. One rank: torchrun, as FSDP's mixed precision needs a process group."""
+    head after the last block. One rank: RANK set, as FSDP's mixed precision needs a process group."""
     extra = ["--amp"] if amp else []
-    first = torchrun(2, S05, *args(tmp_path, "--epochs", 1, *extra))
+    first = launched(2, S05, *args(tmp_path, "--epochs", 1, *extra))
     assert first.returncode == 0 and accuracy(first.stdout)[1] == TESTS, first.stderr[-2000:]
-    resumed = torchrun(1, S05, *args(tmp_path, "--resume", *extra))
+    resumed = launched(1, S05, *args(tmp_path, "--resume", *extra))
     assert resumed.returncode == 0 and "resumed after epoch 1" in resumed.stdout, resumed.stderr[-2000:]
     assert accuracy(resumed.stdout)[1] == TESTS
     rows = (tmp_path / "metrics.csv").read_text().splitlines()
