@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import S03, metrics, run, stage_args, torchrun
+from helpers import S03, launched, metrics, run, stage_args
 
 from common import cli, optim
 from common.options import flags
@@ -67,7 +67,7 @@ def test_stage03_wideresnet_on_cifar_with_two_ranks(tiny_sets, tmp_path):
     """WideResNet-16-4 on CIFAR-10's real file format, DDP over two gloo ranks, with a validation split."""
     flags = ("--dataset", "cifar10", "--model", "wideresnet", "--optimizer", "sgd", "--momentum", 0.9, "--lr", 0.05,
              "--scheduler", "cosine", "--val-fraction", 0.2, "--batch-size", 8, "--epochs", 2)  # fmt: skip
-    out = torchrun(2, S03, *stage_args(tiny_sets, tmp_path, *flags))
+    out = launched(2, S03, *stage_args(tiny_sets, tmp_path, *flags))
     assert out.returncode == 0, out.stderr
     rows = metrics(tmp_path)
     assert [int(r["world_size"]) for r in rows] == [2, 2] and all(r["val_accuracy"] != "" for r in rows)

@@ -21,13 +21,13 @@ from helpers import (
     assert_same_state,
     checkpoint,
     clean_env,
+    launched,
     metrics,
     one_error,
     python,
     run,
     stage_args,
     start,
-    torchrun,
 )
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
 from torch.utils.data import default_collate
@@ -115,7 +115,7 @@ def test_regression_in_stage_05_at_two_ranks_prints_the_saved_models_mae_and_no_
     """Float targets, the task's metric (MAE, lower is better) and BatchNorm under FSDP: the printed test MAE is the
     saved model's, whose running statistics every rank shares (each rank kept its own before)."""
     task = regression(tmp_path)
-    out = torchrun(2, S05, *stage_args(REPO / "data", tmp_path, "--task", task, "--epochs", 1, "--batch-size", 32,
+    out = launched(2, S05, *stage_args(REPO / "data", tmp_path, "--task", task, "--epochs", 1, "--batch-size", 32,
                                        "--lr", 0.5, "--save-model"))  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "accuracy" not in out.stdout and "| mae " in out.stdout, out.stdout
@@ -153,7 +153,7 @@ def test_the_text_example_stopped_mid_epoch_at_two_ranks_resumes_bit_identical(u
     proc = start(S03, *text_args(cut, *SHARED), nproc=2, env=clean_env(**SLOW))
     output, _ = signal_mid_epoch_2(proc, cut, signal.SIGTERM)
     step = saved_mid_epoch(cut, output, proc.returncode, proc)
-    resumed = torchrun(2, S03, *text_args(cut, *SHARED, "--resume"))
+    resumed = launched(2, S03, *text_args(cut, *SHARED, "--resume"))
     assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
     assert accuracy(resumed.stdout)[1] == TESTS
     cut, whole = checkpoint(cut), checkpoint(whole)
@@ -177,7 +177,7 @@ def test_dict_inputs_and_dict_labels_in_stage_05_with_micro_batches(tmp_path):
     )
     args = stage_args(REPO / "data", tmp_path / "out", "--task", task, "--samples", SAMPLES, "--epochs", 1,
                       "--batch-size", BATCH, "--grad-accum", 2)  # fmt: skip
-    out = torchrun(2, S05, *args)
+    out = launched(2, S05, *args)
     assert out.returncode == 0, out.stderr[-2000:]
     assert accuracy(out.stdout)[1] == TESTS
 
@@ -185,7 +185,7 @@ def test_dict_inputs_and_dict_labels_in_stage_05_with_micro_batches(tmp_path):
 @pytest.mark.slow
 def test_a_metric_over_a_test_set_of_one_sample_at_two_ranks_is_finite(tmp_path):
     """Rank 1 has no test sample of its own: it adds nothing, and the mean is over the one sample."""
-    out = torchrun(2, S03, *stage_args(REPO / "data", tmp_path, "--task", regression(tmp_path, test=1), "--epochs", 1))
+    out = launched(2, S03, *stage_args(REPO / "data", tmp_path, "--task", regression(tmp_path, test=1), "--epochs", 1))
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(metrics(tmp_path)[-1]["test_mae"]) < float("inf")
 

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import REPO, S03, S05, metrics, run, stage_args, torchrun
+from helpers import REPO, S03, S05, launched, metrics, run, stage_args
 
 from common.metrics import FIELDS
 
@@ -146,7 +146,7 @@ def test_real_runs_of_one_and_two_processes(uninterrupted, tiny_data, tmp_path, 
     # two epochs: the first is warm-up, the median is the second. At 2 ranks, a copy of the run test_preemption.py's
     # stops at 2 ranks resume to, trained once (conftest.py `uninterrupted`); at 1, the same options
     options = ("--epochs", 2, "--batch-size", 32)
-    result = torchrun(1, S03, *stage_args(tiny_data, runs[0], *options))
+    result = launched(1, S03, *stage_args(tiny_data, runs[0], *options))
     assert result.returncode == 0, result.stderr
     shutil.copytree(uninterrupted(2, S03, *options), runs[1], symlinks=True)
     written = [metrics(folder) for folder in runs]
