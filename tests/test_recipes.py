@@ -22,9 +22,9 @@ from helpers import (
     assert_same_state,
     checkpoint,
     clean_env,
+    launched,
     metrics,
     python,
-    srun_like,
     start,
     torchrun,
 )
@@ -405,16 +405,10 @@ def test_an_example_trains_alike_in_stages_01_03_and_05(example, tmp_path):
         extra += folder_of_photos(tmp_path / "photos")
     common = ["--task", EXAMPLES / name, "--epochs", 1, *extra]
 
-    def two_tasks(script, folder):  # as srun starts them: no launcher process of its own to import torch
-        codes, outputs = srun_like(2, script, *common, "--output-dir", folder, timeout=600)
-        return types.SimpleNamespace(
-            returncode=next(filter(None, codes), 0), stdout=outputs[0], stderr="".join(outputs)
-        )
-
     runs = {
         "01": python(S01, *common, "--output-dir", tmp_path / "01", timeout=600),
-        "03": two_tasks(S03, tmp_path / "03"),
-        "05": two_tasks(S05, tmp_path / "05"),
+        "03": launched(2, S03, *common, "--output-dir", tmp_path / "03", timeout=600),
+        "05": launched(2, S05, *common, "--output-dir", tmp_path / "05", timeout=600),
     }
     for stage, out in runs.items():
         assert out.returncode == 0, (stage, out.stderr[-2000:])
