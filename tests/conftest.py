@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import REPO, TEST_SIZE, TRAIN_SIZE, free_port, python, shared, stage_args, torchrun, write_idx_subset
+from helpers import REPO, TEST_SIZE, TRAIN_SIZE, free_port, launched, python, shared, stage_args, write_idx_subset
 
 CIFAR_BATCH = 8  # images per CIFAR file: 40 training images in CIFAR-10's five batches, 8 test images
 
@@ -69,11 +69,11 @@ def tiny_sets(tiny_data, tmp_path_factory):
 @pytest.fixture(scope="session")
 def uninterrupted(tiny_data, tmp_path_factory):
     """uninterrupted(launch, script, *options): the folder of that run on tiny_data, trained to its end with no
-    stop, kill or fault, by `python` or by torchrun with `launch` ranks. Each is trained once in a pytest run,
-    whichever worker asks first (the others wait for it), and shared: the tests that stop, kill or cut short the
-    same run compare their resumed one against it, and only read it. The data's folder is a free option (not in
-    the checkpoint): each worker's tiny_data holds the same images. What the run printed is beside the folder,
-    in <folder>.stdout."""
+    stop, kill or fault, by `python` or by `launch` ranks started by hand (helpers.launched()). Each is trained once
+    in a pytest run, whichever worker asks first (the others wait for it), and shared: the tests that stop, kill or
+    cut short the same run compare their resumed one against it, and only read it. The data's folder is a free
+    option (not in the checkpoint): each worker's tiny_data holds the same images. What rank 0 printed is beside
+    the folder, in <folder>.stdout."""
 
     def folder(launch, script, *options):
         key = "\0".join(map(str, (launch, script, *options)))
@@ -83,7 +83,7 @@ def uninterrupted(tiny_data, tmp_path_factory):
             if not Path(f"{out}.done").exists():  # none yet, or a worker's failed run left it unfinished
                 shutil.rmtree(out, ignore_errors=True)
                 args = stage_args(tiny_data, out, *options)
-                run = python(script, *args) if launch == "python" else torchrun(launch, script, *args)
+                run = python(script, *args) if launch == "python" else launched(launch, script, *args)
                 assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
                 Path(f"{out}.stdout").write_text(run.stdout)
                 Path(f"{out}.done").touch()
