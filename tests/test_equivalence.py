@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import REPO, S03, S05, TEST_SIZE, free_port, launched, stage_args, torchrun
+from helpers import REPO, S03, S05, TEST_SIZE, free_port, launched, stage_args
 from no_guard import NoGuard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
@@ -145,7 +145,7 @@ def test_evaluation_counts_every_test_image_once(tiny_data, tmp_path):
     """World size 3 over 10 test images in batches of 3 (4, 3, 3 images: 2, 1, 1 batches before padding): the
     all-reduced count is 10, the result the single-process one."""
     args = stage_args(tiny_data, tmp_path, "--epochs", 1, "--batch-size", 63, "--test-batch-size", 3, "--save-model")
-    out = torchrun(3, S03, *args)
+    out = launched(3, S03, *args)
     assert out.returncode == 0, out.stderr
     assert_counted_once(out.stdout, tmp_path / "model.pt", tiny_data)
 
