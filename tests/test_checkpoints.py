@@ -37,8 +37,8 @@ from helpers import (
 )  # fmt: skip
 
 from common import checkpoint as lesson
-from common import cli, shards
-from common.guards import ownership, preflight, recorded, resume, safeload
+from common import cli, metrics, shards
+from common.guards import ownership, preflight, randomness, recorded, resume, safeload
 from common.models import Net
 from common.options import flags
 
@@ -172,9 +172,14 @@ def test_a_checkpoints_own_values_are_checked_before_anything_is_restored(tiny_d
     args, _ = cli.parse_args(stage_args(tiny_data, tmp_path, "--limit", 64, "--epochs", 3, "--resume"), [flags.add])
     model = Net()
     optimizer = torch.optim.Adadelta(model.parameters())
-    states = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1))
+    log = metrics.Log(tmp_path, 1, metrics.Metric())
+    states = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1), log=log)
+    states["rng"] = randomness.Generators()
     model(torch.zeros(1, 1, 28, 28)).sum().backward()
     optimizer.step()  # a state for each parameter, of its shape
+    for epoch in (1, 2):  # a row and a schedule step each
+        log.rows.append({"epoch": epoch})
+        states["scheduler"].step()
     lesson.save(tmp_path, 2, states)  # the end of epoch 2 of a run whose manifest records this run's options
     ownership.write(tmp_path, {"run": "r", "writes": [], "record": {"flags": preflight.defining(args), "data": "64-0"}})
     state, path = checkpoint(tmp_path), tmp_path / resume.WHOLE
@@ -196,6 +201,23 @@ def test_a_checkpoints_own_values_are_checked_before_anything_is_restored(tiny_d
             "holds the optimizer's square_avg of parameter 0 as int64 of shape [3], the parameter being of shape [32, 1",
         ),
         ({"optimizer": {"state": {}, "param_groups": groups[:0]}}, "holds the optimizer state of 0 parameters"),
+        # a hand's edits (hostile pass, round 5): each was restored, then a KeyError, a wrong cause or a wrong number
+        ({"log": {"rows": []}}, "holds metrics of epochs [] for 2 epochs done"),
+        ({"step": 1}, "holds metrics of epochs [1, 2] for 1 epochs done"),  # a part-way checkpoint has one row
+        ({"scheduler": state["scheduler"] | {"last_epoch": 3}}, "holds a schedule stepped 3 times for 2 epochs done"),
+        (
+            {"rng": {k: v for k, v in state["rng"].items() if k != "numpy"}},
+            "holds random generators that cannot be put back",
+        ),
+        ({"rng": state["rng"] | {"cpu": torch.zeros(10, dtype=torch.uint8)}}, "holds random generators that cannot be"),
+        (
+            {"optimizer": state["optimizer"] | {"param_groups": [groups[0] | {"lr": "big"}]}},
+            "holds the optimizer's lr 'big'",
+        ),
+        (
+            {"optimizer": state["optimizer"] | {"param_groups": [groups[0] | {"lr": float("nan")}]}},
+            "holds the optimizer's lr nan",
+        ),
     ]:
         torch.save(state | changed, path)
         with pytest.raises(SystemExit, match=f"^error: {re.escape(str(path))} {re.escape(said)}"):
@@ -224,6 +246,8 @@ def test_a_sharded_checkpoints_dtypes_are_checked_before_anything_is_restored(ti
     states = dict(model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1))
     model(torch.ones(2, 4)).sum().backward()
     optimizer.step()  # a state for each parameter, of its shape
+    for _ in (1, 2):  # the end of epoch 2: stepped twice
+        states["scheduler"].step()
     sharded.save(tmp_path, 2, states)  # stage 05 under a plain python: one process's shards, in epoch-2
     record = {"flags": preflight.defining(args), "data": "64-0"}
     ownership.write(tmp_path, {"run": "r", "writes": ["epoch-2"], "record": record})

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import HANG, S03, S05, clean_env, run
+from helpers import HANG, S01, S03, S05, clean_env, run
 
 from common import cli
 from common.guards import check, options, preflight, rails, recorded
@@ -225,6 +225,29 @@ def test_resume_needs_a_regular_file(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("RANK", "1")  # rank 0 reads the file: another node need not have it
     assert parse(["--resume", str(tmp_path / "none.pt")]).resume == tmp_path / "none.pt"
+
+
+@pytest.mark.parametrize("argv", [["--output-dir", ""], ["--data-dir= "], ["--resume", "", "--epochs", "1"]])
+def test_an_empty_path_is_refused_not_made_the_folder_the_run_starts_in(argv):
+    """`--output-dir "$OUT"` with OUT unset: the parser made it the current folder, and a run wrote its checkpoints
+    there (hostile pass, round 5). The job scripts' check and the stages (test_one_line.py) refuse it in one line."""
+    out = run([sys.executable, "-m", "common.guards.check", *argv], timeout=HANG)
+    flag = argv[0].partition("=")[0]
+    assert (
+        out.returncode == 2
+        and out.stderr
+        == f"error: argument {flag}: an empty path (an unset variable?): give the path itself (see --help)\n"
+    )
+    assert check.empty_path(["--output-dir", "runs", "--resume"]) is None
+
+
+@pytest.mark.slow
+def test_a_stage_given_an_empty_output_dir_writes_nothing_where_it_starts(tiny_data, tmp_path):
+    out = run(
+        [sys.executable, str(S01), "--data-dir", str(tiny_data), "--output-dir", "", "--epochs", "1"], cwd=tmp_path
+    )
+    assert out.returncode == 2 and "error: argument --output-dir: an empty path" in out.stderr, out.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []  # before: .lock, checkpoint.pt, metrics.csv and the manifest, here
 
 
 def test_module_checks_arguments_fast_without_torch():

@@ -332,12 +332,23 @@ def test_ten_torchrun_restarts_in_a_row_each_form_the_process_group(tmp_path):
     assert "GLOO_SOCKET_IFNAME" not in out.stderr and len(metrics(tmp_path / "out")) == 1
 
 
-@pytest.mark.slow  # one of the smaller causes named; make test keeps the unresolvable address
-def test_an_ipv6_master_addr_is_one_line(tmp_path):
-    """MASTER_ADDR=::1 was a ValueError out of torch ("Port could not be cast"): tcp://::1:29500 holds no port."""
-    args = stage_args(REPO / "data", tmp_path / "out", "--task", "common/tasks/sequences.py")
-    out = python(S03, *args, RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="::1", MASTER_PORT=free_port())
-    one_error(out, "MASTER_ADDR ::1 is an IPv6 address", "localhost")
+@pytest.mark.slow  # smaller causes named; make test keeps the unresolvable address
+@pytest.mark.parametrize(
+    "addr, said",
+    [
+        ("::1", ["MASTER_ADDR ::1 is an IPv6 address", "localhost"]),
+        ("127.0.0.1:29500", ["MASTER_ADDR 127.0.0.1:29500 holds a port", "MASTER_PORT to the port"]),
+        ("10.255.255.1", ["MASTER_ADDR 10.255.255.1 is 10.255.255.1, not an address of this host"]),
+    ],
+    ids=["ipv6", "a port in it", "not this host's"],
+)
+def test_a_master_addr_rank_0_cannot_serve_at_is_one_line_naming_why(addr, said, tmp_path):
+    """MASTER_ADDR=::1 was a ValueError out of torch ("Port could not be cast"): tcp://::1:29500 holds no port; an
+    address with a port in it was called IPv6; an address of another host had rank 0 blame "another program" on its
+    port (hostile pass, round 5): its own client of the store met another host, or none."""
+    args = stage_args(REPO / "data", tmp_path / "out", "--task", "common/tasks/sequences.py", "--dist-timeout", 10)
+    out = python(S03, *args, RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR=addr, MASTER_PORT=free_port())
+    one_error(out, *said)
 
 
 def test_a_mis_shaped_checkpoint_and_an_unused_parameter_are_lines_naming_the_key(tmp_path):

@@ -45,8 +45,8 @@ def serve(launch, timeout):
             multi_tenant=True,
             timeout=datetime.timedelta(seconds=timeout),
         )
-    except dist.DistError:  # taken since check_rendezvous() found it free
-        raise Refusal(rendezvous.port_in_use(launch.port)) from None
+    except dist.DistError:  # taken since check_rendezvous() found it free, or its own client met another host
+        raise Refusal(rendezvous.foreign(launch.addr) or rendezvous.port_in_use(launch.port)) from None
 
 
 def client(launch, timeout):

@@ -151,7 +151,7 @@ def check_args(args, warn=True, gpus=None):
     anything starts (a FIFO would hang torch.load, a directory make it fail with a traceback). `gpus`: those the
     run would use, where torch is loaded to count them (a stage, its --check too), else None; then the data
     files are checked too."""
-    if problem := options.out_of_range(args):  # the parser reads numbers; their ranges are checked here
+    if problem := options.out_of_range(args) or empty_path(sys.argv[1:]):  # the parser reads numbers and paths
         usage(problem)
     if args.sync_bn and gpus == 0:
         usage("--sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only) and this run has none: drop it on CPUs")
@@ -181,6 +181,17 @@ def check_args(args, warn=True, gpus=None):
         datafiles.check(args)
     if args.check:  # the options hold for this stage: nothing else to do
         raise SystemExit(0)
+
+
+def empty_path(argv):
+    """A path option given empty, as "$OUT" is where OUT is unset: the parser makes it the folder the run starts in,
+    where the run would write its checkpoints (or read its data) unasked. (An empty --task is that folder: no file.)"""
+    for flag, value in zip(argv, [*argv[1:], None], strict=True):
+        name, attached, given = flag.partition("=")
+        given = given if attached else value
+        if name in ("--data-dir", "--output-dir", "--resume") and given is not None and not given.strip():
+            return f"argument {name}: an empty path (an unset variable?): give the path itself"
+    return None
 
 
 def plain(value):

@@ -32,14 +32,26 @@ def generators():
     return found
 
 
-def set_generators(saved):
-    """Put back what generators() returned."""
-    torch.set_rng_state(saved["cpu"])
+def set_generators(saved, into=None):
+    """Put back what generators() returned: into this process's generators, or `into`'s (torch's, random's, numpy's)."""
+    cpu, python, legacy = into or (torch.default_generator, random, numpy and numpy.random)
+    cpu.set_state(saved["cpu"])
     version, words, gauss = saved["python"]
-    random.setstate((version, tuple(words), gauss))
-    if saved["numpy"] is not None and numpy is not None:
+    python.setstate((version, tuple(words), gauss))
+    if saved["numpy"] is not None and legacy is not None:
         kind, words, position, has_gauss, gauss = saved["numpy"]
-        numpy.random.set_state((kind, words.numpy().astype("uint32"), position, has_gauss, gauss))
+        legacy.set_state((kind, words.numpy().astype("uint32"), position, has_gauss, gauss))
+
+
+def unfit(saved):
+    """Why a checkpoint's generators (Generators.state_dict()) cannot be put back, or None: tried on new generators of
+    each kind first, so that a part missing or malformed is a line before anything of the checkpoint is restored."""
+    scratch = (torch.Generator(), random.Random(), numpy and numpy.random.RandomState())
+    try:
+        set_generators(saved, scratch) if "python" in saved else scratch[0].set_state(saved["cpu"])
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
 
 
 class Generators:

@@ -5,12 +5,16 @@ preflight.defining()), the training data (its fingerprint); the world size, whic
 samples, is said in one line before the first step (say_world()). A checkpoint's own values are checked against what
 the model and the options declare (check_values()) before anything of it is restored: its parts present, each tensor
 of the model of the model's dtype and shape (stage 05's as its .metadata lists them: DCP casts what it loads), an
-epoch and a step in range; each a one-line refusal."""
+epoch and a step in range, the metrics' rows and the schedule's steps of the epochs done, random generators that can
+be put back, the optimizer's settings of this run's kinds; each a one-line refusal."""
 
 import math
 
+import torch
+
 from common.checkpoint import SPLIT, unwrap
 from common.distributed import print0
+from common.guards import randomness
 from common.guards.preflight import defining, same
 
 ANOTHER = "resume from another checkpoint, or with the model and --optimizer it was trained with"
@@ -57,7 +61,10 @@ def declared(states, sharded, train_size, args):
     steps = math.inf if train_size is None else 1 if args.dry_run else math.ceil(train_size / args.batch_size)
     groups = [] if sharded or states.get("optimizer") is None else states["optimizer"].param_groups
     shapes = [tuple(p.shape) for group in groups for p in group["params"]]  # in the order its state numbers them
-    return {"parts": parts, "tensors": tensors, "steps": steps, "shapes": shapes or None}
+    settings = {k: v for k, v in groups[0].items() if k != "params"} if groups else {}  # lr, rho...: their kinds
+    counted = isinstance(states.get("scheduler"), torch.optim.lr_scheduler.LRScheduler)  # the stage's: per epoch
+    shapes = shapes or None
+    return dict(parts=parts, tensors=tensors, steps=steps, shapes=shapes, settings=settings, counted=counted)
 
 
 def check_values(state, declared=None):
@@ -78,9 +85,42 @@ def check_values(state, declared=None):
         return f"lacks its {', '.join(missing)} (or holds no state there): resume from another checkpoint"
     if (optimizer := state.get("optimizer")) is not None and not {"state", "param_groups"} <= optimizer.keys():
         return "holds an optimizer state without its state and param_groups: resume from another checkpoint"
+    if problem := progress_differs(state, declared, epoch if not step else epoch - 1):
+        return problem
+    if "rng" in declared["parts"] and (why := randomness.unfit(state["rng"])):
+        return f"holds random generators that cannot be put back ({why}): resume from another checkpoint"
+    if optimizer is not None and (problem := settings_differ(optimizer["param_groups"], declared["settings"])):
+        return problem
     if state.get("shards") is not None:  # stage 05: what its .metadata lists, before any rank reads a shard
         return shards_differ(state["shards"], declared["tensors"])
     return model_differs(state.get("model"), declared["tensors"]) or optimizer_differs(optimizer, declared["shapes"])
+
+
+def progress_differs(state, declared, done):
+    """Why the metrics' rows or the schedule's steps a checkpoint holds are not those of its `done` epochs (those
+    whose row and schedule step are in: a checkpoint part-way through an epoch has the ones before), or None."""
+    rows = state["log"].get("rows") if "log" in declared["parts"] else []
+    epochs = [row.get("epoch") for row in rows if isinstance(row, dict)] if isinstance(rows, list) else rows
+    if "log" in declared["parts"] and epochs != list(range(1, done + 1)):
+        return f"holds metrics of epochs {epochs!r:.60} for {done} epochs done: resume from another checkpoint"
+    if declared["counted"] and (steps := state["scheduler"].get("last_epoch")) != done:
+        return f"holds a schedule stepped {steps!r} times for {done} epochs done: resume from another checkpoint"
+    return None
+
+
+def settings_differ(groups, settings):
+    """Why an optimizer's saved param `groups` hold a setting unlike this run's (`settings`: a number, a finite one,
+    where this run's is one), or None: a NaN learning rate would be blamed on a divergence, a string on train.py."""
+    for i, group in enumerate(groups if isinstance(groups, list) else [groups]):
+        for key, own in settings.items():
+            value = group.get(key, own) if isinstance(group, dict) else None
+            number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            if isinstance(own, int | float) and not isinstance(own, bool) and not number:
+                return (
+                    f"holds the optimizer's {key} {value!r:.40} (param group {i}) where this run's is a finite "
+                    f"number: resume from another checkpoint"
+                )
+    return None
 
 
 def model_differs(saved, tensors):

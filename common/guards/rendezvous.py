@@ -5,6 +5,7 @@ import errno
 import functools
 import ipaddress
 import os
+import re
 import socket
 import time
 
@@ -18,6 +19,11 @@ def check_rendezvous(launch, timeout):
     is not a loopback one; the port is free where rank 0 will serve the store, and answers, within `timeout`,
     where another rank waits for it (torch's client would retry silently past its timeout)."""
     host, where = socket.gethostname(), f"{launch.addr}:{launch.port}"
+    if re.fullmatch(r"[^:]+:\d+", launch.addr):  # a port written into the address
+        raise Refusal(
+            f"error: MASTER_ADDR {launch.addr} holds a port: set MASTER_ADDR to the host alone and MASTER_PORT to "
+            "the port"
+        )
     if ":" in launch.addr:  # torch reads tcp://::1:29500 as a port "1:29500" ("Port could not be cast")
         raise Refusal(
             f"error: MASTER_ADDR {launch.addr} is an IPv6 address, which setup()'s tcp:// address cannot hold: "
@@ -76,6 +82,21 @@ def resolves(addr):
         return bool(socket.getaddrinfo(addr, None))
     except socket.gaierror:
         return False
+
+
+def foreign(addr):
+    """Rank 0's line where its store could not start because MASTER_ADDR is no address of this host (its own client
+    met another host, or none), else None: only then, as an address the host cannot bind may still reach it (NAT)."""
+    family, *_, (ip, *_) = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family) as probe:
+        try:
+            probe.bind((ip, 0))
+        except OSError as err:
+            return (
+                f"error: rank 0 on {socket.gethostname()}: MASTER_ADDR {addr} is {ip}, not an address of this host "
+                f"({err.strerror}): set it to rank 0's host name or address"
+            )
+    return None
 
 
 def port_in_use(port):
