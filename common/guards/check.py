@@ -186,7 +186,7 @@ def check_args(args, warn=True, gpus=None):
 def empty_path(argv):
     """A path option given empty, as "$OUT" is where OUT is unset: the parser makes it the folder the run starts in,
     where the run would write its checkpoints (or read its data) unasked. (An empty --task is that folder: no file.)"""
-    for flag, value in zip(argv, [*argv[1:], None], strict=True):
+    for flag, value in zip(argv, [*argv[1:], None], strict=False):  # each word with the next
         name, attached, given = flag.partition("=")
         given = given if attached else value
         if name in ("--data-dir", "--output-dir", "--resume") and given is not None and not given.strip():
