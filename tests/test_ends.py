@@ -45,6 +45,10 @@ RAISER = TASK + (
     "    return base.model(args)\n"
 )
 LATE = TASK + "def model(args):\n    atexit.register(time.sleep, 3600)\n    return base.model(args)\n"
+FAILING_EXIT = TASK + (
+    "def boom():\n    raise ValueError('the cache could not be written')\n"  # line 5
+    "def model(args):\n    atexit.register(boom)\n    return base.model(args)\n"
+)
 
 
 def task(tmp_path, source):
@@ -89,6 +93,18 @@ def test_a_signal_after_the_verdict_ends_the_run_with_its_status(tmp_path):
     assert proc.poll() is None
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=HANG) == 0, proc.stdout.read()[-2000:]
+
+
+@pytest.mark.slow
+def test_an_exit_function_that_raises_is_one_line_and_fails_the_run(tmp_path):
+    """A task's atexit function that raised: Python's "Exception ignored" traceback, and status 0 (hostile pass,
+    round 5). One line naming it and its place, status 1."""
+    args = stage_args(REPO / "data", tmp_path / "out", "--task", task(tmp_path, FAILING_EXIT), "--epochs", 1)
+    out = python(S01, *args, timeout=HANG)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and "done: 1 epochs" in out.stdout, out.stderr
+    assert out.stderr.splitlines()[-1] == (
+        "error: an exit function raised ValueError: the cache could not be written (at my_task.py:5, in boom)"
+    )
 
 
 @pytest.mark.slow  # the run's own case runs in make test

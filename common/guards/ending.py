@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 
 from common.environment import is_rank0
 from common.guards.signals import STOPS
@@ -43,6 +44,7 @@ def end(code, joined):
     status = code if isinstance(code, int) else int(code is not None)
     for signum in STOPS:
         signal.signal(signum, lambda *_: os._exit(status))
+    sys.unraisablehook = exit_function_failed
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler raises when a DataLoader worker is killed
     for child in multiprocessing.active_children():  # DataLoader workers that a failure's traceback still holds:
         child.kill()  # they let SIGTERM pass (signals.shield_worker), and multiprocessing's exit would wait for ever
@@ -59,6 +61,17 @@ def end(code, joined):
         except (OSError, ValueError):  # a pipe whose reader left (| head): the run's own files are whole
             pass
     os._exit(status)
+
+
+def exit_function_failed(unraisable):
+    """After the verdict: an exit function that raised (a task's atexit.register()) is one line and status 1, not
+    Python's "Exception ignored" traceback under the status decided; any other unraisable error as Python says it."""
+    if not (unraisable.err_msg or "").startswith("Exception ignored in atexit callback"):
+        return sys.__unraisablehook__(unraisable)
+    err, frames = unraisable.exc_value, traceback.extract_tb(unraisable.exc_traceback)
+    at = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+    print(f"error: an exit function raised {type(err).__name__}: {err}{at}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def lingering():
