@@ -33,6 +33,7 @@ from helpers import (
     checkpoint,
     clean_env,
     finish,
+    free_job_id,
     metrics,
     one_error,
     processes_with,
@@ -445,6 +446,16 @@ def test_a_rank_that_never_starts_is_named_within_the_timeout(started, tiny_data
         one_error(out, "nothing answers at 127.0.0.1", "did you launch with srun or torchrun?")
     # no upper clock (a busy machine's start-up is long): a rank that hung is killed by finish(), without its line
     assert started or out.seconds >= 3  # rank 0 waited out --dist-timeout for rank 1
+
+
+@pytest.mark.slow
+def test_an_srun_task_alone_at_its_jobs_port_names_another_job_id_as_a_cause(tiny_data, tmp_path):
+    """Tasks that disagree on SLURM_JOB_ID wait at two ports (20000 + id % 40000) and never meet: the one that
+    waited blamed rank 0 alone (hostile pass, round 5). Its line names the job id its port comes from."""
+    job = free_job_id()
+    env = dict(SLURM_JOB_ID=job, SLURM_JOB_NODELIST="localhost", SLURM_NTASKS=2, SLURM_PROCID=1, SLURM_LOCALID=1)
+    out = python(S03, *stage_args(tiny_data, tmp_path, "--dist-timeout", 3), SLURM_STEP_ID=0, **env)
+    one_error(out, "nothing answers at localhost", f"or rank 0 has another SLURM_JOB_ID than {job}, whose port this is")
 
 
 @pytest.mark.slow

@@ -61,10 +61,12 @@ def check_rendezvous(launch, timeout):
     end = time.monotonic() + timeout
     while not reachable(launch.addr, launch.port):
         if time.monotonic() > end:
+            job = os.environ.get("SLURM_JOB_ID") if "MASTER_PORT" not in os.environ else None
             raise Refusal(
                 f"error: rank {launch.rank} on {host}: nothing answers at {where} after --dist-timeout "
                 f"{timeout} s: rank 0 did not start or failed first (did you launch with srun or "
                 "torchrun?), or the address is not rank 0's host"
+                + (f", or rank 0 has another SLURM_JOB_ID than {job}, whose port this is" if job else "")
             )
         time.sleep(0.2)
 
