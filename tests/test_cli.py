@@ -250,6 +250,23 @@ def test_a_stage_given_an_empty_output_dir_writes_nothing_where_it_starts(tiny_d
     assert list(tmp_path.iterdir()) == []  # before: .lock, checkpoint.pt, metrics.csv and the manifest, here
 
 
+def test_a_task_is_recorded_with_the_modules_of_its_own_it_imports(tmp_path, monkeypatch):
+    """A helper file the task imports, changed between a run and its resume, was resumed silently: the task was
+    recorded by its own file alone (hostile pass, round 5). Its author's modules count; Python's, an installed
+    package's and common/'s do not."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "helper_cfg_a1.py").write_text("ACT = 'relu'\n")
+    (tmp_path / "t.py").write_text("import numpy, json\nimport helper_cfg_a1\nfrom common.tasks.images import *\n")
+    try:
+        task = cli.load_task(tmp_path / "t.py")
+        first = preflight.with_own_modules(task)
+        assert first == task.__source__ + b"helper_cfg_a1.py" + b"ACT = 'relu'\n"
+        (tmp_path / "helper_cfg_a1.py").write_text("ACT = 'tanh'\n")
+        assert preflight.with_own_modules(task) != first
+    finally:
+        sys.modules.pop("helper_cfg_a1", None)
+
+
 def test_module_checks_arguments_fast_without_torch():
     """Fast because it imports no torch (checked below), not by a clock, which a busy machine would break."""
     bad = run([sys.executable, "-m", "common.guards.check", "--lr", "nan"], timeout=HANG)

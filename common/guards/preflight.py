@@ -7,6 +7,9 @@ import hashlib
 import math
 import os
 import socket
+import sys
+import sysconfig
+import types
 from pathlib import Path
 
 import torch
@@ -15,10 +18,12 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import IterableDataset
 
 from common import data
-from common.environment import is_rank0
+from common.environment import is_rank0, regular_file
 from common.guards import options, samples
 from common.guards.ending import stop
 from common.options import loaders
+
+COMMON = Path(data.__file__).resolve().parent  # the project's own modules: a task's imports of them are not its own
 
 
 class Task(type(Path())):
@@ -30,6 +35,24 @@ class Task(type(Path())):
         task = super().__new__(cls, path)
         task.source = source
         return task
+
+
+def with_own_modules(task):
+    """The task's bytes, then each of the modules it imported that are its author's own (neither Python's, an
+    installed package's nor common/'s), by name and bytes: a helper file changed between a run and its resume makes
+    another task, as a change to the task's file does (it was resumed silently, hostile pass round 5)."""
+    roots = (sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib"), str(COMMON))
+    named = {
+        v.__name__ if isinstance(v, types.ModuleType) else getattr(v, "__module__", "") for v in vars(task).values()
+    }
+    files = {getattr(sys.modules.get(n), "__file__", "") for n in named if isinstance(n, str) and n != task.__name__}
+    installed = ("site-packages", "dist-packages")  # a package's, pip's or the system's
+    own = sorted(
+        Path(f)
+        for f in files
+        if f and f.endswith(".py") and not f.startswith(roots) and not set(installed) & set(Path(f).parts)
+    )
+    return task.__source__ + b"".join(f.name.encode() + regular_file(f).read_bytes() for f in own if f.is_file())
 
 
 def defining(args):
