@@ -153,7 +153,13 @@ def test_a_resume_past_its_epochs_is_refused(uninterrupted, tiny_data, tmp_path)
     asked for, or of an epoch cut short: refused, naming both and the --epochs that continues it."""
     trained(uninterrupted, tmp_path, S01, "--limit", 64, "--epochs", 2)  # small()'s run, shared
     state = checkpoint(tmp_path)
-    torch.save(state | {"step": 1}, tmp_path / "checkpoint.pt")  # as if saved one step into epoch 2
+    # as if saved one step into epoch 2: epoch 1's row and schedule step alone (recorded.check_values())
+    part_way = {
+        "step": 1,
+        "log": {"rows": state["log"]["rows"][:1]},
+        "scheduler": state["scheduler"] | {"last_epoch": 1},
+    }
+    torch.save(state | part_way, tmp_path / "checkpoint.pt")
     out = small(S01, tiny_data, tmp_path, "--epochs", 1, "--resume", "--save-model")
     one_error(out, "holds epoch 2, step 1, past --epochs 1: nothing to do; give --epochs 2 or more to continue it")
     assert not (tmp_path / "model.pt").exists()
