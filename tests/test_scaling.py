@@ -255,6 +255,16 @@ def test_an_output_it_cannot_write_is_one_line_before_any_work(tmp_path, capsys,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # nothing written, no folder made
 
 
+def test_one_run_named_twice_is_one_line(tmp_path, capsys):
+    """A run's folder and its metrics.csv, both named: two identical rows without a word (hostile pass, round 5)."""
+    run = write_run(tmp_path / "a", 1, [100, 100], [90, 99], seconds=(1, 1))
+    with pytest.raises(SystemExit) as stop:
+        scaling.main([str(run), str(run / "metrics.csv")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert f"{(run / 'metrics.csv').resolve()} is named twice (a run's folder and its metrics.csv are one run)" in err
+
+
 def test_a_metrics_csv_whose_rows_repeat_is_one_line_naming_it(tmp_path, capsys):
     """Two copies of one run's rows in one metrics.csv gave a speed-up of 0.84 between them; epochs that do not
     increase are no run's: one line naming the file and the line."""

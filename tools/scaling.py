@@ -189,6 +189,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.out and args.plot and args.out.resolve() == args.plot.resolve():
         p.error(f"--out and --plot both name {args.out}: one would replace the other")
+    files = [(path / "metrics.csv" if path.is_dir() else path).resolve() for path in args.runs]
+    if twice := next((f for f in files if files.count(f) > 1), None):  # a folder and its file: one run, two rows
+        p.error(f"{twice} is named twice (a run's folder and its metrics.csv are one run): name each run once")
     if args.plot and Figure is None:
         sys.exit("error: --plot needs matplotlib: pip install matplotlib")
     parts = [part for path in args.runs for part in by_world_size(*load(path))]
