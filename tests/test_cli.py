@@ -227,17 +227,18 @@ def test_resume_needs_a_regular_file(tmp_path, monkeypatch, capsys):
     assert parse(["--resume", str(tmp_path / "none.pt")]).resume == tmp_path / "none.pt"
 
 
-@pytest.mark.parametrize("argv", [["--output-dir", ""], ["--data-dir= "], ["--resume", "", "--epochs", "1"]])
-def test_an_empty_path_is_refused_not_made_the_folder_the_run_starts_in(argv):
+@pytest.mark.parametrize(
+    "argv, flag",
+    [(["--output-dir", ""], "--output-dir"), (["--data-dir= "], "--data-dir"), (["--resume", "", "--epochs", "1"], "--resume"),
+     (["--output", ""], "--output-dir")],
+)  # fmt: skip
+def test_an_empty_path_is_refused_not_made_the_folder_the_run_starts_in(argv, flag):
     """`--output-dir "$OUT"` with OUT unset: the parser made it the current folder, and a run wrote its checkpoints
-    there (hostile pass, round 5). The job scripts' check and the stages (test_one_line.py) refuse it in one line."""
+    there (hostile pass, round 5); so did `--output ""`, argparse's prefix of --output-dir. The job scripts' check
+    and the stages (test_a_stage_given_an_empty_output_dir_writes_nothing_where_it_starts) refuse it in one line."""
     out = run([sys.executable, "-m", "common.guards.check", *argv], timeout=HANG)
-    flag = argv[0].partition("=")[0]
-    assert (
-        out.returncode == 2
-        and out.stderr
-        == f"error: argument {flag}: an empty path (an unset variable?): give the path itself (see --help)\n"
-    )
+    said = f"error: argument {flag}: an empty path (an unset variable?): give the path itself (see --help)\n"
+    assert out.returncode == 2 and out.stderr == said, out.stderr
     assert check.empty_path(["--output-dir", "runs", "--resume"]) is None
 
 

@@ -185,12 +185,14 @@ def check_args(args, warn=True, gpus=None):
 
 def empty_path(argv):
     """A path option given empty, as "$OUT" is where OUT is unset: the parser makes it the folder the run starts in,
-    where the run would write its checkpoints (or read its data) unasked. (An empty --task is that folder: no file.)"""
+    where the run would write its checkpoints (or read its data) unasked. (An empty --task is that folder: no file.)
+    A flag as argparse reads it: in full or a prefix of it (--output), which argparse takes where no other flag has it."""
     for flag, value in zip(argv, [*argv[1:], None], strict=False):  # each word with the next
         name, attached, given = flag.partition("=")
         given = given if attached else value
-        if name in ("--data-dir", "--output-dir", "--resume") and given is not None and not given.strip():
-            return f"argument {name}: an empty path (an unset variable?): give the path itself"
+        for path in ("--data-dir", "--output-dir", "--resume"):
+            if len(name) > 2 and path.startswith(name) and given is not None and not given.strip():
+                return f"argument {path}: an empty path (an unset variable?): give the path itself"
     return None
 
 
