@@ -48,7 +48,10 @@ def unfit(saved):
     each kind first, so that a part missing or malformed is a line before anything of the checkpoint is restored."""
     scratch = (torch.Generator(), random.Random(), numpy and numpy.random.RandomState())
     try:
-        set_generators(saved, scratch) if "python" in saved else scratch[0].set_state(saved["cpu"])
+        if "python" in saved:
+            set_generators(saved, scratch)
+        else:  # a checkpoint of an older version: torch's alone
+            scratch[0].set_state(saved["cpu"])
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as err:
         return f"{type(err).__name__}: {err}"
     return None

@@ -99,10 +99,11 @@ def check_values(state, declared=None):
 def progress_differs(state, declared, done):
     """Why the metrics' rows or the schedule's steps a checkpoint holds are not those of its `done` epochs (those
     whose row and schedule step are in: a checkpoint part-way through an epoch has the ones before), or None."""
-    rows = state["log"].get("rows") if "log" in declared["parts"] else []
-    epochs = [row.get("epoch") for row in rows if isinstance(row, dict)] if isinstance(rows, list) else rows
-    if "log" in declared["parts"] and epochs != list(range(1, done + 1)):
-        return f"holds metrics of epochs {epochs!r:.60} for {done} epochs done: resume from another checkpoint"
+    if "log" in declared["parts"]:
+        rows = state["log"].get("rows")
+        epochs = [row.get("epoch") for row in rows if isinstance(row, dict)] if isinstance(rows, list) else rows
+        if epochs != list(range(1, done + 1)):
+            return f"holds metrics of epochs {epochs!r:.60} for {done} epochs done: resume from another checkpoint"
     if declared["counted"] and (steps := state["scheduler"].get("last_epoch")) != done:
         return f"holds a schedule stepped {steps!r} times for {done} epochs done: resume from another checkpoint"
     return None
