@@ -138,7 +138,7 @@ def main(guard):
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits
     states = dict(model=model, optimizer=optimizer, scheduler=scheduler, log=log)
     step = optim.Step(model, device, optimizer, loss_fn, metric.score, train_step)
-    if args.grad_accum > 1 or args.clip_grad or hooks.RECIPE & vars(task).keys():  # option
+    if args.recipe or hooks.RECIPE & vars(task).keys():  # option: --optimizer..., a task's recipe
         step, scheduler = hooks.recipe(step, states, task, args)  # weights, optimizer, scheduler
     guard.resume(resume, states, sharded=True)  # guard: this run's, whole; saves on a stop
     # option: --resume, a requeue: the checkpoint's state, an epoch saved part-way at its sample

@@ -14,7 +14,6 @@ from common.environment import regular_file
 
 REPO = Path(__file__).resolve().parent.parent
 TASK = REPO / "common" / "tasks" / "images.py"  # the built-in task: pytorch/examples' MNIST CNN
-REFERENCE_BATCH = 64  # the global batch --lr is given for (--lr-scaling)
 
 
 def default_output_dir(script, env=os.environ):
@@ -66,21 +65,9 @@ def parser(script, groups=()):
     add("--check", action="store_true", help="check the options and exit (0, or 2 with one line)")
     add("--checkpoint-minutes", type=float, metavar="M", help="also save every M minutes")
     add("--sync-bn", action="store_true", help="DDP: BatchNorm statistics over the global batch")
-    add("--optimizer", choices=["adadelta", "adam", "rmsprop", "sgd"], default="adadelta")
-    add("--momentum", type=float, default=0.0, help="sgd's and rmsprop's (default: 0)")
-    add("--weight-decay", type=float, default=0.0, help="(default: 0)")
-    add("--scheduler", choices=["step", "cosine"], default="step", help="StepLR, or to 0 by cosine")
-    add("--step-size", type=int, default=1, help="epochs per step of --scheduler step")
-    add("--lr-scaling", choices=["none", "linear", "sqrt"], default="none", help="for --batch-size")
     for group in groups:
         group(p)
     return p
-
-
-def learning_rate(args):
-    """--lr for this run's global batch: --lr-scaling's rule (common/optim.py says why each)."""
-    ratio = args.batch_size / REFERENCE_BATCH
-    return args.lr * {"none": 1, "linear": ratio, "sqrt": ratio**0.5}[args.lr_scaling]
 
 
 def load_task(path):

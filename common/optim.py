@@ -1,12 +1,7 @@
-"""Optimizer, learning-rate schedule and the learning-rate rule for large global batches; what the
-weights, gradients and optimizer state take per rank (stage 05's memory line).
-
---lr is the learning rate for a global batch of 64 (cli.REFERENCE_BATCH). When the global batch
-grows, as it does with the number of GPUs at a fixed batch per GPU, --lr-scaling says how the rate
-follows: `linear` (k times the batch, k times the rate: Goyal et al. 2017, for SGD, best with a few
-epochs of warm-up), `sqrt` (the gradient noise shrinks with the square root of the batch: a safer
-rule for adaptive optimizers such as Adam or Adadelta), or `none`.
-"""
+"""pytorch/examples' optimizer and learning-rate schedule, Adadelta at --lr and StepLR by --gamma
+each epoch (another optimizer or schedule, the learning-rate rule for large global batches:
+common/options/recipes.py); what the weights, gradients and optimizer state take per rank (stage
+05's memory line)."""
 
 import sys
 from collections.abc import Callable
@@ -14,25 +9,16 @@ from typing import NamedTuple
 
 import torch
 
-from common.cli import learning_rate
 from common.distributed import print0
 
-OPTIMIZERS = {
-    "adadelta": torch.optim.Adadelta,
-    "adam": torch.optim.Adam,
-    "sgd": torch.optim.SGD,
-    "rmsprop": torch.optim.RMSprop,
-}  # --optimizer: pytorch/examples' Adadelta by default
 
-
-def optimizer(args, parameters):
-    """Sharded weights (DTensors) step by foreach, as on GPUs: a loop dispatches each in Python."""
+def optimizer(args, parameters, kind=torch.optim.Adadelta, **settings):
+    """Adadelta at --lr (or `kind` with its `settings`: --optimizer's). Sharded weights (DTensors)
+    step by foreach, as on GPUs: a loop dispatches each in Python."""
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
     parameters = list(parameters)
     foreach = any(isinstance(p, dtensor) for p in parameters) or None  # None: torch's default
-    momentum = {"momentum": args.momentum} if args.optimizer in ("rmsprop", "sgd") else {}
-    rate = dict(lr=learning_rate(args), weight_decay=args.weight_decay, foreach=foreach)
-    return OPTIMIZERS[args.optimizer](parameters, **rate, **momentum)
+    return kind(parameters, **{"lr": args.lr, "foreach": foreach} | settings)
 
 
 def state_tensors(args):
@@ -65,10 +51,8 @@ def memory(model, args, world_size, mesh):
 
 
 def scheduler(args, optimizer):
-    """Stepped once per epoch."""
-    if args.scheduler == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
-    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.step_size, gamma=args.gamma)
+    """The rate times --gamma after every epoch, stepped once per epoch."""
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=args.gamma)
 
 
 class Step(NamedTuple):

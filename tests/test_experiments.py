@@ -1,14 +1,16 @@
 """The workshop flags: optimizers, schedules, the learning-rate rule, early stopping, validation."""
 
+import inspect
+import re
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import S03, launched, metrics, run, stage_args
+from helpers import REPO, S03, launched, metrics, run, stage_args
 
 from common import cli, optim
-from common.options import flags
+from common.options import flags, hooks, recipes
 
 
 def args(**kw):
@@ -19,26 +21,66 @@ def args(**kw):
 
 @pytest.mark.parametrize("rule, factor", [("none", 1), ("linear", 4), ("sqrt", 2)])
 def test_learning_rate_follows_the_global_batch(rule, factor):
-    assert cli.learning_rate(args(batch_size=256, lr_scaling=rule, lr=0.5)) == 0.5 * factor
+    assert flags.learning_rate(args(batch_size=256, lr_scaling=rule, lr=0.5)) == 0.5 * factor
 
 
 @pytest.mark.parametrize("name, kind", [("adadelta", torch.optim.Adadelta), ("adam", torch.optim.Adam),
                                         ("rmsprop", torch.optim.RMSprop), ("sgd", torch.optim.SGD)])  # fmt: skip
 def test_optimizers(name, kind):
-    opt = optim.optimizer(args(optimizer=name, momentum=0.9, weight_decay=1e-4), [torch.nn.Parameter(torch.ones(2))])
+    opt = recipes.optimizer(args(optimizer=name, momentum=0.9, weight_decay=1e-4), [torch.nn.Parameter(torch.ones(2))])
     assert isinstance(opt, kind) and opt.param_groups[0]["weight_decay"] == 1e-4
 
 
 @pytest.mark.parametrize("name, lrs", [("step", [1.0, 1.0, 0.5, 0.5]), ("cosine", [1.0, 0.854, 0.5, 0.146])])  # fmt: skip
 def test_schedules(name, lrs):
     opt = optim.optimizer(args(), [torch.nn.Parameter(torch.ones(2))])
-    sched = optim.scheduler(args(scheduler=name, gamma=0.5, step_size=2), opt)
+    sched = recipes.scheduler(args(scheduler=name, gamma=0.5, step_size=2), opt)
     seen = []
     for _ in range(4):
         seen.append(sched.get_last_lr()[0])
         opt.step()
         sched.step()
     assert seen == pytest.approx(lrs, abs=1e-3)
+
+
+RECIPES = [  # flags -> what the stage trains with: the lesson's Adadelta and StepLR, or what a flag asks for
+    ([], lambda o, s: type(o) is torch.optim.Adadelta and type(s) is torch.optim.lr_scheduler.StepLR),
+    (["--optimizer", "sgd", "--momentum", "0.9"], lambda o, s: o.defaults["momentum"] == 0.9),
+    (["--weight-decay", "0.1"], lambda o, s: o.defaults["weight_decay"] == 0.1),
+    (["--scheduler", "cosine"], lambda o, s: type(s) is torch.optim.lr_scheduler.CosineAnnealingLR),
+    (["--step-size", "2"], lambda o, s: s.step_size == 2),
+    (["--lr-scaling", "linear", "--batch-size", "128"], lambda o, s: o.defaults["lr"] == 2.0),
+    (["--clip-grad", "1"], lambda o, s: s.clip == 1.0),
+]
+
+
+@pytest.mark.parametrize("argv, trains_with", RECIPES, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_a_flag_of_the_recipe_is_what_the_stage_trains_with(argv, trains_with):
+    """The lesson builds pytorch/examples' Adadelta and StepLR; a flag of the recipe, given alone, is entered
+    (args.recipe) and built in their place (common/options/recipes.py), never left unread."""
+    args, task = cli.parse_args(argv, [flags.add])
+    model = torch.nn.Linear(2, 1)
+    optimizer = optim.optimizer(args, model.parameters())  # as every train.py does
+    scheduler = optim.scheduler(args, optimizer)
+    states = dict(model=model, optimizer=optimizer, scheduler=scheduler)
+    step = optim.Step(model, torch.device("cpu"), optimizer, None, None, None)
+    assert args.recipe == bool(argv)
+    if args.recipe or hooks.RECIPE & vars(task).keys():
+        step, scheduler = hooks.recipe(step, states, task, args)
+    assert trains_with(step.optimizer, scheduler) and states["optimizer"] is step.optimizer
+
+
+def test_every_flag_the_recipe_reads_enters_it():
+    """A flag that recipes.py or hooks.recipe() reads is one of the recipe's (flags.Recipe): given, the stage enters
+    hooks.recipe(); one that did not would be parsed and silently unused."""
+    p = cli.parser(S03, [flags.add, flags.large])
+    read = {"optimizer", "momentum", "weight_decay", "scheduler", "step_size", "lr_scaling", "clip_grad", "grad_accum"}
+    assert {a.dest for a in p._actions if isinstance(a, flags.Recipe)} == read
+    source = (REPO / "common/options/recipes.py").read_text() + inspect.getsource(hooks.recipe)
+    assert (
+        set(re.findall(r"args\.(\w+)", source)) - {"lr", "batch_size", "gamma", "epochs", "recipe", "full_shard"}
+        <= read
+    )
 
 
 @pytest.mark.parametrize("pair", [("net", "cifar10"), ("net", "synthetic"), ("wideresnet", "mnist")])

@@ -155,7 +155,7 @@ def check_args(args, warn=True, gpus=None):
         usage(problem)
     if args.sync_bn and gpus == 0:
         usage("--sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only) and this run has none: drop it on CPUs")
-    if cli.learning_rate(args) > FLOAT32_MAX:
+    if flags.learning_rate(args) > FLOAT32_MAX:
         usage(f"--lr {args.lr:g} scaled to --batch-size {args.batch_size} ({args.lr_scaling}) overflows float32")
     path = args.resume
     if isinstance(path, Path) and is_rank0() and not (path.is_file() or (path / "state.pt").is_file()):

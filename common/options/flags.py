@@ -2,9 +2,47 @@
 cli.parse_args(), stage 05 large() too. Each help names the module that does what the flag turns
 on. Read without torch: a job script's check parses them before torchrun starts its workers."""
 
+import argparse
+import functools
+
+REFERENCE_BATCH = 64  # the global batch --lr is given for (--lr-scaling)
+
+
+class Recipe(argparse.Action):
+    """A flag of the recipe, given: args.recipe, and the stage enters hooks.recipe(), which builds
+    the optimizer and schedule in the lesson's place (recipes.py; --clip-grad, --grad-accum)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.recipe = True
+
+
+def learning_rate(args):
+    """--lr for this run's global batch: --lr-scaling's rule (recipes.py says why each)."""
+    ratio = args.batch_size / REFERENCE_BATCH
+    return args.lr * {"none": 1, "linear": ratio, "sqrt": ratio**0.5}[args.lr_scaling]
+
+
+def recipe(p):
+    """The recipe's flags: any of them given, args.recipe (the stages' default: the lesson's)."""
+    p.set_defaults(recipe=False)  # no flag of the recipe given: the lesson's Adadelta and StepLR
+    group = p.add_argument_group("the recipe (recipes.py)")
+    recipe = functools.partial(group.add_argument, action=Recipe)
+    recipe("--optimizer", choices=["adadelta", "adam", "rmsprop", "sgd"], default="adadelta")
+    recipe("--momentum", type=float, default=0.0, help="sgd's and rmsprop's (default: 0)")
+    recipe("--weight-decay", type=float, default=0.0, help="(default: 0)")
+    recipe(
+        "--scheduler", choices=["step", "cosine"], default="step", help="StepLR, or to 0 by cosine"
+    )
+    recipe("--step-size", type=int, default=1, help="epochs per step of --scheduler step")
+    recipe(
+        "--lr-scaling", choices=["none", "linear", "sqrt"], default="none", help="for --batch-size"
+    )
+
 
 def add(p):
     """The options every stage takes."""
+    recipe(p)
     add = p.add_argument_group("options (common/options/)").add_argument
     add(
         "--loader",
@@ -47,6 +85,7 @@ def add(p):
         "--clip-grad",
         type=float,
         metavar="NORM",
+        action=Recipe,
         help="clip the gradients' global norm to NORM before each optimizer step "
         "(after --amp's unscaling; stage 05: the sharded gradients) (hooks.py)",
     )
@@ -60,6 +99,7 @@ def large(p):
         type=int,
         default=1,
         metavar="N",
+        action=Recipe,
         help="each rank's batch in N "
         "micro-batches, gradients reduced once after the last (default: 1)",
     )

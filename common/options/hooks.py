@@ -5,11 +5,10 @@ its collate() is the loaders' (loaders.py)."""
 import torch
 import torch.distributed as dist
 
-from common import optim
 from common.checkpoint import unwrap
 from common.data import count
 from common.metrics import Metric
-from common.options import large
+from common.options import large, recipes
 
 OWN = {"metric", "loss", "throughput"}  # a task defining one is measured here
 
@@ -80,16 +79,21 @@ class Totals:
         return float(self.figure(torch.tensor(sums, dtype=torch.float64)))
 
 
-RECIPE = {"optimizer", "scheduler", "weights"}  # a task's own; with --clip-grad: recipe()
+RECIPE = {"optimizer", "scheduler", "weights"}  # a task's own; as a flag's (args.recipe): recipe()
 
 
 def recipe(step, states, task, args):
-    """The task's own recipe (common/tasks/README.md): its weights(args) to start from (stage 05
-    maps them in common/meta.py, but for FRESH keys or a model built whole, META = False), its
-    optimizer(args, model), its scheduler(args, optimizer), stepped after every optimizer step,
-    and --clip-grad, before each step (after --amp's unscaling; stage 05's sharded gradients as
-    they are); stage 05's --grad-accum too. Returns the step, and the scheduler the stage steps at
-    each epoch's end."""
+    """The flags' optimizer and schedule (--optimizer, --scheduler...: recipes.py), or the task's
+    own recipe (common/tasks/README.md): its weights(args) to start from (stage 05 maps them in
+    common/meta.py, but for FRESH keys or a model built whole, META = False), its optimizer(args,
+    model), its scheduler(args, optimizer), stepped after every optimizer step, and --clip-grad,
+    before each step (after --amp's unscaling; stage 05's sharded gradients as they are); stage
+    05's --grad-accum too. Returns the step, and the scheduler the stage steps at each epoch's
+    end."""
+    if args.recipe:  # a flag's optimizer and schedule, in place of the lesson's
+        optimizer = recipes.optimizer(args, step.model.parameters())
+        states.update(optimizer=optimizer, scheduler=recipes.scheduler(args, optimizer))
+        step = step._replace(optimizer=optimizer)
     path = getattr(task, "weights", None) and task.weights(args)
     fresh = tuple(getattr(task, "FRESH", ()))
     on_meta = hasattr(args, "full_shard") and getattr(task, "META", True)  # materialise() loaded it
@@ -104,7 +108,7 @@ def recipe(step, states, task, args):
     if hasattr(task, "scheduler"):
         inner, per_step = task.scheduler(args, optimizer), True
     elif optimizer is not step.optimizer:
-        inner, per_step = optim.scheduler(args, optimizer), False  # the stage's own, per epoch
+        inner, per_step = recipes.scheduler(args, optimizer), False  # the flags', per epoch
     else:
         inner, per_step = states["scheduler"], False
     # the stage's flags the task's optimizer or scheduler leaves unused: its manifest records none
