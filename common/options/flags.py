@@ -43,7 +43,15 @@ def recipe(p):
 def add(p):
     """The options every stage takes."""
     recipe(p)
+    rails = p.add_argument_group("the guard rails' (common/guards/)").add_argument
+    rails("--check", action="store_true", help="check the options and exit (0, or 2 with one line)")
+    rails("--checkpoint-minutes", type=float, metavar="M", help="also save every M minutes")
     add = p.add_argument_group("options (common/options/)").add_argument
+    add(
+        "--save-model",
+        action="store_true",
+        help="save the model to --output-dir/model.pt (export.py)",
+    )
     add(
         "--loader",
         choices=["batched", "classic", "device"],
