@@ -22,18 +22,11 @@ def count(text):
     return int(text) if re.fullmatch(r"\s*[0-9]+\s*", text or "") else None
 
 
-def expand_hostlist(hostlist):
-    """A Slurm hostlist ("node[01-03,07],r[1-2]n[1-2]"), host by host as `scontrol show hostnames`
-    lists it; lazily: the ranks meet at the first, whatever the list's length."""
-    for name in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):  # no split at a comma in brackets
-        if not (group := re.search(r"\[([^\]]*)\]", name)):
-            yield name
-            continue
-        head, tail = name[: group.start()], name[group.end() :]
-        for part in group[1].split(","):
-            lo, _, hi = part.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):  # keep zero padding: node01, not node1
-                yield from expand_hostlist(f"{head}{i:0{len(lo)}d}{tail}")
+def first_host(hostlist):
+    """The first host of a Slurm hostlist, where the ranks meet: "node[07-09,01],gpu1" -> node07, as
+    `scontrol show hostnames` lists it first (each bracket group's first number, its zero padding)."""
+    first = re.search(r"(?:[^,\[]|\[[^\]]*\])+", hostlist or "")  # a comma in brackets is no end
+    return first and re.sub(r"\[([0-9]*)[^\]]*\]", r"\1", first[0])
 
 
 def master_port(job_id):
@@ -47,8 +40,7 @@ def launcher(env=os.environ):
         ranks = count(env["RANK"]), count(env.get("LOCAL_RANK")), count(env.get("WORLD_SIZE"))
         return Launch(*ranks, env.get("MASTER_ADDR") or None, count(env.get("MASTER_PORT")))
     if "SLURM_PROCID" in env and "SLURM_STEP_ID" in env:  # an srun task (the batch shell: no step)
-        nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST", ""))
-        addr = env.get("MASTER_ADDR") or next(nodes, None)
+        addr = env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST"))
         port = count(env.get("MASTER_PORT")) or master_port(count(env.get("SLURM_JOB_ID")) or 0)
         ranks = (count(env.get(k)) for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"))
         return Launch(*ranks, addr, port)

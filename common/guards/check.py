@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from common import cli
-from common.environment import count, cpus_per_rank, expand_hostlist, is_rank0, launcher
+from common.environment import count, cpus_per_rank, first_host, is_rank0, launcher
 from common.guards import options, versions
 from common.guards.ending import Refusal
 from common.options import flags
@@ -85,11 +85,11 @@ def check_launcher(env=os.environ):
 
 
 def check_hostlist(hostlist):
-    """A hostlist environment.expand_hostlist() can read: brackets that match, each holding numbers and ranges."""
+    """A hostlist environment.first_host() can read: brackets that match, each holding numbers and ranges."""
     parts = [part for group in re.findall(r"\[([^\]]*)\]", hostlist) for part in group.split(",")]
     ranges = [re.fullmatch(r"(\d+)(?:-(\d+))?", part) for part in parts]
     valid = hostlist.count("[") == hostlist.count("]") and all(r and int(r[2] or r[1]) >= int(r[1]) for r in ranges)
-    if not valid or not next(expand_hostlist(hostlist), None):  # "," names no host: no group would form
+    if not valid or not first_host(hostlist):  # "," names no host: no group would form
         raise Refusal(f"error: cannot read the Slurm hostlist {hostlist!r}: set SLURM_JOB_NODELIST as Slurm writes it")
 
 

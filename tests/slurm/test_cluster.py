@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from common.environment import expand_hostlist
+from common.environment import first_host
 
 pytestmark = pytest.mark.slurm
 
@@ -43,6 +43,6 @@ def test_failing_job_reports_its_exit_code(slurm_cluster, tmp_path):
 
 
 @pytest.mark.parametrize("hostlist", ["node[01-03,07]", "r[1-2]n[1-2],login", "gpu-a[9-11]-[0-1],cpu[1,3]"])
-def test_hostlists_expand_as_scontrol_expands_them(slurm_cluster, hostlist):
+def test_the_first_host_is_the_one_scontrol_lists_first(slurm_cluster, hostlist):
     out = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, check=True)
-    assert list(expand_hostlist(hostlist)) == out.stdout.split()
+    assert first_host(hostlist) == out.stdout.split()[0]
