@@ -69,7 +69,6 @@ def train(step, loader, epoch, sums, args, guard):
 @torch.no_grad()
 def evaluate(step, loader, samples, guard):
     """`samples`: this rank's own of the loader's samples; the padding after them counts nowhere"""
-    distributed.average_buffers(step.model)  # BatchNorm: the same running statistics on every rank
     step.model.eval()
     sums = metrics.Sums.zeros(step.device)
     for x, y in loader:

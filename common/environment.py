@@ -23,9 +23,9 @@ def count(text):
 
 
 def first_host(hostlist):
-    """The first host of a Slurm hostlist, where the ranks meet: "node[07-09,01],gpu1" -> node07, as
-    `scontrol show hostnames` lists it first (each bracket group's first number, its zero padding)."""
-    first = re.search(r"(?:[^,\[]|\[[^\]]*\])+", hostlist or "")  # a comma in brackets is no end
+    """The first host of a Slurm hostlist, where the ranks meet: "node[07-09,01],gpu1" -> node07,
+    as `scontrol show hostnames` lists it first (each bracket group's first number, zero-padded)."""
+    first = re.search(r"(?:[^,\[]|\[[^\]]*\])+", hostlist or "")  # to a comma outside brackets
     return first and re.sub(r"\[([0-9]*)[^\]]*\]", r"\1", first[0])
 
 
