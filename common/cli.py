@@ -10,8 +10,6 @@ import time
 import types
 from pathlib import Path
 
-from common.environment import regular_file
-
 REPO = Path(__file__).resolve().parent.parent
 TASK = REPO / "common" / "tasks" / "images.py"  # the built-in task: pytorch/examples' MNIST CNN
 
@@ -69,20 +67,25 @@ def parser(script, groups=()):
 
 def load_task(path):
     """The task file `path` as a module: model(), datasets(), options... (common/tasks/images.py)"""
-    name, source = f"task_{path.stem}", regular_file(path).read_bytes()  # once: run and recorded
+    name, source = f"task_{path.stem}", path.read_bytes()  # once: run and recorded
     task = sys.modules[name] = types.ModuleType(name)  # found by name: dataclasses, pickle
     task.__file__, task.__source__ = str(path), source  # hashed: what ran, the file gone after
     exec(compile(source, path, "exec"), vars(task))  # any path: read as Python, or an OSError
     return task
 
 
+def task_path(argv=None):
+    """--task's path, read first: the task adds options of its own."""
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--task", type=Path, default=TASK)
+    return first.parse_known_args(argv)[0].task
+
+
 def parse_args(argv=None, groups=()):
     """The flags of the stage that runs (sys.argv[0]), `groups`' and those of its task (--task):
     returns (args, the task); UsageError for a command line the parser refuses."""
     p = parser(Path(sys.argv[0]).resolve(), groups)  # before any code of the task runs
-    first = argparse.ArgumentParser(add_help=False)  # --task first: the task adds options
-    first.add_argument("--task", type=Path, default=TASK)
-    task = load_task(path := first.parse_known_args(argv)[0].task)
+    task = load_task(path := task_path(argv))
     if hasattr(task, "add_arguments"):
         task.add_arguments(p.add_argument_group(f"the task's options ({path.name})"))
     args = p.parse_args(argv)

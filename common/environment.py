@@ -3,7 +3,6 @@ the ranks meet, and how many CPUs it has. launcher() is the one reading of them:
 process group and the guard rails all take it from there, so no two modules can disagree on who rank
 0 is. (The guard rails refuse a missing or malformed variable first: common/guards/check.py.)"""
 
-import errno
 import os
 import re
 from typing import NamedTuple
@@ -51,14 +50,6 @@ def restarts(env=os.environ):
     """(Slurm's requeues of this job, torchrun's restarts of its workers): 0, 0 at first."""
     slurm, torchrun = env.get("SLURM_RESTART_COUNT"), env.get("TORCHELASTIC_RESTART_COUNT")
     return count(slurm) or 0, count(torchrun) or 0
-
-
-def regular_file(path):
-    """`path`, unless reading it could block or never end (a FIFO, a socket, a device): OSError."""
-    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
-        why = "not a regular file (a FIFO or a device: reading it would block)"
-        raise OSError(errno.EINVAL, why, str(path))
-    return path
 
 
 def is_rank0(env=os.environ):

@@ -22,7 +22,6 @@ import os
 import pickle
 import stat
 
-from common.environment import regular_file
 from common.guards.zipped import Refused, Window, directory
 
 PICKLE, DEPTH = 16 * 2**20, 32  # a checkpoint of 10^4 tensors needs 2 MiB of data.pkl
@@ -30,10 +29,19 @@ TENSORS = ("_rebuild_tensor_v2", "_rebuild_tensor_v3")  # how torch.save writes 
 WRAPS = ("_rebuild_parameter", "_rebuild_parameter_with_state")  # around a tensor built by one of those
 
 
+def regular_file(path):
+    """`path`, unless reading it could block or never end (a FIFO, a socket, a device): OSError. The one check
+    of every path a run reads: the task file (check.task_file()), data files, checkpoints, a task's modules."""
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        why = "not a regular file (a FIFO or a device: reading it would block)"
+        raise OSError(errno.EINVAL, why, str(path))
+    return path
+
+
 def regular(path):
     """The size of `path`, a regular file; Refused where it is none (a FIFO or a device never ends)."""
     try:
-        info = os.stat(regular_file(path))  # the one check of every path a run reads (common/environment.py)
+        info = os.stat(regular_file(path))
     except OSError as err:  # regular_file()'s EINVAL: a FIFO, a socket or a device
         nonregular = err.errno == errno.EINVAL
         why = " is not a regular file (a FIFO, a socket or a device)" if nonregular else f": {err.strerror}"

@@ -12,6 +12,7 @@ from pathlib import Path
 from common import cli
 from common.environment import count, cpus_per_rank, first_host, is_rank0, launcher
 from common.guards import options, versions
+from common.guards.bounded import regular_file
 from common.guards.ending import Refusal
 from common.options import flags
 
@@ -133,9 +134,16 @@ class Parser(cli.Parser):
         usage(message)
 
 
+def task_file(argv=None):
+    """The --task file the lesson will read (cli.task_path()), unless reading it could block or never end (a FIFO,
+    /dev/zero): an OSError before it is opened."""
+    regular_file(cli.task_path(argv))
+
+
 def parse_args(argv=None, groups=()):
     """cli.parse_args() with the guard rails' checks of what it parsed: a usage error, or a number outside
     its range, is one line (usage()). The tools' and the job scripts' reading of a stage's options."""
+    task_file(argv)
     try:
         args, task = cli.parse_args(argv, [flags.add, *groups])
     except cli.UsageError as err:

@@ -16,7 +16,7 @@ import torch
 
 from common import data
 from common.datafiles import NumpyOnly, read_idx
-from common.environment import regular_file
+from common.guards.bounded import regular_file
 from common.guards.ending import Refusal
 
 

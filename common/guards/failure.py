@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from common import distributed, environment
+from common import distributed
 from common.environment import is_rank0
-from common.guards import identity, ownership, safeload, samples
+from common.guards import bounded, identity, ownership, safeload, samples
 from common.guards.described import LIMIT, alike, line, message, place
 from common.guards.ending import Refusal
 from common.guards.waits import fail
@@ -70,12 +70,12 @@ def refusal(err):
 
 def loading_task(err):
     """Is `err` the failure to read the --task file itself (missing, a folder, a FIFO), not one of the task's own
-    reads? cli.load_task()'s own read raised it (pathlib's, called from load_task()), or environment.regular_file()
+    reads? cli.load_task()'s own read raised it (pathlib's, called from load_task()), or bounded.regular_file()
     before it, or Python's loader: the task never ran."""
     frames = traceback.extract_tb(err.__traceback__) if err.__traceback__ else []
     raised, outside = frames[-1].filename if frames else "", [f for f in frames if f.filename != pathlib.__file__]
     read = raised == pathlib.__file__ and outside and outside[-1].name == "load_task"  # not the task's, as it runs
-    read = read or raised.startswith("<frozen importlib") or raised == environment.__file__
+    read = read or raised.startswith("<frozen importlib") or raised == bounded.__file__
     return isinstance(err, OSError) and bool(read)
 
 

@@ -18,8 +18,9 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import IterableDataset
 
 from common import data
-from common.environment import is_rank0, regular_file
+from common.environment import is_rank0
 from common.guards import options, samples
+from common.guards.bounded import regular_file
 from common.guards.ending import stop
 from common.options import loaders
 

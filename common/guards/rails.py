@@ -169,6 +169,7 @@ def run(main):
     signals.stop_at_once()  # until guard.resume(): nothing saved yet, nothing to lose
     threading.excepthook = failure.in_thread(guard)
     try:
+        check.task_file()  # before the lesson reads it
         main(guard)
         code = 0
     except BaseException as raised:
