@@ -22,7 +22,7 @@ def count(text):
 
 
 def first_host(hostlist):
-    """The first host of a Slurm hostlist, where the ranks meet: "node[07-09,01],gpu1" -> node07,
+    """The first host of a Slurm hostlist, where the ranks meet: "node[07-09,12],gpu1" -> node07,
     as `scontrol show hostnames` lists it first (each bracket group's first number, zero-padded)."""
     first = re.search(r"(?:[^,\[]|\[[^\]]*\])+", hostlist or "")  # to a comma outside brackets
     return first and re.sub(r"\[([0-9]*)[^\]]*\]", r"\1", first[0])
