@@ -1,5 +1,6 @@
 """The workshop flags: optimizers, schedules, the learning-rate rule, early stopping, validation."""
 
+import argparse
 import inspect
 import re
 import sys
@@ -81,6 +82,15 @@ def test_every_flag_the_recipe_reads_enters_it():
         set(re.findall(r"args\.(\w+)", source)) - {"lr", "batch_size", "gamma", "epochs", "recipe", "full_shard"}
         <= read
     )
+
+
+def test_a_tasks_own_recipe_option_clashes_with_the_stages(tmp_path):
+    """args.recipe says that a flag of the recipe was given: a task's option of that name would overwrite it unseen,
+    so it clashes at start, as a task option that repeats any stage flag does."""
+    task = tmp_path / "task.py"
+    task.write_text("def add_arguments(group):\n    group.add_argument('--recipe', default='mine')\n")
+    with pytest.raises(argparse.ArgumentError, match="--recipe: conflicting option string"):
+        cli.parse_args(["--task", str(task)], [flags.add])
 
 
 @pytest.mark.parametrize("pair", [("net", "cifar10"), ("net", "synthetic"), ("wideresnet", "mnist")])

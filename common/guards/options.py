@@ -63,9 +63,9 @@ FREE = (
     "patience",
     # how often a run saves mid-epoch: the saves change nothing that is computed
     "checkpoint_minutes",
+    # set where a flag of the recipe is given (common/options/flags.py): those flags' values are compared
+    "recipe",
 )
-# no option: set where a flag of the recipe is given (common/options/flags.py), whose values are compared
-DERIVED = ("recipe",)
 
 # What each number may be: a value outside is a usage error, in one line (check.check_args()). The
 # stages' numbers and the built-in tasks' (common/tasks/); 3.4e38 is about float32's largest, which

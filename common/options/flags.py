@@ -25,8 +25,9 @@ def learning_rate(args):
 
 def recipe(p):
     """The recipe's flags: any of them given, args.recipe (the stages' default: the lesson's)."""
-    p.set_defaults(recipe=False)  # no flag of the recipe given: the lesson's Adadelta and StepLR
     group = p.add_argument_group("the recipe (recipes.py)")
+    # set by any flag below, else False (the lesson's Adadelta, StepLR); a task's --recipe clashes
+    group.add_argument("--recipe", action="store_true", help=argparse.SUPPRESS)
     recipe = functools.partial(group.add_argument, action=Recipe)
     recipe("--optimizer", choices=["adadelta", "adam", "rmsprop", "sgd"], default="adadelta")
     recipe("--momentum", type=float, default=0.0, help="sgd's and rmsprop's (default: 0)")
