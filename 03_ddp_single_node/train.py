@@ -14,7 +14,7 @@ Changes from stage 02: DataParallel is gone; a process group (NCCL on GPUs, gloo
 by common.distributed.setup(); the model is wrapped in DDP; RandomSampler becomes
 DistributedSampler, reshuffled every epoch by set_epoch(); each rank computes --batch-size / world
 size images per step; evaluation is split across the ranks and its sums are all-reduced, so every
-test image counts once.
+test image counts once, after each rank's BatchNorm statistics are averaged (they drift apart).
 
 Reading it: the task (--task FILE; MNIST by default) gives the model, data and loss. A line marked
 `guard` (common/guards/) or `option:` (common/options/) can be skipped: a default run reads alike.
