@@ -129,8 +129,8 @@ def main(guard):
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits
     states = dict(model=model, optimizer=optimizer, scheduler=scheduler, log=log)
     step = optim.Step(model, device, optimizer, loss_fn, metric.score, train_step)
-    if args.recipe or hooks.RECIPE & vars(task).keys():  # option: --optimizer..., a task's recipe
-        step, scheduler = hooks.recipe(step, states, task, args)  # weights, optimizer, scheduler
+    if flags.LESSON.items() - vars(args).items() or hooks.RECIPE & vars(task).keys():  # option
+        step, scheduler = hooks.recipe(step, states, task, args)  # the flags' or the task's recipe
     step = amp.mixed(step, states) if args.amp else step  # option: --amp, bf16 (fp16 scaled)
     step = compiling.compiled(step, log, args) if args.compile else step  # option: --compile
     guard.resume(resume, states)  # guard: this run's checkpoint, whole; saves on a stop from here

@@ -138,8 +138,8 @@ def main(guard):
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits
     states = dict(model=model, optimizer=optimizer, scheduler=scheduler, log=log)
     step = optim.Step(model, device, optimizer, loss_fn, metric.score, train_step)
-    if args.recipe or hooks.RECIPE & vars(task).keys():  # option: --optimizer..., a task's recipe
-        step, scheduler = hooks.recipe(step, states, task, args)  # weights, optimizer, scheduler
+    if flags.LARGE.items() - vars(args).items() or hooks.RECIPE & vars(task).keys():  # option
+        step, scheduler = hooks.recipe(step, states, task, args)  # the flags' or the task's recipe
     guard.resume(resume, states, sharded=True)  # guard: this run's, whole; saves on a stop
     # option: --resume, a requeue: the checkpoint's state, an epoch saved part-way at its sample
     start_epoch = resuming.restore_sharded(resume, states, train_sampler) if resume else 1

@@ -1,6 +1,5 @@
 """The workshop flags: optimizers, schedules, the learning-rate rule, early stopping, validation."""
 
-import argparse
 import inspect
 import re
 import sys
@@ -52,45 +51,58 @@ RECIPES = [  # flags -> what the stage trains with: the lesson's Adadelta and St
     (["--step-size", "2"], lambda o, s: s.step_size == 2),
     (["--lr-scaling", "linear", "--batch-size", "128"], lambda o, s: o.defaults["lr"] == 2.0),
     (["--clip-grad", "1"], lambda o, s: s.clip == 1.0),
+    (["--optimizer", "adadelta", "--weight-decay", "0"], lambda o, s: type(o) is torch.optim.Adadelta),  # as none
 ]
+# the same values set by the task, not by a flag: its parser default, an option of its own for the flag's dest, its
+# check(args); a recipe value is trained wherever it came from
+BY_THE_TASK = {
+    "a default": "def add_arguments(group):\n    group.set_defaults(optimizer='sgd', momentum=0.9)\n",
+    "an alias": "def add_arguments(group):\n    group.add_argument('--opt', dest='optimizer', default='sgd')\n",
+    "check()": "def check(args):\n    args.optimizer = 'sgd'\n",
+}
+
+
+def trained_with(args, task):
+    """The optimizer and scheduler a stage trains with, built as every train.py builds them."""
+    model = torch.nn.Linear(2, 1)
+    optimizer = optim.optimizer(args, model.parameters())
+    scheduler = optim.scheduler(args, optimizer)
+    states = dict(model=model, optimizer=optimizer, scheduler=scheduler)
+    step = optim.Step(model, torch.device("cpu"), optimizer, None, None, None)
+    if flags.LESSON.items() - vars(args).items() or hooks.RECIPE & vars(task).keys():  # as train.py
+        step, scheduler = hooks.recipe(step, states, task, args)
+    assert states["optimizer"] is step.optimizer
+    return step.optimizer, scheduler
 
 
 @pytest.mark.parametrize("argv, trains_with", RECIPES, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_a_flag_of_the_recipe_is_what_the_stage_trains_with(argv, trains_with):
-    """The lesson builds pytorch/examples' Adadelta and StepLR; a flag of the recipe, given alone, is entered
-    (args.recipe) and built in their place (common/options/recipes.py), never left unread."""
-    args, task = cli.parse_args(argv, [flags.add])
-    model = torch.nn.Linear(2, 1)
-    optimizer = optim.optimizer(args, model.parameters())  # as every train.py does
-    scheduler = optim.scheduler(args, optimizer)
-    states = dict(model=model, optimizer=optimizer, scheduler=scheduler)
-    step = optim.Step(model, torch.device("cpu"), optimizer, None, None, None)
-    assert args.recipe == bool(argv)
-    if args.recipe or hooks.RECIPE & vars(task).keys():
-        step, scheduler = hooks.recipe(step, states, task, args)
-    assert trains_with(step.optimizer, scheduler) and states["optimizer"] is step.optimizer
+    """The lesson builds pytorch/examples' Adadelta and StepLR; a recipe value other than the lesson's (flags.LESSON)
+    enters hooks.recipe(), which builds it in their place (common/options/recipes.py): never parsed and unread."""
+    assert trains_with(*trained_with(*cli.parse_args(argv, [flags.add])))
 
 
-def test_every_flag_the_recipe_reads_enters_it():
-    """A flag that recipes.py or hooks.recipe() reads is one of the recipe's (flags.Recipe): given, the stage enters
-    hooks.recipe(); one that did not would be parsed and silently unused."""
-    p = cli.parser(S03, [flags.add, flags.large])
-    read = {"optimizer", "momentum", "weight_decay", "scheduler", "step_size", "lr_scaling", "clip_grad", "grad_accum"}
-    assert {a.dest for a in p._actions if isinstance(a, flags.Recipe)} == read
-    source = (REPO / "common/options/recipes.py").read_text() + inspect.getsource(hooks.recipe)
-    assert (
-        set(re.findall(r"args\.(\w+)", source)) - {"lr", "batch_size", "gamma", "epochs", "recipe", "full_shard"}
-        <= read
-    )
-
-
-def test_a_tasks_own_recipe_option_clashes_with_the_stages(tmp_path):
-    """args.recipe says that a flag of the recipe was given: a task's option of that name would overwrite it unseen,
-    so it clashes at start, as a task option that repeats any stage flag does."""
+@pytest.mark.parametrize("how", BY_THE_TASK)
+def test_a_recipe_value_the_task_sets_is_what_the_stage_trains_with(how, tmp_path):
+    """A recipe value set by the task, not given as a flag, was recorded in the run's manifest and not trained (the
+    stage entered hooks.recipe() on a flag's argparse action alone): now the values decide."""
     task = tmp_path / "task.py"
-    task.write_text("def add_arguments(group):\n    group.add_argument('--recipe', default='mine')\n")
-    with pytest.raises(argparse.ArgumentError, match="--recipe: conflicting option string"):
-        cli.parse_args(["--task", str(task)], [flags.add])
+    task.write_text(BY_THE_TASK[how])
+    args, task = cli.parse_args(["--task", str(task)] + ["--opt", "sgd"] * (how == "an alias"), [flags.add])
+    optimizer, _ = trained_with(args, task)
+    assert args.optimizer == "sgd" and type(optimizer) is torch.optim.SGD
+
+
+def test_every_value_the_recipe_reads_is_the_lessons_or_its_own():
+    """What recipes.py and hooks.recipe() read of args is a flag of the lesson's (--lr, --gamma...) or a recipe value
+    of flags.LARGE, which decides whether a stage enters them; the flags default to the lesson's recipe."""
+    p = cli.parser(S03, [flags.add, flags.large])
+    defaults = {a.dest: a.default for a in p._actions if a.dest in flags.LARGE}
+    assert defaults == flags.LARGE and flags.LARGE == flags.LESSON | {"grad_accum": 1}
+    source = (REPO / "common/options/recipes.py").read_text() + inspect.getsource(hooks.recipe)
+    assert set(re.findall(r"args\.(\w+)", source)) - {"lr", "batch_size", "gamma", "epochs", "full_shard"} <= set(
+        flags.LARGE
+    )
 
 
 @pytest.mark.parametrize("pair", [("net", "cifar10"), ("net", "synthetic"), ("wideresnet", "mnist")])

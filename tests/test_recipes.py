@@ -270,7 +270,6 @@ def recipe_step(model, clip=None):
         clip_grad=clip,
         batch_size=64,
         lr_scaling="none",
-        recipe=True,  # a flag of the recipe given (--optimizer sgd): recipe() builds it, not the lesson
     )
     optimizer = optim.optimizer(args, model.parameters())
     states = dict(model=model, optimizer=optimizer, scheduler=optim.scheduler(args, optimizer))

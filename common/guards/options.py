@@ -63,8 +63,6 @@ FREE = (
     "patience",
     # how often a run saves mid-epoch: the saves change nothing that is computed
     "checkpoint_minutes",
-    # set where a flag of the recipe is given (common/options/flags.py): those flags' values are compared
-    "recipe",
 )
 
 # What each number may be: a value outside is a usage error, in one line (check.check_args()). The

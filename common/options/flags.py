@@ -2,19 +2,21 @@
 cli.parse_args(), stage 05 large() too. Each help names the module that does what the flag turns
 on. Read without torch: a job script's check parses them before torchrun starts its workers."""
 
-import argparse
-import functools
-
 REFERENCE_BATCH = 64  # the global batch --lr is given for (--lr-scaling)
-
-
-class Recipe(argparse.Action):
-    """A flag of the recipe, given: args.recipe, and the stage enters hooks.recipe(), which builds
-    the optimizer and schedule in the lesson's place (recipes.py; --clip-grad, --grad-accum)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        namespace.recipe = True
+# The recipe the lesson trains with (common/optim.py: Adadelta, StepLR each epoch), as the flags'
+# values. A run whose args hold another, whoever set it (a flag, a task's default or check()),
+# enters hooks.recipe(), which builds it: LESSON.items() - vars(args).items() is what differs.
+# LARGE: stage 05's, with --grad-accum.
+LESSON = {
+    "optimizer": "adadelta",
+    "momentum": 0.0,
+    "weight_decay": 0.0,
+    "scheduler": "step",
+    "step_size": 1,
+    "lr_scaling": "none",
+    "clip_grad": None,
+}
+LARGE = LESSON | {"grad_accum": 1}
 
 
 def learning_rate(args):
@@ -24,11 +26,8 @@ def learning_rate(args):
 
 
 def recipe(p):
-    """The recipe's flags: any of them given, args.recipe (the stages' default: the lesson's)."""
-    group = p.add_argument_group("the recipe (recipes.py)")
-    # set by any flag below, else False (the lesson's Adadelta, StepLR); a task's --recipe clashes
-    group.add_argument("--recipe", action="store_true", help=argparse.SUPPRESS)
-    recipe = functools.partial(group.add_argument, action=Recipe)
+    """The recipe's flags, each defaulting to the lesson's value (LESSON)."""
+    recipe = p.add_argument_group("the recipe (recipes.py)").add_argument
     recipe("--optimizer", choices=["adadelta", "adam", "rmsprop", "sgd"], default="adadelta")
     recipe("--momentum", type=float, default=0.0, help="sgd's and rmsprop's (default: 0)")
     recipe("--weight-decay", type=float, default=0.0, help="(default: 0)")
@@ -94,7 +93,6 @@ def add(p):
         "--clip-grad",
         type=float,
         metavar="NORM",
-        action=Recipe,
         help="clip the gradients' global norm to NORM before each optimizer step "
         "(after --amp's unscaling; stage 05: the sharded gradients) (hooks.py)",
     )
@@ -108,7 +106,6 @@ def large(p):
         type=int,
         default=1,
         metavar="N",
-        action=Recipe,
         help="each rank's batch in N "
         "micro-batches, gradients reduced once after the last (default: 1)",
     )

@@ -79,7 +79,7 @@ class Totals:
         return float(self.figure(torch.tensor(sums, dtype=torch.float64)))
 
 
-RECIPE = {"optimizer", "scheduler", "weights"}  # a task's own; as a flag's (args.recipe): recipe()
+RECIPE = {"optimizer", "scheduler", "weights"}  # a task's own, or a flag's (flags.LESSON): recipe()
 
 
 def recipe(step, states, task, args):
@@ -90,10 +90,9 @@ def recipe(step, states, task, args):
     before each step (after --amp's unscaling; stage 05's sharded gradients as they are); stage
     05's --grad-accum too. Returns the step, and the scheduler the stage steps at each epoch's
     end."""
-    if args.recipe:  # a flag's optimizer and schedule, in place of the lesson's
-        optimizer = recipes.optimizer(args, step.model.parameters())
-        states.update(optimizer=optimizer, scheduler=recipes.scheduler(args, optimizer))
-        step = step._replace(optimizer=optimizer)
+    optimizer = recipes.optimizer(args, step.model.parameters())  # the flags', for the lesson's
+    states.update(optimizer=optimizer, scheduler=recipes.scheduler(args, optimizer))
+    step = step._replace(optimizer=optimizer)
     path = getattr(task, "weights", None) and task.weights(args)
     fresh = tuple(getattr(task, "FRESH", ()))
     on_meta = hasattr(args, "full_shard") and getattr(task, "META", True)  # materialise() loaded it

@@ -1,7 +1,7 @@
 """--optimizer, --momentum, --weight-decay, --scheduler, --step-size and --lr-scaling: another
 optimizer or schedule than pytorch/examples' Adadelta and StepLR, which the lesson builds
-(common/optim.py). hooks.recipe() builds these in the lesson's place, once a flag of theirs is given
-(args.recipe, common/options/flags.py).
+(common/optim.py). hooks.recipe() builds these in the lesson's place where a run's values are not
+the lesson's (flags.LESSON), whether a flag or the task set them.
 
 --lr is the learning rate for a global batch of 64 (flags.REFERENCE_BATCH). When the global
 batch grows, as it does with the number of GPUs at a fixed batch per GPU, --lr-scaling says how the
