@@ -26,17 +26,19 @@ def learning_rate(args):
 
 
 def recipe(p):
-    """The recipe's flags, each defaulting to the lesson's value (LESSON)."""
+    """The recipe's flags; add() gives them the lesson's values (LESSON) as their defaults."""
     recipe = p.add_argument_group("the recipe (recipes.py)").add_argument
-    recipe("--optimizer", choices=["adadelta", "adam", "rmsprop", "sgd"], default="adadelta")
-    recipe("--momentum", type=float, default=0.0, help="sgd's and rmsprop's (default: 0)")
-    recipe("--weight-decay", type=float, default=0.0, help="(default: 0)")
     recipe(
-        "--scheduler", choices=["step", "cosine"], default="step", help="StepLR, or to 0 by cosine"
+        "--optimizer", choices=["adadelta", "adam", "rmsprop", "sgd"], help="(default: adadelta)"
     )
-    recipe("--step-size", type=int, default=1, help="epochs per step of --scheduler step")
+    recipe("--momentum", type=float, help="sgd's and rmsprop's (default: 0)")
+    recipe("--weight-decay", type=float, help="(default: 0)")
     recipe(
-        "--lr-scaling", choices=["none", "linear", "sqrt"], default="none", help="for --batch-size"
+        "--scheduler", choices=["step", "cosine"], help="StepLR, or to 0 by cosine (default: step)"
+    )
+    recipe("--step-size", type=int, help="epochs per step of --scheduler step (default: 1)")
+    recipe(
+        "--lr-scaling", choices=["none", "linear", "sqrt"], help="for --batch-size (default: none)"
     )
 
 
@@ -96,6 +98,7 @@ def add(p):
         help="clip the gradients' global norm to NORM before each optimizer step "
         "(after --amp's unscaling; stage 05: the sharded gradients) (hooks.py)",
     )
+    p.set_defaults(**LESSON)  # the recipe's flags (--clip-grad too): the lesson's values
 
 
 def large(p):
@@ -104,7 +107,6 @@ def large(p):
     add(
         "--grad-accum",
         type=int,
-        default=1,
         metavar="N",
         help="each rank's batch in N "
         "micro-batches, gradients reduced once after the last (default: 1)",
@@ -121,3 +123,4 @@ def large(p):
         help="keep each block's input alone and "
         "recompute the rest in the backward: less memory, a forward more of time",
     )
+    p.set_defaults(grad_accum=LARGE["grad_accum"])  # one micro-batch: the lesson's step
