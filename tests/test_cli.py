@@ -337,6 +337,15 @@ def test_the_task_is_recorded_by_the_bytes_that_ran(tiny_data, tmp_path, after):
     assert preflight.defining(guard.args)["task"] == f"t.py (sha256 {digest})"
 
 
+def test_the_tasks_path_is_made_as_pathlib_makes_the_paths_it_derives(tmp_path):
+    """Python 3.12's pathlib passes a Path subclass's every constructor argument to Path, and derives a path
+    (`.parent`, `/`) by `type(self)(*segments)`: a task path made of (path, source) refused its own bytes, and every
+    run of every stage on Python 3.12 ended at its start in a TypeError (an H200 with Python 3.12, 2026-11-30)."""
+    task = preflight.Task.loaded(tmp_path / "t.py", b"source")
+    assert task.source == b"source" and task == tmp_path / "t.py"
+    assert type(task)(str(task)) == task and type(task)(str(tmp_path), "t.py") == task  # 3.12's with_segments
+
+
 TYPED = """from __future__ import annotations
 
 import dataclasses

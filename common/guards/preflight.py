@@ -30,10 +30,12 @@ COMMON = Path(data.__file__).resolve().parent  # the project's own modules: a ta
 class Task(type(Path())):
     """--task's path, with the bytes the run loaded from it (`source`: cli.load_task() reads the file once, runs and
     keeps them): what the run records of its task is what it runs, though the file changes or goes after (a task
-    that deletes itself as it is loaded was a FileNotFoundError when the manifest was written)."""
+    that deletes itself as it is loaded was a FileNotFoundError when the manifest was written). Made from the path
+    alone, as pathlib makes the paths it derives (Python 3.12 passes a constructor's every argument to Path)."""
 
-    def __new__(cls, path, source):
-        task = super().__new__(cls, path)
+    @classmethod
+    def loaded(cls, path, source):
+        task = cls(path)
         task.source = source
         return task
 
