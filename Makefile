@@ -77,7 +77,7 @@ profile: $(VENV) $(DATA)  ## time per line of stage 01's train(), one epoch; ARG
 	rm -rf runs/profile
 	$(PYTHON) -m kernprof -l -v -o runs/profile.lprof 01_single_gpu/train.py --epochs 1 --output-dir runs/profile $(PROFILE) $(ARGS)
 
-SHELL_SCRIPTS := */*.slurm tests/slurm/*.sh .ci/run bench/gpu/measure.sh
+SHELL_SCRIPTS := */*.slurm tests/slurm/*.sh .ci/run bench/gpu/measure.sh bench/gpu/gpu_check.sh
 lint: $(VENV)  ## ruff (check, format --check); bash -n and shellcheck on the job scripts and shell scripts
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
