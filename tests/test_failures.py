@@ -53,7 +53,7 @@ from helpers import (
 
 from common import cli, data
 from common.checkpoint import atomic
-from common.guards import divergence, lock, preflight, rails, resume, saving
+from common.guards import divergence, lock, preflight, rails, resume, saving, workers
 from common.metrics import Epoch
 from common.options import flags
 
@@ -516,6 +516,26 @@ def test_a_dataloader_worker_killed_is_named_with_the_fix(tiny_data, tmp_path):
     out = subprocess.CompletedProcess(cmd, proc.wait(timeout=30), *proc.communicate())
     one_error(out, f"DataLoader worker of this rank (pid {worker})", "out-of-memory", "--num-workers", "--mem")
     kept(tmp_path, len(metrics(tmp_path)))
+
+
+def test_a_worker_killed_as_it_sends_a_batch_is_named_not_the_connection_it_broke():
+    """A worker killed while it sends a batch breaks the connection before the kernel lets its end be seen: the
+    loader, which found it alive, raised ConnectionResetError, and the run's line named that (CI, under load). The
+    line names the worker, as when the loader sees it die; a worker alive is not blamed for a broken connection."""
+    batches = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 1)), num_workers=1)
+    alive, dead = iter(batches), iter(batches)
+    next(alive), next(dead)
+    default = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would raise anywhere in this test
+    try:
+        assert workers.lost(ConnectionResetError(104, "Connection reset by peer")) is None
+        os.kill(pid := dead._workers[0].pid, signal.SIGKILL)
+        line = workers.lost(ConnectionResetError(104, "Connection reset by peer"))
+    finally:
+        signal.signal(signal.SIGCHLD, default)
+    assert (line or "").startswith(
+        f"error: a DataLoader worker of this rank (pid {pid}) ended (killed by signal: Killed)"
+    )
+    assert "out-of-memory killer" in line and line.endswith("continue with --resume"), line
 
 
 @pytest.mark.slow

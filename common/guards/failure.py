@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from common import distributed
 from common.environment import is_rank0
-from common.guards import bounded, identity, ownership, safeload, samples
+from common.guards import bounded, identity, ownership, safeload, samples, workers
 from common.guards.described import LIMIT, alike, line, message, place
 from common.guards.ending import Refusal
 from common.guards.waits import fail
@@ -146,7 +146,7 @@ def explain(err, guard):
         return said
     if guard.watchdog and (silent := guard.watchdog.explain(err)):  # a failed collective: who went silent
         return silent
-    if isinstance(err, RuntimeError) and (said := worker_lost(err)):
+    if said := workers.lost(err):  # its own line, or the connection it broke
         return said
     cause = safeload.first(err)  # stage 05's shards: the first rank's failure, which every rank is told
     if written(cause, guard.args and guard.args.output_dir) and (moved := guard.hold and identity.lost(guard.hold)):
@@ -211,21 +211,6 @@ def explain_task(err, guard):
             f"torch.utils.data Datasets of (input, label) pairs ({message(err)})"
         )
     return None
-
-
-def worker_lost(err):
-    """The line for a DataLoader worker that died, or None: out of memory only where SIGKILL ended it, as the
-    kernel's killer does."""
-    # "DataLoader worker (pid(s) 812) exited unexpectedly", caused by "... (pid 812) is killed by signal: Killed."
-    pattern = r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (?:is )?(.*?)\.?\s*$"
-    if not (lost := re.match(pattern, message(err.__cause__ or err))):
-        return None
-    why = "most likely the out-of-memory killer: use fewer --num-workers, or ask for more memory (#SBATCH --mem)"
-    if "Killed" not in lost[2]:
-        why = "a crash in it (the task's data code, a library): --num-workers 0 shows it"
-    return (
-        f"error: a DataLoader worker of this rank (pid {lost[1]}) ended ({lost[2]}): {why}; then continue with --resume"
-    )
 
 
 def once(message):
