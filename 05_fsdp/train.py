@@ -132,7 +132,7 @@ def main(guard):
         for block in gathered(units):  # its weights are gathered just before it runs, then freed
             fully_shard(block, mesh=mesh, mp_policy=block_policy)
         fully_shard(model, mesh=mesh, mp_policy=root_policy)  # the rest; grads reduce-scattered
-    meta.materialise(model, device, task, args)  # each rank fills its shards: 01's weights
+    meta.materialise(model, device, task)  # each rank fills its shards: 01's weights
     optimizer = optim.optimizer(args, model.parameters())
     scheduler = optim.scheduler(args, optimizer)
     loss_fn = getattr(task, "loss", F.cross_entropy)  # the task's, else cross-entropy on logits

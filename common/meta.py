@@ -1,26 +1,23 @@
 """Stage 05 builds the model on the meta device: shapes and dtypes, no memory, so that no rank ever
 holds the whole model; after fully_shard, materialise() has each rank fill only its own shards,
-with the values stage 01 starts from at the same seed (or a task's weights(args) file): the same
-run at any world size.
+with the values stage 01 starts from at the same seed: the same run at any world size. A task's
+weights(args) file then replaces what it holds, as in every stage (common/options/hooks.py).
 """
 
 import itertools
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 
-def materialise(model, device, task, args):
+def materialise(model, device, task):
     """Stage 05's model, built on the meta device and sharded: each rank fills its shards, a layer
-    whole at most, from the task's weights(args) file, else as stage 01 starts at the seed."""
+    whole at most, as stage 01 starts at the seed."""
     if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
         return model.to(device)
     if len(dict(model.named_parameters())) < len([*model.named_parameters(remove_duplicate=False)]):
         raise TypeError("tied weights do not survive the meta device: set META = False in the task")
     model.to_empty(device=device)
-    if not hasattr(task, "FRESH") and (path := getattr(task, "weights", lambda _: None)(args)):
-        return load_whole(model, path)
     done, init = set(), getattr(task, "init_weights", None) or getattr(model, "init_weights", None)
     for m in [m for m in post_order(model, set()) if reset_of(m) and list(held(m, True))]:
         on_cpu(m, reset_of(m), done, recurse=True)  # those with tensors, children first
@@ -86,17 +83,3 @@ def on_cpu(module, init, done, recurse=False):
             mesh, placements, t = t.device_mesh, t.placements, t.to_local()
             whole = distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
         t.copy_(whole)
-
-
-def load_whole(model, path):
-    """A file of whole weights into the sharded model: rank 0 maps it, each rank gets its shards."""
-    from torch.distributed.checkpoint import state_dict as sd
-
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    weights = torch.load(path, map_location="cpu", mmap=True, weights_only=True) if rank0 else {}
-    if dist.is_initialized():
-        whole = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        sd.set_model_state_dict(model, weights, options=whole)
-    else:
-        model.load_state_dict(weights)
-    return model

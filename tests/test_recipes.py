@@ -244,17 +244,18 @@ def test_every_stage_starts_from_weights_and_a_fresh_head_keeps_its_initialisati
 
 
 def test_stage_05_starts_from_weights_with_a_model_built_whole_too(tmp_path):
-    """Stage 05 maps weights(args) as it fills a model built on the meta device; one built whole on the CPU
-    (META = False) was filled by nothing: it trained from its random start, without a word."""
+    """Stage 05 loads weights(args) into its model as every stage does, built on the meta device (and initialised)
+    or whole on the CPU (META = False): one built whole was filled by nothing, and trained from its random start,
+    without a word."""
     path = tmp_path / "whole.pt"
     torch.save(nn.Linear(4, 3).state_dict(), path)
-    for meta, loaded in ((False, True), (True, False)):  # on the meta device, materialise() loaded it, once
+    for meta in (False, True):  # loaded over the model materialise() initialised, or over one built whole
         model = nn.Linear(4, 3)
         start = model.weight.detach().clone()
         step, states, args = recipe_step(model)
         args.full_shard = True  # stage 05's
         hooks.recipe(step, states, task(weights=lambda a: path, META=meta), args)
-        assert torch.equal(model.weight, torch.load(path)["weight"] if loaded else start), meta
+        assert torch.equal(model.weight, torch.load(path)["weight"]) and not torch.equal(model.weight, start), meta
 
 
 def recipe_step(model, clip=None):

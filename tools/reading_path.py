@@ -45,7 +45,7 @@ LIMITS = {
     "02_dataparallel": 453,
     "03_ddp_single_node": 464,
     "04_ddp_multi_node": 464,
-    "05_fsdp": 633,
+    "05_fsdp": 619,
 }
 TARGETS = {
     "01_single_gpu": 380,

@@ -84,8 +84,7 @@ RECIPE = {"optimizer", "scheduler", "weights"}  # a task's own, or a flag's (fla
 
 def recipe(step, states, task, args):
     """The flags' optimizer and schedule (--optimizer, --scheduler...: recipes.py), or the task's
-    own recipe (common/tasks/README.md): its weights(args) to start from (stage 05 maps them in
-    common/meta.py, but for FRESH keys or a model built whole, META = False), its optimizer(args,
+    own recipe (common/tasks/README.md): its weights(args) to start from, its optimizer(args,
     model), its scheduler(args, optimizer), stepped after every optimizer step, and --clip-grad,
     before each step (after --amp's unscaling; stage 05's sharded gradients as they are); stage
     05's --grad-accum too. Returns the step, and the scheduler the stage steps at each epoch's
@@ -95,8 +94,7 @@ def recipe(step, states, task, args):
     step = step._replace(optimizer=optimizer)
     path = getattr(task, "weights", None) and task.weights(args)
     fresh = tuple(getattr(task, "FRESH", ()))
-    on_meta = hasattr(args, "full_shard") and getattr(task, "META", True)  # materialise() loaded it
-    if path and (fresh or not on_meta):
+    if path:  # over the initialised model: a tensor the file lacks keeps its start, as in stage 01
         load_weights(step.model, path, fresh)
     if getattr(args, "grad_accum", 1) > 1:
         step = large.accumulating(step, args.grad_accum)
@@ -182,7 +180,9 @@ def load_weights(model, path, fresh):
     whole = torch.load(path, "cpu", mmap=True, weights_only=True) if rank0 or not sharded else {}
     whole = {k: v for k, v in whole.items() if not k.startswith(fresh)}
     if sharded and dist.is_initialized():
-        options = sd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        options = sd.StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True, strict=not fresh
+        )
         sd.set_model_state_dict(model, whole, options=options)
     else:
         unwrap(model).load_state_dict(whole, strict=not fresh)
