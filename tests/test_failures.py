@@ -527,15 +527,27 @@ def test_a_worker_killed_as_it_sends_a_batch_is_named_not_the_connection_it_brok
     next(alive), next(dead)
     default = signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would raise anywhere in this test
     try:
-        assert workers.lost(ConnectionResetError(104, "Connection reset by peer")) is None
+        assert workers.lost(broken(alive)) is None
         os.kill(pid := dead._workers[0].pid, signal.SIGKILL)
-        line = workers.lost(ConnectionResetError(104, "Connection reset by peer"))
+        line = workers.lost(broken(dead))
     finally:
         signal.signal(signal.SIGCHLD, default)
     assert (line or "").startswith(
         f"error: a DataLoader worker of this rank (pid {pid}) ended (killed by signal: Killed)"
     )
     assert "out-of-memory killer" in line and line.endswith("continue with --resume"), line
+
+
+def broken(batches):
+    """What the loader raises where the connection to its worker broke and the worker still looked alive."""
+
+    def reset(*args, **kwargs):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    batches._data_queue.get, batches._workers[0].is_alive = reset, lambda: True
+    with pytest.raises(ConnectionResetError) as raised:
+        next(batches)
+    return raised.value
 
 
 @pytest.mark.slow

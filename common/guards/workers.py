@@ -6,8 +6,10 @@ the connection before the kernel lets its end be seen: the loader finds it still
 connection's error instead (a ConnectionResetError, seen once under load). lost() then asks torch's own
 check of this process's workers, the one its SIGCHLD handler runs, until the end shows."""
 
+import os
 import re
 import time
+import traceback
 
 from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
 
@@ -22,7 +24,7 @@ def lost(err):
     """The line for a DataLoader worker that died, or None: out of memory only where SIGKILL ended it, as the
     kernel's killer does."""
     said = message(err.__cause__ or err) if isinstance(err, RuntimeError) else ""
-    if not (found := re.match(PATTERN, said)) and isinstance(err, BROKEN):
+    if not (found := re.match(PATTERN, said)) and isinstance(err, BROKEN) and from_loader(err):
         found = re.match(PATTERN, ended())
     if not found:
         return None
@@ -30,6 +32,11 @@ def lost(err):
     if "Killed" not in found[2]:
         why = "a crash in it (the task's data code, a library): --num-workers 0 shows it"
     return f"error: a DataLoader worker of this rank (pid {found[1]}) ended ({found[2]}): {why}; then continue with --resume"
+
+
+def from_loader(err):
+    """Was it raised reading from a DataLoader (torch/utils/data/ in its traceback)?"""
+    return any(f"{os.sep}utils{os.sep}data{os.sep}" in f.filename for f in traceback.extract_tb(err.__traceback__))
 
 
 def ended():
