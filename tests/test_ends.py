@@ -30,6 +30,7 @@ from helpers import (
     wait_for,
 )
 
+from common.environment import Launch
 from common.guards import arrival, ending, rendezvous
 
 TASK = (
@@ -238,6 +239,26 @@ def test_a_rank_gone_silent_in_the_rendezvous_is_named_not_the_network():
     store.set("alive/1", str(time.time() - 20))  # stopped (SIGSTOP) since it arrived
     line = arrival.unformed(store, 0, 2, RuntimeError("Connection refused (127.0.0.1:34567)"))
     assert "rank 1 went silent since" in line and "GLOO_SOCKET_IFNAME" not in line, line
+
+
+def test_a_rank_that_cannot_hear_rank_0s_verdict_says_its_own(monkeypatch):
+    """Rank 1 arrived first and failed its own check, a verdict rank 0 says for all where it meets it too: it waited
+    to read rank 0's line, but rank 0, launched unlike the first to arrive, ended with its own once rank 1 had told
+    its failure, and the store with it. Rank 1 ended 1 with no line at all (test_a_task_with_another_world_size_is_
+    named_by_every_rank_at_once, under load). Now a store gone while it waits means no one said its line: it does."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "100")
+    served = [store_of(100)[0]]
+    port = served[0].port
+
+    def rank_0_ends():  # as held() lets it: every rank has read its line or told its own
+        wait_for(lambda: served[0].check(["watchdog/failed/1"]), timeout=10)
+        served.clear()  # the store ends with rank 0's process
+
+    threading.Thread(target=rank_0_ends, daemon=True).start()
+    line = "error: --batch-size 64 is not a multiple of the world size 3"
+    said = arrival.tell(Launch(1, 1, 2, "127.0.0.1", port), 5, line, alone=True)
+    assert said == "error: rank 1: --batch-size 64 is not a multiple of the world size 3" and not served
 
 
 def test_a_port_another_jobs_store_holds_is_named_as_such(monkeypatch):
