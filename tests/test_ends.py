@@ -252,7 +252,7 @@ def test_a_rank_that_cannot_hear_rank_0s_verdict_says_its_own(monkeypatch):
     port = served[0].port
 
     def rank_0_ends():  # as held() lets it: every rank has read its line or told its own
-        wait_for(lambda: served[0].check(["watchdog/failed/1"]), timeout=10)
+        wait_for(lambda: served[0].check(["watchdog/failed/1"]), timeout=HANG)
         served.clear()  # the store ends with rank 0's process
 
     threading.Thread(target=rank_0_ends, daemon=True).start()
