@@ -67,6 +67,23 @@ def test_bad_value_is_one_line_naming_the_flag(flag, value, capsys):
     assert err.endswith("(see --help)\n") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["--momentum", "0.9"], "argument --momentum: adadelta has none (sgd's and rmsprop's)"),
+        (["--optimizer", "adam", "--momentum", "0.5"], "argument --momentum: adam has none"),
+        (["--scheduler", "cosine", "--step-size", "2"], "argument --step-size: the cosine schedule takes no steps"),
+    ],
+)
+def test_a_recipe_flag_the_recipe_never_reads_is_refused(argv, said, capsys):
+    """--momentum with adadelta or adam, --step-size with the cosine schedule: parsed, recorded in the manifest and
+    trained without, a plausible number for a recipe that was not run. One line instead; where the recipe reads it,
+    or it is left at its default, it runs."""
+    err = refused(argv, capsys)
+    assert err.startswith(f"error: {said}") and err.count("\n") == 1, err
+    parse(["--optimizer", "rmsprop", "--momentum", "0.9", "--scheduler", "cosine", "--step-size", "1"])
+
+
 def test_every_number_has_a_range():
     """Every option read as a number, of the stages and of each built-in task, has its range in the guard rails
     (common/guards/options.py), which check it: nan, inf, zero epochs never reach a run."""

@@ -159,8 +159,8 @@ def check_args(args, warn=True, gpus=None):
     anything starts (a FIFO would hang torch.load, a directory make it fail with a traceback). `gpus`: those the
     run would use, where torch is loaded to count them (a stage, its --check too), else None; then the data
     files are checked too."""
-    if problem := options.out_of_range(args) or empty_path(sys.argv[1:]):  # the parser reads numbers and paths
-        usage(problem)
+    if problem := options.out_of_range(args) or options.unread(args) or empty_path(sys.argv[1:]):
+        usage(problem)  # the parser reads numbers and paths, each flag alone
     if args.sync_bn and gpus == 0:
         usage("--sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only) and this run has none: drop it on CPUs")
     if flags.learning_rate(args) > FLOAT32_MAX:

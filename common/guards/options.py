@@ -122,6 +122,16 @@ def out_of_range(args):
     return None
 
 
+def unread(args):
+    """A recipe flag given a value the recipe it selects never reads (recipes.py), as a usage error's words; else
+    None: --momentum with adadelta or adam, --step-size with the cosine schedule were recorded and trained without."""
+    if getattr(args, "momentum", 0) and args.optimizer not in ("sgd", "rmsprop"):
+        return f"argument --momentum: {args.optimizer} has none (sgd's and rmsprop's): drop it, or --optimizer sgd"
+    if getattr(args, "step_size", 1) != 1 and args.scheduler == "cosine":
+        return "argument --step-size: the cosine schedule takes no steps (--scheduler step's): drop it"
+    return None
+
+
 def number(kind, interval):
     """An argparse type for the tools' own options: a `kind` (int or float) in `interval`."""
 
