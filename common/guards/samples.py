@@ -56,10 +56,10 @@ def check_totals(args, task, sizes):
 
 
 def check_weights(args, task):
-    """The task's `weights(args)` file, which rank 0 alone reads at stage 05 (hooks.load_weights()): checked there against what
-    it declares, headers only, before it is trusted; a FIFO blocked rank 0 for ever, a file cut short was torch's
-    "central directory" error naming no file; keys that do not fit model(args) were torch's message, the keys
-    elided. Every rank ends with rank 0's verdict. Every stage starts from the file (common/options/hooks.py)."""
+    """The task's `weights(args)` file, which rank 0 alone reads at stage 05 (hooks.load_weights()): checked there
+    against what it declares, headers only, before it is trusted; a FIFO blocked rank 0 for ever, a file cut short
+    was torch's "central directory" error naming no file; keys that do not fit model(args) were torch's message, the
+    keys elided. Every rank ends with rank 0's verdict. Every stage starts from the file (common/options/hooks.py)."""
     if not getattr(task, "weights", None):
         return
     path, problem = is_rank0() and task.weights(args), None
