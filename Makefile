@@ -36,9 +36,8 @@ test: $(VENV) $(DATA)  ## everyday: CPU only, no root, under 3 minutes on 2 core
 	$(PYTHON) -m pytest -m "not slow and not slurm" $(XDIST)
 
 # test-all runs make test first, once per make call: `make test test-all` (.ci/run) runs each test once
-test-all: test  ## everything: make test, the real Slurm cluster's tests (root) one at a time, then the slow ones WORKERS at a time
-	$(PYTHON) -m pytest -m slurm
-	$(PYTHON) -m pytest -m "slow and not slurm" $(XDIST)
+test-all: test  ## everything: make test, then the real Slurm cluster's tests (root) one at a time beside the slow ones
+	tests/slurm/beside.sh $(PYTHON) $(XDIST)
 
 # The oldest torch each stage and the doctor run on (common/guards/versions.py), each from PyPI with the torchvision
 # built for it, one at a time into .venv-min/ (a CUDA build: 5 to 7 GB, removed before the next); tests/test_versions.py
