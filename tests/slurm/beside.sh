@@ -15,6 +15,7 @@ trap 'kill "$slurm" 2>/dev/null; rm -f "$log"' EXIT # an interrupted make stops 
 slow=$?
 wait "$slurm"
 status=$?
+trap 'rm -f "$log"' EXIT # ended: its pid may be another process's now
 echo "== the Slurm tests, run beside the slow ones (exit status $status)"
 cat "$log"
 exit $((slow != 0 || status != 0))
