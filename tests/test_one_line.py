@@ -350,6 +350,19 @@ def test_a_stop_while_a_tool_imports_torch_is_one_line(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # prepare_data made nothing yet
 
 
+def test_a_stage_or_tool_started_in_a_deleted_folder_is_one_line(tmp_path):
+    """A shell whose folder was deleted since (a scratch purge, `rm -r` from another shell): torch's import there
+    printed "Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so" and ended with status 2, naming no folder."""
+    gone, said = tmp_path / "gone", "error: the folder this process started in has been deleted: cd to one that exists"
+    said += " and run again\n"
+    for script in (S01, REPO / "tools" / "plan.py", REPO / "tools" / "doctor.py"):
+        gone.mkdir()
+        start = 'cd "$1" && rmdir "$1" && exec "$2" "$3"'  # the shell stays in the folder it deleted
+        out = run(["sh", "-c", start, "sh", str(gone), sys.executable, str(script)], cwd=tmp_path)
+        assert out.returncode == 1 and out.stdout == "" and "oneMKL" not in out.stderr, (script, out.stderr)
+        assert out.stderr == said, (script, out.stderr)
+
+
 BREAK = """
 import csv, runpy, sys
 csv.DictReader = None  # a failure none of the tool's checks knows

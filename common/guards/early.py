@@ -5,6 +5,7 @@ fewer: the collector runs less often while torch and its compiler create their m
 Guard.resume() (started()): in training, cyclic garbage holding a step's tensors is freed within a few steps."""
 
 import gc
+import os
 import sys
 import threading
 
@@ -16,6 +17,7 @@ def start(script):
     import (importlib.metadata: tens of milliseconds) comes after the handlers, not in a window without them."""
     signals.end_at_once()
     gc.set_threshold(20_000, 10, 10)  # not every 700 new objects: 10 % less start-up (BENCHMARKS.md)
+    working_folder()
     from common.guards import versions
 
     versions.require(script)
@@ -32,6 +34,17 @@ def tool():
     traceback. A tool writes each file whole or not at all (checkpoint.atomic): neither leaves half of one."""
     signals.end_tool()
     sys.excepthook = one_line
+    working_folder()
+
+
+def working_folder():
+    """A process started in a folder since deleted (a scratch purge, `rm -r` from another shell) is one line: torch's
+    import there fails naming its own library ("Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so"), not the
+    folder, and a relative path could not be read."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        sys.exit("error: the folder this process started in has been deleted: cd to one that exists and run again")
 
 
 def run(main):
