@@ -29,7 +29,7 @@ def parse(argv, warn=True):
     """The options as a stage takes them: the parser (common/cli.py), then the guard rails' own checks
     (a usage error the parser raises is one line, check.parse_args(), and so is a number out of range)."""
     args, _ = check.parse_args(argv)
-    check.check_args(args, warn)
+    check.check_args(args, warn, argv=argv)
     return args
 
 
@@ -82,6 +82,33 @@ def test_a_recipe_flag_the_recipe_never_reads_is_refused(argv, said, capsys):
     err = refused(argv, capsys)
     assert err.startswith(f"error: {said}") and err.count("\n") == 1, err
     parse(["--optimizer", "rmsprop", "--momentum", "0.9", "--scheduler", "cosine", "--step-size", "1"])
+
+
+SGD_BY_DEFAULT = """
+from common.tasks.images import add_arguments as images, check, datasets, model
+
+
+def add_arguments(group):
+    images(group)
+    group.set_defaults(optimizer="sgd", momentum=0.9)
+"""
+
+
+def test_a_recipe_value_a_task_sets_and_its_optimizer_never_reads_runs_and_is_not_recorded(tmp_path, capsys):
+    """A task's default `momentum=0.9` (for its sgd) with `--optimizer adam`: refused as `argument --momentum`, a
+    flag the user never typed. It runs now, recorded without it; typed, in full, with `=` or as a prefix, it is still
+    refused. A run recorded with an unread --momentum (before such values were left out) resumes without it."""
+    task = tmp_path / "task.py"
+    task.write_text(SGD_BY_DEFAULT)
+    args = parse(["--task", str(task), "--optimizer", "adam"])
+    assert (args.optimizer, args.momentum) == ("adam", 0.9) and "momentum" not in preflight.defining(args)
+    for typed in (["--momentum", "0.9"], ["--momentum=0.9"], ["--mom", "0.9"]):
+        err = refused(["--task", str(task), "--optimizer", "adam", *typed], capsys)
+        assert err.startswith("error: argument --momentum: adam has none"), (typed, err)
+    older = {"flags": preflight.defining(parse([])) | {"momentum": 0.9}}  # an adadelta run that recorded it
+    state = {"epoch": 1, "step": 0}
+    assert recorded.mismatch(older, state, parse([]), None) is None
+    assert "--lr 1.0 (now 0.5)" in recorded.mismatch(older, state, parse(["--lr", "0.5"]), None)  # the rest compared
 
 
 def test_every_number_has_a_range():
@@ -167,11 +194,13 @@ def test_defining_values_and_the_cosine_rule():
     step = preflight.defining(parse(["--epochs", "3"]))
     held = hashlib.sha256(cli.TASK.read_bytes()).hexdigest()[:16]  # the task by what it holds, not its name alone
     assert step["lr"] == 1.0 and step["dataset"] == "mnist" and step["task"] == f"images.py (sha256 {held})"
-    assert set(step) == set(options.DEFINING) - {"grad_accum"}  # the built-in task's options among them
+    # the built-in task's options among them; adadelta reads no --momentum (options.used())
+    assert set(step) == set(options.DEFINING) - {"grad_accum", "momentum"}
     large, _ = check.parse_args(["--grad-accum", "2"], [flags.large])  # stage 05's: its slices draw their own dropout
-    assert preflight.defining(large)["grad_accum"] == 2 and set(preflight.defining(large)) == set(options.DEFINING)
+    assert preflight.defining(large)["grad_accum"] == 2 and set(preflight.defining(large)) == set(step) | {"grad_accum"}
     cosine = preflight.defining(parse(["--epochs", "3", "--scheduler", "cosine"]))
-    assert cosine == step | {"scheduler": "cosine", "epochs": 3}
+    assert cosine == {k: v for k, v in step.items() if k != "step_size"} | {"scheduler": "cosine", "epochs": 3}
+    assert preflight.defining(parse(["--optimizer", "sgd", "--momentum", "0.9"]))["momentum"] == 0.9
     assert all(type(value) in (str, int, float, bool, type(None)) for value in cosine.values())  # weights_only loads
 
 

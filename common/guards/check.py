@@ -153,13 +153,14 @@ def parse_args(argv=None, groups=()):
     return args, task
 
 
-def check_args(args, warn=True, gpus=None):
+def check_args(args, warn=True, gpus=None, argv=None):
     """What the parser cannot see alone, then --check's exit. Rank 0 alone reads a checkpoint, and on nodes that
     share no filesystem only its node has the file: a --resume PATH that is no checkpoint is one line before
     anything starts (a FIFO would hang torch.load, a directory make it fail with a traceback). `gpus`: those the
     run would use, where torch is loaded to count them (a stage, its --check too), else None; then the data
     files are checked too."""
-    if problem := options.out_of_range(args) or options.unread(args) or empty_path(sys.argv[1:]):
+    argv = sys.argv[1:] if argv is None else argv  # the command line as typed: what the user gave, not a default
+    if problem := options.out_of_range(args) or options.unread(args, argv) or empty_path(argv):
         usage(problem)  # the parser reads numbers and paths, each flag alone
     if args.sync_bn and gpus == 0:
         usage("--sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only) and this run has none: drop it on CPUs")
@@ -193,14 +194,10 @@ def check_args(args, warn=True, gpus=None):
 
 def empty_path(argv):
     """A path option given empty, as "$OUT" is where OUT is unset: the parser makes it the folder the run starts in,
-    where the run would write its checkpoints (or read its data) unasked. (An empty --task is that folder: no file.)
-    A flag as argparse reads it: in full or a prefix of it (--output), which argparse takes where no other flag has it."""
-    for flag, value in zip(argv, [*argv[1:], None], strict=False):  # each word with the next
-        name, attached, given = flag.partition("=")
-        given = given if attached else value
-        for path in ("--data-dir", "--output-dir", "--resume"):
-            if len(name) > 2 and path.startswith(name) and given is not None and not given.strip():
-                return f"argument {path}: an empty path (an unset variable?): give the path itself"
+    where the run would write its checkpoints (or read its data) unasked. (An empty --task is that folder: no file.)"""
+    for path in ("--data-dir", "--output-dir", "--resume"):
+        if any(value is not None and not value.strip() for value in options.given(argv, path)):
+            return f"argument {path}: an empty path (an unset variable?): give the path itself"
     return None
 
 

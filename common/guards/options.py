@@ -122,14 +122,36 @@ def out_of_range(args):
     return None
 
 
-def unread(args):
-    """A recipe flag given a value the recipe it selects never reads (recipes.py), as a usage error's words; else
-    None: --momentum with adadelta or adam, --step-size with the cosine schedule were recorded and trained without."""
-    if getattr(args, "momentum", 0) and args.optimizer not in ("sgd", "rmsprop"):
+def used(flags):
+    """`flags` ({dest: value}: a run's options, or a manifest's record of them) without the values the recipe they
+    select never reads (recipes.py): --momentum but with sgd and rmsprop, --step-size with the cosine schedule. Not
+    part of what the run computes, they are neither recorded nor compared (a run that recorded one resumes)."""
+    unread = {"momentum"} if flags.get("optimizer", "sgd") not in ("sgd", "rmsprop") else set()
+    unread |= {"step_size"} if flags.get("scheduler") == "cosine" else set()
+    return {k: v for k, v in flags.items() if k not in unread}
+
+
+def unread(args, argv):
+    """A recipe flag typed in `argv` with a value the recipe it selects never reads (used()), as a usage error's
+    words; else None: --momentum with adadelta or adam was trained without. A task's default for it is no one's
+    mistake: where the user picks another optimizer, the run goes on without it."""
+    dropped = vars(args).keys() - used(vars(args)).keys()
+    if "momentum" in dropped and args.momentum and given(argv, "--momentum"):
         return f"argument --momentum: {args.optimizer} has none (sgd's and rmsprop's): drop it, or --optimizer sgd"
-    if getattr(args, "step_size", 1) != 1 and args.scheduler == "cosine":
+    if "step_size" in dropped and args.step_size != 1 and given(argv, "--step-size"):
         return "argument --step-size: the cosine schedule takes no steps (--scheduler step's): drop it"
     return None
+
+
+def given(argv, flag):
+    """The values `flag` is given in `argv` as argparse reads it: in full or a prefix of it (--output), which argparse
+    takes where no other flag has it; the value after its `=`, else the next word (None after the last)."""
+    values = []
+    for word, after in zip(argv, [*argv[1:], None], strict=False):
+        name, attached, value = word.partition("=")
+        if len(name) > 2 and flag.startswith(name):
+            values.append(value if attached else after)
+    return values
 
 
 def number(kind, interval):

@@ -59,9 +59,11 @@ def with_own_modules(task):
 
 
 def defining(args):
-    """{dest: value} of the options that define what a run computes: all but options.FREE, the task's own too, as
-    plain values for the run's manifest (JSON). A cosine schedule's --epochs too: it decays to 0 over them."""
-    values = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in options.FREE}
+    """{dest: value} of the options that define what a run computes: all but options.FREE and a value the recipe
+    never reads (options.used()), the task's own too, as plain values for the run's manifest (JSON). A cosine
+    schedule's --epochs too: it decays to 0 over them."""
+    read = options.used(vars(args))
+    values = {k: str(v) if isinstance(v, Path) else v for k, v in read.items() if k not in options.FREE}
     # where the file lies may change; which task it is may not: its name and what it holds, as it was loaded
     source = args.task.source if isinstance(args.task, Task) else args.task.read_bytes()
     values["task"] = f"{args.task.name} (sha256 {hashlib.sha256(source).hexdigest()[:16]})"

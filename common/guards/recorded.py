@@ -14,7 +14,7 @@ import torch
 
 from common.checkpoint import SPLIT, unwrap
 from common.distributed import print0
-from common.guards import randomness
+from common.guards import options, randomness
 from common.guards.preflight import defining, same
 
 ANOTHER = "resume from another checkpoint, or with the model and --optimizer it was trained with"
@@ -22,7 +22,7 @@ ANOTHER = "resume from another checkpoint, or with the model and --optimizer it 
 
 def differs(run, args, fingerprint, verb="resume"):
     """Why the options, task or data this run was given are not those the manifest's `run` records, or None."""
-    now, flags = defining(args), run.get("flags", {})
+    now, flags = defining(args), options.used(run.get("flags", {}))  # recorded before an unread value was dropped
     if "(sha256 " not in str(flags.get("task", "(sha256 ")):  # recorded before the task's content was: its name
         now["task"] = args.task.name
     differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in flags.items() if not same(now.get(k), v)]
