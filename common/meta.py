@@ -26,8 +26,8 @@ def materialise(model, device, task):
     for name, m in model.named_modules():  # a constructor's buffer, a parametrisation's original
         if unset := [n for _, _, n, t in held(m) if id(t) not in done]:
             raise TypeError(
-                f"{name} ({type(m).__name__}) has tensors that no reset_parameters() sets "
-                f"({', '.join(unset)}) on the meta device: it keeps no constructor's values; "
+                f"{name or 'model'} ({type(m).__name__}) has tensors that no reset_parameters() "
+                f"sets ({', '.join(unset)}) on the meta device: it keeps no constructor's values; "
                 "set them in its reset_parameters() or init_weights(), or META = False in the task"
             )
     return model

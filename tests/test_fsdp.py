@@ -600,6 +600,15 @@ def test_every_tensor_starts_as_stage01s_or_is_named(make, unset):
         torch.testing.assert_close(found[name], value, rtol=0, atol=0, equal_nan=True, msg=name)
 
 
+def test_a_tensor_of_the_root_module_is_named_as_the_models():
+    """The root module's name is empty: its line began `(SetInConstructor) has tensors`, naming nothing."""
+    with torch.device("meta"):
+        model = SetInConstructor()
+    said = "model (SetInConstructor) has tensors that no reset_parameters() sets (n) on the meta device"
+    with pytest.raises(TypeError, match="^" + re.escape(said)):
+        meta.materialise(model, CPU, None)
+
+
 def test_a_file_of_weights_loads_over_a_model_initialised_first(tmp_path):
     """Stage 05 filled a model built on the meta device from the task's weights(args) file alone: a buffer no file
     holds (a non-persistent one, as a rotary embedding's frequencies) kept the memory to_empty() left (1.2e-33,
