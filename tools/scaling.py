@@ -94,7 +94,7 @@ def measure(folder, rows, target):
     """One run: world size, nodes, global batch, images/s, seconds to `target` % (None: not reached), flags,
     parameters (None: not recorded)."""
     run = recorded(folder)
-    flags = options.used(run.get("flags", {}))  # a value the recipe never read, recorded before: none
+    flags = options.used(run.get("flags", {}))  # no value its recipe never read (older runs recorded them)
     seconds = itertools.accumulate(r["epoch_seconds"] for r in rows)
     values = [r["test_metric"] if r.get("val_metric") is None else r["val_metric"] for r in rows]
     higher = rows[0]["better"] == "higher"

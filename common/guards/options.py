@@ -126,9 +126,12 @@ def used(flags):
     """`flags` ({dest: value}: a run's options, or a manifest's record of them) without the values the recipe they
     select never reads (recipes.py): --momentum but with sgd and rmsprop, --step-size with the cosine schedule. Not
     part of what the run computes, they are neither recorded nor compared (a run that recorded one resumes)."""
-    unread = {"momentum"} if flags.get("optimizer", "sgd") not in ("sgd", "rmsprop") else set()
-    unread |= {"step_size"} if flags.get("scheduler") == "cosine" else set()
-    return {k: v for k, v in flags.items() if k not in unread}
+    never = set()
+    if flags.get("optimizer", "sgd") not in ("sgd", "rmsprop"):
+        never.add("momentum")
+    if flags.get("scheduler") == "cosine":
+        never.add("step_size")
+    return {k: v for k, v in flags.items() if k not in never}
 
 
 def unread(args, argv):
