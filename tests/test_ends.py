@@ -261,6 +261,36 @@ def test_a_rank_that_cannot_hear_rank_0s_verdict_says_its_own(monkeypatch):
     assert said == "error: rank 1: --batch-size 64 is not a multiple of the world size 3" and not served
 
 
+def test_a_rank_that_arrived_first_names_the_launch_rank_0_found_unlike(monkeypatch):
+    """Rank 1 (SLURM_NTASKS 3) failed a check rank 0 says for all (--batch-size 64 by 3) and reached the store first,
+    so its launch was the one the others are compared with; rank 0 (SLURM_NTASKS 2) arrived next and named the launch
+    unlike, but rank 1 said its batch line (test_a_task_with_another_world_size_is_named_by_every_rank_at_once, in
+    CI): it had not read rank 0's line, or rank 0 ended with its store before rank 1 read it (held() counted rank 1
+    as done once it had told its own). Now rank 0 waits for the read, and rank 1 names the cause rank 0 found."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "100")
+    served = [store_of(100)[0]]
+    port = served[0].port
+
+    def rank_0_arrives():  # after rank 1 told its line; rank 0's watchdog tells its own and ends (Watchdog.say())
+        store = arrival.space(served[0])
+        wait_for(lambda: store.check(["failed/1"]), timeout=HANG)
+        store.set("failed/0", arrival.launched(store, 0, 2))
+        store.add("failures", 1)
+        arrival.held(store, 10, 2)
+        del store
+        served.clear()  # the store ends with rank 0's process
+
+    rank_0 = threading.Thread(target=rank_0_arrives, daemon=True)
+    rank_0.start()
+    line = "error: --batch-size 64 is the global batch: it must divide by the world size 3"
+    said = arrival.tell(Launch(1, 1, 3, "127.0.0.1", port), 5, line, alone=True)
+    rank_0.join(timeout=HANG)  # its store ends in this process, not in the interpreter's teardown
+    assert not served
+    assert said.startswith("error: rank 1: its launch differs from rank 0's: ") and "batch" not in said, said
+    assert "SLURM_NTASKS is 2 here but 3 on rank 1" in said, said
+
+
 def test_a_port_another_jobs_store_holds_is_named_as_such(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "100")

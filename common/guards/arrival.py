@@ -167,13 +167,17 @@ def tell(launch, timeout, line, alone):
         store.add("failures", 1)
         if unlike or not alone:
             return unlike
+        store.add("asking", 1)  # rank 0 keeps its store until this rank has read its line: settled()
         end = time.monotonic() + 3  # rank 0 met the same verdict, and says it for all?
         try:
             while not store.check(["failed/0"]) and time.monotonic() < end:
                 time.sleep(0.1)
-            return None if store.check(["failed/0"]) and store.get("failed/0").decode() == line[:500] else line
+            said = store.get("failed/0").decode() if store.check(["failed/0"]) else ""
+            store.add("asking", -1)
         except dist.DistError:  # rank 0 ended (its own verdict) before this rank read it: no one said this line
             return line
+        # rank 0 arrived after this rank and found its launch unlike this one's: that is the cause, not the verdict
+        return None if said == line[:500] else unlike_of(said, 0, launch.rank) or line
 
     said = within(8, say)
     if served is not None:
@@ -188,8 +192,15 @@ def unlike_peer(store, world_size):
     """Rank 0's line where another rank found its launch unlike rank 0's (launched()), or None."""
     for other in range(1, world_size):
         said = store.get(f"failed/{other}").decode() if store.check([f"failed/{other}"]) else ""
-        if UNLIKE in said or ANOTHER in said:
-            return f"error: rank 0: its launch differs from rank {other}'s: {said.removeprefix('error: ')}"
+        if said := unlike_of(said, other, 0):
+            return said
+    return None
+
+
+def unlike_of(said, other, rank):
+    """`rank`'s line where rank `other` said (`said`) that its launch is unlike this one's, or None."""
+    if UNLIKE in said or ANOTHER in said:
+        return f"error: rank {rank}: its launch differs from rank {other}'s: {said.removeprefix('error: ')}"
     return None
 
 
@@ -203,13 +214,19 @@ def held(store, seconds, world_size):
     that ends it (heard()) or told its own: one that arrives later finds the store and the line, not nothing that
     answers until --dist-timeout (a second task of rank 0, refused by the folder this one holds, told it first)."""
     end = time.monotonic() + seconds
-    while time.monotonic() < end and within(1, lambda: store.add("read", 0) + store.add("failures", 0) < world_size):
+    while time.monotonic() < end and within(1, lambda: settled(store) < world_size):
         time.sleep(0.1)
 
 
 def heeded(served):
     """How many other ranks read rank 0's failure, or failed at start-up themselves."""
-    return served.add("watchdog/read", 0) + served.add("watchdog/failures", 0) - 1
+    return settled(space(served)) - 1
+
+
+def settled(store):
+    """How many ranks read the failure that ends rank 0 (heard()) or told their own, less those that told one rank 0
+    may say for all and still wait to read whether it does (tell()): the store must outlive their read."""
+    return store.add("read", 0) + store.add("failures", 0) - store.add("asking", 0)
 
 
 def first_job(store):
