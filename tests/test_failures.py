@@ -504,6 +504,43 @@ def test_ctrl_c_saves_at_a_step_as_sigterm_does(workers, tiny_data, tmp_path):
     assert checkpoint(tmp_path)["epoch"] == epoch and checkpoint(tmp_path)["step"] == step > 0
 
 
+SEEN_LATE = """
+import os, signal, time
+import torch
+from torch.utils.data._utils import signal_handling
+from common.guards import failure, rails
+worker = os.fork()  # a DataLoader worker of this process, as torch registers and watches one
+if worker == 0:
+    time.sleep(60)
+    os._exit(0)
+signal_handling._set_worker_pids(1, (worker,))
+signal_handling._set_SIGCHLD_handler()
+class Reset(torch.utils.data.Dataset):  # reading from the worker broke the connection its end closed
+    def __len__(self):
+        return 1
+    def __getitem__(self, i):
+        raise ConnectionResetError(104, "Connection reset by peer")
+explain = failure.explain_task
+def late(err, guard):  # the kernel shows the worker's end (SIGCHLD) only now, as the failure is explained
+    os.kill(worker, signal.SIGKILL)
+    os.waitid(os.P_PID, worker, os.WEXITED | os.WNOWAIT)
+    return explain(err, guard)
+failure.explain_task = late
+def main(guard):
+    next(iter(torch.utils.data.DataLoader(Reset())))
+rails.run(main)
+"""
+
+
+def test_a_dataloader_workers_end_seen_as_the_failure_is_explained_is_named():
+    """A worker killed while it sent a batch: the loader met the broken connection first, and the kernel showed the
+    worker's end while the failure was being explained, where torch's SIGCHLD handler raised its own line. That
+    replaced the explanation: the run said "ConnectionResetError ... (at train.py:56)" (in CI, under load). The
+    handler is quiet from the failure on; the run asks torch's check of its workers itself (workers.lost())."""
+    out = python("-c", SEEN_LATE)
+    one_error(out, "DataLoader worker of this rank (pid ", ") ended (killed by signal: Killed)", "out-of-memory")
+
+
 @pytest.mark.slow
 def test_a_dataloader_worker_killed_is_named_with_the_fix(tiny_data, tmp_path):
     """The out-of-memory killer takes a worker: the run names it, the likely cause and --num-workers / --mem."""

@@ -14,6 +14,7 @@ may skip each of them: the training reads the same without. What each one holds 
   run(main)       any failure ends the run with one line instead of a traceback
 """
 
+import signal
 import threading
 import warnings
 
@@ -173,6 +174,9 @@ def run(main):
         main(guard)
         code = 0
     except BaseException as raised:
+        # first, and a call into C: torch's handler of a DataLoader worker's end (SIGCHLD) would raise its own line
+        # anywhere below, in place of this failure's; workers.lost() asks torch's check of the workers itself
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         err = raised
         try:
             signals.hold()  # the verdict is being reached: a stop now (torchrun's, for a rank that failed) waits for it
