@@ -278,8 +278,7 @@ def test_a_rank_that_arrived_first_names_the_launch_rank_0_found_unlike(monkeypa
         store.set("failed/0", arrival.launched(store, 0, 2))
         store.add("failures", 1)
         arrival.held(store, 10, 2)
-        del store
-        served.clear()  # the store ends with rank 0's process
+        served.clear()  # the store ends with rank 0's process (and its last reference, `store`, on return)
 
     rank_0 = threading.Thread(target=rank_0_arrives, daemon=True)
     rank_0.start()
