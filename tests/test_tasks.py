@@ -134,6 +134,14 @@ BAD = {  # a task file, and what its error line says is wrong
         HEAD + DATA + "def model(args):\n    return sequences.model(args).state_dict()\n",
         "not a torch.nn.Module",
     ),
+    "a model with no parameters": (
+        HEAD + DATA + "import torch\ndef model(args):\n    return torch.nn.Flatten()\n",
+        "model(args) has no parameter that requires a gradient",
+    ),
+    "a frozen model": (
+        HEAD + DATA + "def model(args):\n    return sequences.model(args).requires_grad_(False)\n",
+        "the loss depends on no parameter that requires a gradient: model(args) is frozen",
+    ),
 }
 
 
@@ -154,6 +162,16 @@ def test_a_wrong_task_file_is_one_line_naming_it(case, tmp_path):
     one_error(
         out, f"--task {task}", BAD.get(case, (None, "Is a directory" if case == "a folder" else "No such file"))[1]
     )
+
+
+@pytest.mark.slow
+def test_a_model_with_no_parameter_to_train_is_one_line_under_ddp_too(tmp_path):
+    """Stage 03's DDP refuses it before the optimizer does (stages 01 and 05), in torch's words, on every rank: the
+    task's model is named, once."""
+    task = tmp_path / "my_task.py"
+    task.write_text(BAD["a model with no parameters"][0])
+    out = launched(2, S03, *stage_args(REPO / "data", tmp_path / "out", "--task", task, "--epochs", 1))
+    one_error(out, f"--task {task}: model(args) has no parameter that requires a gradient")
 
 
 STOPS = (

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from common import distributed
+from common import distributed, optim
 from common.environment import is_rank0
 from common.guards import bounded, identity, ownership, safeload, samples, workers
 from common.guards.described import LIMIT, alike, line, message, place
@@ -205,6 +205,19 @@ def explain_task(err, guard):
     if isinstance(err, AttributeError) and err.name == "to" and "task.model(" in raised:  # a stage's model line
         what = type(err.obj).__name__
         return once(f"error: --task {guard.args.task}: model(args) returned a {what}, not a torch.nn.Module")
+    optimizer = any(f.filename == optim.__file__ for f in traceback.extract_tb(err.__traceback__))  # of model()'s
+    if "any parameter that requires a gradient" in message(err) or (  # DDP's, or the lesson's optimizer's
+        isinstance(err, ValueError) and "empty parameter list" in message(err) and optimizer
+    ):
+        return once(
+            f"error: --task {guard.args.task}: model(args) has no parameter that requires a gradient: nothing to train"
+        )
+    stepped = any(f.name == "train_step" for f in traceback.extract_tb(err.__traceback__))  # a stage's backward()
+    if "does not require grad and does not have a grad_fn" in message(err) and stepped:
+        return once(
+            f"error: --task {guard.args.task}: the loss depends on no parameter that requires a gradient: model(args) "
+            "is frozen, or its forward() or the task's loss() detaches (torch.no_grad(), .detach(), .item())"
+        )
     if isinstance(err, (TypeError, ValueError)) and "task.datasets(" in raised:  # unpacking what datasets() returned
         return once(
             f"error: --task {guard.args.task}: datasets(args) must return (training set, test set), two "
