@@ -502,3 +502,40 @@ def test_a_stop_while_a_failure_is_explained_leaves_its_one_line(tmp_path):
     stdout, stderr = proc.communicate(timeout=HANG)
     assert proc.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert stderr.startswith("error: ValueError: no such layer (at ") and stderr.count("\n") == 1, stderr
+
+
+PENDING = """
+import _thread, os, signal, socket, sys, threading, time
+from torch.utils.data._utils import signal_handling
+from common.guards import rails
+signum = getattr(signal, sys.argv[1])
+if signum == signal.SIGCHLD:  # a DataLoader worker of this process, ended: torch's handler raises its line
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})  # the kernel's own SIGCHLD: never delivered
+    if (worker := os.fork()) == 0:
+        time.sleep(60)
+        os._exit(0)
+    signal_handling._set_worker_pids(1, (worker,))
+    signal_handling._set_SIGCHLD_handler()
+    os.kill(worker, signal.SIGKILL)
+    os.waitid(os.P_PID, worker, os.WEXITED | os.WNOWAIT)
+def main(guard):  # the signal arrives while this rank waits in C (a collective's wait), which then fails
+    waiting, _ = socket.socketpair()
+    waiting.settimeout(1.0)
+    threading.Timer(0.2, _thread.interrupt_main, args=(signum,)).start()
+    waiting.recv(1)
+rails.run(main)
+"""
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGCHLD"])
+def test_a_signal_pending_as_main_fails_is_one_line(signum):
+    """A signal that arrived while a rank waited in C is raised as rails.run() begins its verdict: a stop raised
+    where nothing caught it, and torch's line for a DataLoader worker's end, printed tracebacks (the first in CI,
+    test_a_stop_while_ddp_is_constructed_is_one_line_on_every_rank). The stop is why the run ended; the worker's
+    end, which workers.lost() names where the loader failed, leaves this failure its line."""
+    out = python("-c", PENDING, signum)
+    assert "Traceback" not in out.stderr + out.stdout, out.stderr[-3000:]
+    if signum == "SIGTERM":
+        assert out.returncode == 143 and out.stderr.startswith("stopped by SIGTERM during start-up"), out
+    else:
+        one_error(out, "TimeoutError: timed out")

@@ -14,7 +14,6 @@ may skip each of them: the training reads the same without. What each one holds 
   run(main)       any failure ends the run with one line instead of a traceback
 """
 
-import signal
 import threading
 import warnings
 
@@ -174,15 +173,15 @@ def run(main):
         main(guard)
         code = 0
     except BaseException as raised:
-        # first, and a call into C: torch's handler of a DataLoader worker's end (SIGCHLD) would raise its own line
-        # anywhere below, in place of this failure's; workers.lost() asks torch's check of the workers itself
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         err = raised
-        try:
-            signals.hold()  # the verdict is being reached: a stop now (torchrun's, for a rank that failed) waits for it
-        except signals.Stopped as stop:  # one pending as main() failed, raised as hold() began: the stop is why (a
-            err = stop  # peer it stopped too broke the collective this rank was in: DDP's construction)
-            signals.hold()
+        while True:  # until hold() is done, a signal pending as main() failed is raised as it begins, once each:
+            try:
+                signals.hold()  # the verdict is being reached: a stop now (torchrun's, for a rank that failed) waits
+                break
+            except signals.Stopped as stop:  # the stop is why (a peer it stopped too broke the collective this
+                err = stop  # rank was in: DDP's construction)
+            except RuntimeError:  # torch's SIGCHLD handler: a DataLoader worker ended, which workers.lost() names
+                continue
         code, together = verdict(err, guard)
         if guard.watchdog is None and guard.args is not None and not isinstance(err, signals.Stopped):
             code = told(err, code, guard)

@@ -55,7 +55,10 @@ def stop_at_once():
 
 def hold():
     """While rails.run() reaches its verdict on a failure: a stop is noted, not raised into the code that
-    explains the failure (a traceback instead of its line); end() then ends the run with the status decided."""
+    explains the failure (a traceback instead of its line); end() then ends the run with the status decided.
+    Nor is torch's line for a DataLoader worker that ended (its SIGCHLD handler, which raises it wherever this
+    process is, in place of the failure's line): workers.lost() asks torch's check of the workers itself."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     for signum in STOPS:
         signal.signal(signum, signal.SIG_IGN if signal.getsignal(signum) is signal.SIG_IGN else noted)
 

@@ -43,7 +43,7 @@ def ended():
     """torch's line for a worker of this process that ended, waiting up to SHOWS seconds; "" if none did."""
     deadline = time.monotonic() + SHOWS
     while time.monotonic() < deadline:
-        try:  # its line, raised (rails.run() quieted its SIGCHLD handler, which raises it too)
+        try:  # its line, raised (signals.hold() quieted its SIGCHLD handler, which raises it too)
             _error_if_any_worker_fails()
             time.sleep(0.05)
         except RuntimeError as err:
