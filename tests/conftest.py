@@ -9,8 +9,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
-from helpers import REPO, TEST_SIZE, TRAIN_SIZE, free_port, launched, python, shared, stage_args, write_idx_subset
+from helpers import (
+    REPO,
+    TEST_SIZE,
+    TRAIN_SIZE,
+    free_port,
+    launched,
+    python,
+    shared,
+    spawn,
+    stage_args,
+    write_idx_subset,
+)
 
 CIFAR_BATCH = 8  # images per CIFAR file: 40 training images in CIFAR-10's five batches, 8 test images
 
@@ -111,7 +121,7 @@ def spawned(tiny_data, tmp_path_factory):
             ports = set()
             while len(ports) < 4:  # a port each: the checks' stores, one after another
                 ports.add(free_port())
-            mp.spawn(test_fsdp.spawned_checks, args=(2, sorted(ports), tiny_data, folder), nprocs=2)
+            spawn(test_fsdp.spawned_checks, (2, sorted(ports), tiny_data, folder), nprocs=2)
             Path(f"{folder}.done").touch()
     return folder
 

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parent.parent
 INJECT = str(REPO / "tests" / "inject")  # its sitecustomize.py injects faults from outside the stages
@@ -76,6 +77,20 @@ def clean_env(**extra):
 
 def stage_args(data_dir, output_dir, *extra):
     return ["--data-dir", str(data_dir), "--output-dir", str(output_dir), "--num-workers", "0", *map(str, extra)]
+
+
+def spawn(fn, args, nprocs):
+    """mp.spawn(fn, args, nprocs=nprocs), each process ending as a run that succeeded ends (common/guards/ending.py):
+    flushed, then os._exit(0), without the interpreter's teardown, where gloo's thread can abort a process that
+    did its work (SIGABRT, "terminate called without an active exception": a rank of test_compile.py, once)."""
+    mp.spawn(ended, args=(fn, *args), nprocs=nprocs)
+
+
+def ended(rank, fn, *args):
+    fn(rank, *args)  # an error: the traceback and status 1, which mp.spawn raises as it does
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 def run(cmd, env=None, timeout=HANG, cwd=REPO):

@@ -6,8 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import S01, checkpoint, free_port, metrics, one_error, python, stage_args
+from helpers import S01, checkpoint, free_port, metrics, one_error, python, spawn, stage_args
 from test_equivalence import ARGS, BATCH, CPU, RUN, STEPS, model_without_dropout, stage, step
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -63,7 +62,7 @@ def both(rank, world_size, port, data_dir, name, result):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, world_size", [("01_single_gpu", 1), ("03_ddp_single_node", 2), ("05_fsdp", 2)])
 def test_compiled_training_equals_eager_within_tolerance(name, world_size, tiny_data, tmp_path):
-    mp.spawn(both, args=(world_size, free_port(), tiny_data, name, tmp_path / "r.pt"), nprocs=world_size)
+    spawn(both, (world_size, free_port(), tiny_data, name, tmp_path / "r.pt"), nprocs=world_size)
     found = torch.load(tmp_path / "r.pt", weights_only=True)
     (eager_loss, eager), (compiled_loss, compiled) = found[False], found[True]
     torch.testing.assert_close(compiled_loss, eager_loss, **TOLERANCE)

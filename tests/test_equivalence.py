@@ -8,9 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from helpers import REPO, S03, S05, TEST_SIZE, free_port, launched, stage_args
+from helpers import REPO, S03, S05, TEST_SIZE, free_port, launched, spawn, stage_args
 from no_guard import NoGuard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data.distributed import DistributedSampler
@@ -79,7 +78,7 @@ def ddp_rank(rank, world_size, port, data_dir, runs):
 
 def test_two_ranks_with_half_batches_equal_one_process(tiny_data, tmp_path):
     """DDP over 2 ranks with B/2 each ends with the parameters of one process with batch B."""
-    mp.spawn(ddp_rank, args=(2, free_port(), tiny_data, [(tmp_path / "ddp.pt", OPTIONS)]), nprocs=2)
+    spawn(ddp_rank, (2, free_port(), tiny_data, [(tmp_path / "ddp.pt", OPTIONS)]), nprocs=2)
     loader = loaders.loader(data.dataset(tiny_data, "mnist", train=True), range(BATCH * STEPS), BATCH, CPU, ARGS)
     model = model_without_dropout()
     stage("01_single_gpu").train(step(model), loader, 1, metrics.Sums.zeros(CPU), ARGS, RUN)

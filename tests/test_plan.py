@@ -9,8 +9,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers import HANG, REPO, free_port, run, shared
+from helpers import HANG, REPO, free_port, run, shared, spawn
 from test_equivalence import ARGS, RUN, stage, step
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -71,7 +70,7 @@ def measured_at(request, tmp_path_factory):
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not out.exists():
                 part = out.with_name(f"{out.name}.{os.getpid()}")
-                mp.spawn(held, args=(4, free_port(), [4, "2x2"], part), nprocs=4)
+                spawn(held, (4, free_port(), [4, "2x2"], part), nprocs=4)
                 part.replace(out)
         return torch.load(out, weights_only=True)[str(size)]
 
