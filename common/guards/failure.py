@@ -205,14 +205,15 @@ def explain_task(err, guard):
     if isinstance(err, AttributeError) and err.name == "to" and "task.model(" in raised:  # a stage's model line
         what = type(err.obj).__name__
         return once(f"error: --task {guard.args.task}: model(args) returned a {what}, not a torch.nn.Module")
-    optimizer = any(f.filename == optim.__file__ for f in traceback.extract_tb(err.__traceback__))  # of model()'s
+    frames = traceback.extract_tb(err.__traceback__)
+    optimizer = any(f.filename == optim.__file__ for f in frames)  # the lesson's, of model()'s parameters
     if "any parameter that requires a gradient" in message(err) or (  # DDP's, or the lesson's optimizer's
         isinstance(err, ValueError) and "empty parameter list" in message(err) and optimizer
     ):
         return once(
             f"error: --task {guard.args.task}: model(args) has no parameter that requires a gradient: nothing to train"
         )
-    stepped = any(f.name == "train_step" for f in traceback.extract_tb(err.__traceback__))  # a stage's backward()
+    stepped = any(f.name == "train_step" for f in frames)  # a stage's backward()
     if "does not require grad and does not have a grad_fn" in message(err) and stepped:
         return once(
             f"error: --task {guard.args.task}: the loss depends on no parameter that requires a gradient: model(args) "
