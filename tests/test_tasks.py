@@ -30,7 +30,8 @@ from helpers import (
 )
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
 
-from common.guards import check, samples
+from common.guards import check, logits, samples
+from common.guards.ending import Refusal
 from common.metrics import Epoch, Sums
 from common.tasks import sequences
 
@@ -142,7 +143,56 @@ BAD = {  # a task file, and what its error line says is wrong
         HEAD + DATA + "def model(args):\n    return sequences.model(args).requires_grad_(False)\n",
         "the loss depends on no parameter that requires a gradient: model(args) is frozen",
     ),
+    "a model that ends in a softmax": (  # trained on another loss than the one it reported, with an accuracy
+        HEAD
+        + DATA
+        + "import torch\ndef model(args):\n    return torch.nn.Sequential(sequences.model(args), torch.nn.Softmax(1))\n",
+        "model(args) returns a softmax's probabilities, but the default loss, cross-entropy, takes logits",
+    ),
 }
+
+
+class Ends(torch.nn.Module):
+    def __init__(self, end):
+        super().__init__()
+        self.fc, self.end = torch.nn.Conv2d(3, 4, 1), end
+
+    def forward(self, x):
+        return self.end(self.fc(x).mean((2, 3)) if x.shape[-1] == 1 else self.fc(x))
+
+
+SOFTMAXES = {  # what a model ends in: refused for outputs (B, C), and (B, C, H, W)? Cross-entropy's classes: dim 1
+    "nn.Softmax": (torch.nn.Softmax(dim=1), (True, True)),
+    "F.softmax": (lambda x: torch.nn.functional.softmax(x, dim=1), (True, True)),
+    "its implicit dim": (lambda x: torch.nn.functional.softmax(x), (True, True)),  # 1, for 2-D and 4-D alike
+    "Tensor.softmax(-1)": (lambda x: x.softmax(-1), (True, False)),  # the last dim: a (B, C, H, W)'s is W
+    "torch.softmax": (lambda x: torch.softmax(x, 1), (True, True)),
+    "log_softmax": (lambda x: torch.nn.functional.log_softmax(x, 1), (False, False)),
+    "logits": (lambda x: x, (False, False)),
+    "a softmax, then its log": (lambda x: x.softmax(1).log(), (False, False)),
+    "a softmax over the batch": (lambda x: x.softmax(0), (False, False)),
+}
+
+
+@pytest.mark.parametrize("spatial", [False, True], ids=["(B, C)", "(B, C, H, W)"])
+@pytest.mark.parametrize("end", SOFTMAXES)
+def test_a_model_that_returns_a_softmax_is_refused_under_the_default_loss_alone(end, spatial):
+    """Cross-entropy reads its input as logits: a softmax's probabilities trained on another loss than the one
+    reported, unsaid. Found on the meta device from what the model returns, before the first step: never a softmax
+    inside it, nor for a task with a loss() of its own, nor for a model that cannot run on meta."""
+    module, refused = SOFTMAXES[end]
+    task, args = argparse.Namespace(model=lambda args: Ends(module)), argparse.Namespace(task="t.py")
+    batch = (torch.zeros(2, 3, 5, 5) if spatial else torch.zeros(2, 3, 1, 1), torch.zeros(2, dtype=torch.long))
+    if refused[spatial]:
+        with pytest.raises(Refusal) as said:
+            logits.check(args, task, batch)
+        assert said.value.code.startswith("error: --task t.py: model(args) returns a softmax's probabilities")
+    else:
+        assert logits.check(args, task, batch) is None
+    task.loss = torch.nn.functional.nll_loss  # its own loss: whatever its model returns
+    assert logits.check(args, task, batch) is None
+    task = argparse.Namespace(model=lambda args: Ends(lambda x: torch.softmax(x, 1) if x.sum() > 0 else x))
+    assert logits.check(args, task, batch) is None  # a value on meta: none to read, and no refusal
 
 
 EVERYDAY = {"a missing file", "a syntax error", "a model that is no Module"}  # the others: make test-all

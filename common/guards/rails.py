@@ -15,12 +15,14 @@ may skip each of them: the training reads the same without. What each one holds 
 """
 
 import threading
+import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from common import cli, distributed
+from common.environment import is_rank0
 from common.guards import (
     arrival,
     check,
@@ -42,6 +44,8 @@ from common.guards.ending import Refusal, end
 from common.guards.progress import Progress
 from common.guards.saving import Saving
 from common.guards.watchdog import Watchdog
+
+RULED = 10  # seconds a rank that ends with rank 0's line waits for rank 0 to reach it (Guard.close())
 
 
 class Guard:
@@ -154,9 +158,20 @@ class Guard:
         """Before --save-model's export (every rank): the folder and its lock still those rank 0 took."""
         identity.check_held(self.hold)
 
-    def close(self, together):
+    def close(self, together, code=0):
         """Stop the heartbeat; with `together`, rank 0 (which serves the store, past the process group's end)
-        waits until every rank has left."""
+        waits until every rank has left, and a rank that ends with rank 0's line (status 1) until rank 0 has reached
+        it, at most RULED seconds: torchrun stops every rank as the first one ends, and rank 0, stopped before its
+        verdict, named the stop and not the cause it was about to say."""
+        store, follows = self.watchdog and self.watchdog.store, together and code == 1 and not is_rank0()
+        try:
+            if store and is_rank0():
+                store.set("ruled", "")  # from its verdict on a stop waits (signals.hold())
+            end = time.monotonic() + RULED
+            while store and follows and not store.check(["ruled"]) and time.monotonic() < end:
+                time.sleep(0.05)
+        except dist.DistError:  # rank 0's store is gone, and rank 0 with it
+            pass
         if self.watchdog:
             self.watchdog.leave(together)
 
@@ -185,7 +200,7 @@ def run(main):
         code, together = verdict(err, guard)
         if guard.watchdog is None and guard.args is not None and not isinstance(err, signals.Stopped):
             code = told(err, code, guard)
-    guard.close(together)
+    guard.close(together, code)
     end(code, joined=guard.watchdog is not None)
 
 
