@@ -383,7 +383,7 @@ def test_a_failure_of_rank_0_alone_in_stage05_is_one_line_on_rank_1(tmp_path):
     assert any("rank 0: RuntimeError: no such layer" in line for line in errors(ours)), out.stderr[-3000:]
 
 
-LATE = """import os, time
+BEHIND = """import os, time
 from common.tasks import sequences
 add_arguments, model = sequences.add_arguments, sequences.model
 
@@ -400,8 +400,8 @@ def datasets(args):
 def test_a_verdict_rank_0_reaches_last_is_said_not_the_stop_torchrun_sent_it(tmp_path):
     """Every rank refuses float labels under the default loss, and rank 0 says it for all. Rank 1, there first, ended
     with status 1 at once; torchrun stopped rank 0 before its verdict, and the one line was "stopped by SIGTERM during
-    start-up": the cause unsaid. A rank that ends with rank 0's line waits for rank 0 to reach it (Guard.close())."""
-    args = stage_args(REPO / "data", tmp_path / "out", "--task", task(tmp_path, LATE), "--epochs", 1)
+    start-up": the cause unsaid. A rank that ends with rank 0's line waits for rank 0 to reach it (rails.ruled())."""
+    args = stage_args(REPO / "data", tmp_path / "out", "--task", task(tmp_path, BEHIND), "--epochs", 1)
     out = subprocess.run(
         torchrun_cmd(2, S03, *args), env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=120
     )

@@ -45,7 +45,7 @@ from common.guards.progress import Progress
 from common.guards.saving import Saving
 from common.guards.watchdog import Watchdog
 
-RULED = 10  # seconds a rank that ends with rank 0's line waits for rank 0 to reach it (Guard.close())
+RULED = 10  # seconds a rank that ends with rank 0's line waits for rank 0 to reach it (ruled())
 
 
 class Guard:
@@ -158,20 +158,9 @@ class Guard:
         """Before --save-model's export (every rank): the folder and its lock still those rank 0 took."""
         identity.check_held(self.hold)
 
-    def close(self, together, code=0):
+    def close(self, together):
         """Stop the heartbeat; with `together`, rank 0 (which serves the store, past the process group's end)
-        waits until every rank has left, and a rank that ends with rank 0's line (status 1) until rank 0 has reached
-        it, at most RULED seconds: torchrun stops every rank as the first one ends, and rank 0, stopped before its
-        verdict, named the stop and not the cause it was about to say."""
-        store, follows = self.watchdog and self.watchdog.store, together and code == 1 and not is_rank0()
-        try:
-            if store and is_rank0():
-                store.set("ruled", "")  # from its verdict on a stop waits (signals.hold())
-            end = time.monotonic() + RULED
-            while store and follows and not store.check(["ruled"]) and time.monotonic() < end:
-                time.sleep(0.05)
-        except dist.DistError:  # rank 0's store is gone, and rank 0 with it
-            pass
+        waits until every rank has left."""
         if self.watchdog:
             self.watchdog.leave(together)
 
@@ -200,8 +189,23 @@ def run(main):
         code, together = verdict(err, guard)
         if guard.watchdog is None and guard.args is not None and not isinstance(err, signals.Stopped):
             code = told(err, code, guard)
-    guard.close(together, code)
+    ruled(guard.watchdog and guard.watchdog.store, follows=together and code == 1)
+    guard.close(together)
     end(code, joined=guard.watchdog is not None)
+
+
+def ruled(store, follows):
+    """Rank 0 notes in the store that it has reached its verdict; a rank that `follows` it (ends with rank 0's line,
+    status 1) waits for that, at most RULED seconds: torchrun stops every rank as the first one ends, and rank 0,
+    stopped before its verdict, named the stop, not the cause it was about to say."""
+    try:
+        if store and is_rank0():
+            store.set("ruled", "")  # from its verdict on, a stop waits (signals.hold())
+        end = time.monotonic() + RULED
+        while store and follows and not is_rank0() and not store.check(["ruled"]) and time.monotonic() < end:
+            time.sleep(0.05)
+    except dist.DistError:  # rank 0's store is gone, and rank 0 with it
+        pass
 
 
 def told(err, code, guard):
