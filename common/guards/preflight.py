@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
-from torch.utils.data import IterableDataset, default_collate
+from torch.utils.data import IterableDataset
 
 from common import data
 from common.environment import is_rank0
-from common.guards import logits, options, samples
+from common.guards import options, samples
 from common.guards.bounded import regular_file
 from common.guards.ending import stop
 from common.options import loaders
@@ -161,8 +161,6 @@ def check_datasets(args, task, *datasets):
                 f"first item fails that ({type(err).__name__}: {str(err)[:200]})"
             )
         samples.check_collate(args, task, name, drawn(found, range(min(len(found), 2))))
-    training, collate = datasets[0], getattr(task, "collate", default_collate)  # its first sample, as trained on:
-    logits.check(args, task, training[[0]] if isinstance(training, data.Images) else collate(drawn(training, [0])))
     if args.loader == "device" and not all(isinstance(d, data.Images) for d in datasets):
         stop(
             f"error: --loader device holds a data set of tensors (common/data.py Images) on the GPU; --task "

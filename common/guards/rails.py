@@ -32,6 +32,7 @@ from common.guards import (
     identity,
     launching,
     lock,
+    logits,
     preflight,
     randomness,
     recorded,
@@ -58,6 +59,7 @@ class Guard:
         self.hold = None  # the folder rank 0 took and its lock, by identity (identity.py)
         self.claimed = False  # the folder is this run's (resume()): a failure keeps its traceback there
         self.data, self.sizes = None, None  # the training set's fingerprint, the sets' sizes
+        self.default_loss = False  # the task has no loss() of its own: cross-entropy on the model's output
 
     @property
     def doing(self):
@@ -94,6 +96,7 @@ class Guard:
         self.args.task = preflight.Task.loaded(self.args.task, preflight.with_own_modules(task))
         preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.sizes = (len(train_set), len(val_set), len(test_set))  # what each epoch must count: check_epoch()
+        self.default_loss = not hasattr(task, "loss")
         samples.check_totals(self.args, task, self.sizes[1:])  # a task's totals: a row on every rank
         samples.check_weights(self.args, task)  # the task's file of whole weights, before it is trusted
         samples.check_meta_load(self.args, task)  # stage 05: weights model(args) loads itself are lost on meta
@@ -112,6 +115,8 @@ class Guard:
             preflight.check_shared(self.args.output_dir, self.lock)
         self.saving = Saving(self.args, states, sharded, self.watchdog, self.progress, self.hold)
         self.saving.catch()
+        if self.default_loss and not self.args.compile:  # compiled, a hook would change the graphs
+            logits.watch(states["model"], self.args.task)  # a softmax's output, at the first step
         parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
         world = dist.get_world_size() if dist.is_initialized() else 1  # changes the numbers, not the samples
         record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters, "world": world}
