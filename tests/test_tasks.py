@@ -147,7 +147,7 @@ BAD = {  # a task file, and what its error line says is wrong
         HEAD
         + DATA
         + "import torch\ndef model(args):\n    return torch.nn.Sequential(sequences.model(args), torch.nn.Softmax(1))\n",
-        "model(args) returns a softmax's probabilities, but the default loss, cross-entropy, takes logits",
+        "model(args) returns probabilities (a softmax's), but the default loss, cross-entropy, takes logits",
     ),
 }
 
@@ -171,13 +171,15 @@ SOFTMAXES = {  # what a model ends in: refused for outputs (B, C), and (B, C, H,
     "logits": (lambda x: x, (False, False)),
     "a softmax, then its log": (lambda x: x.softmax(1).log(), (False, False)),
     "a softmax over the batch": (lambda x: x.softmax(0), (False, False)),
+    "nn.Sigmoid": (torch.nn.Sigmoid(), (True, True)),  # probabilities too, each class's alone
+    "a sigmoid, then its log": (lambda x: x.sigmoid().log(), (False, False)),
 }
 
 
 @pytest.mark.filterwarnings("ignore:Implicit dimension choice for softmax")  # torch's, of a form models still use
 @pytest.mark.parametrize("spatial", [False, True], ids=["(B, C)", "(B, C, H, W)"])
 @pytest.mark.parametrize("end", SOFTMAXES)
-def test_a_model_that_returns_a_softmax_is_refused_at_its_first_training_forward(end, spatial):
+def test_a_model_that_returns_probabilities_is_refused_at_its_first_training_forward(end, spatial):
     """Cross-entropy reads its input as logits: a softmax's probabilities trained on another loss than the one
     reported, unsaid. What autograd recorded of the first training forward's output says so, before any backward;
     never a softmax inside the model, nor an evaluation's output (no graph), and the model is watched no more."""
@@ -189,7 +191,8 @@ def test_a_model_that_returns_a_softmax_is_refused_at_its_first_training_forward
     if refused[spatial]:
         with pytest.raises(Refusal) as said:
             model(x)
-        assert said.value.code.startswith("error: --task t.py: model(args) returns a softmax's probabilities")
+        made = "a sigmoid's" if "igmoid" in end else "a softmax's"
+        assert said.value.code.startswith(f"error: --task t.py: model(args) returns probabilities ({made})")
     else:
         model(x)
     assert not model._forward_hooks  # one look, then none: no cost a step
