@@ -116,7 +116,7 @@ class Guard:
         self.saving = Saving(self.args, states, sharded, self.watchdog, self.progress, self.hold)
         self.saving.catch()
         if self.default_loss and not self.args.compile:  # compiled, a hook would change the graphs
-            logits.watch(states["model"], self.args.task)  # a softmax's output, at the first step
+            logits.watch(states["model"], self.args.task)  # probabilities out (a softmax, a sigmoid): its first step
         parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
         world = dist.get_world_size() if dist.is_initialized() else 1  # changes the numbers, not the samples
         record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters, "world": world}
