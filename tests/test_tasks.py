@@ -161,7 +161,7 @@ class Ends(torch.nn.Module):
         return self.end(self.fc(x).mean((2, 3)) if x.shape[-1] == 1 else self.fc(x))
 
 
-SOFTMAXES = {  # what a model ends in: refused for outputs (B, C), and (B, C, H, W)? Cross-entropy's classes: dim 1
+ENDINGS = {  # what a model ends in: refused for outputs (B, C), and (B, C, H, W)? Cross-entropy's classes: dim 1
     "nn.Softmax": (torch.nn.Softmax(dim=1), (True, True)),
     "F.softmax": (lambda x: torch.nn.functional.softmax(x, dim=1), (True, True)),
     "its implicit dim": (lambda x: torch.nn.functional.softmax(x), (True, True)),  # 1, for 2-D and 4-D alike
@@ -178,12 +178,12 @@ SOFTMAXES = {  # what a model ends in: refused for outputs (B, C), and (B, C, H,
 
 @pytest.mark.filterwarnings("ignore:Implicit dimension choice for softmax")  # torch's, of a form models still use
 @pytest.mark.parametrize("spatial", [False, True], ids=["(B, C)", "(B, C, H, W)"])
-@pytest.mark.parametrize("end", SOFTMAXES)
+@pytest.mark.parametrize("end", ENDINGS)
 def test_a_model_that_returns_probabilities_is_refused_at_its_first_training_forward(end, spatial):
     """Cross-entropy reads its input as logits: a softmax's probabilities trained on another loss than the one
     reported, unsaid. What autograd recorded of the first training forward's output says so, before any backward;
     never a softmax inside the model, nor an evaluation's output (no graph), and the model is watched no more."""
-    module, refused = SOFTMAXES[end]
+    module, refused = ENDINGS[end]
     model, x = Ends(module), torch.zeros(2, 3, 5, 5) if spatial else torch.zeros(2, 3, 1, 1)
     logits.watch(model, "t.py")
     with torch.no_grad():
