@@ -44,6 +44,7 @@ from common.guards import (
 from common.guards.ending import Refusal, end
 from common.guards.progress import Progress
 from common.guards.saving import Saving
+from common.guards.waits import within
 from common.guards.watchdog import Watchdog
 
 RULED = 10  # seconds a rank that ends with rank 0's line waits for rank 0 to reach it (ruled())
@@ -202,15 +203,13 @@ def run(main):
 def ruled(store, follows):
     """Rank 0 notes in the store that it has reached its verdict; a rank that `follows` it (ends with rank 0's line,
     status 1) waits for that, at most RULED seconds: torchrun stops every rank as the first one ends, and rank 0,
-    stopped before its verdict, named the stop, not the cause it was about to say."""
-    try:
-        if store and is_rank0():
-            store.set("ruled", "")  # from its verdict on, a stop waits (signals.hold())
-        end = time.monotonic() + RULED
-        while store and follows and not is_rank0() and not store.check(["ruled"]) and time.monotonic() < end:
-            time.sleep(0.05)
-    except dist.DistError:  # rank 0's store is gone, and rank 0 with it
-        pass
+    stopped before its verdict, named the stop, not the cause it was about to say. Each store call is bounded, and
+    a store gone (rank 0 with it) ends the wait (waits.within())."""
+    if store and is_rank0():
+        within(1, lambda: store.set("ruled", ""))  # from its verdict on, a stop waits (signals.hold())
+    end = time.monotonic() + RULED
+    while store and follows and time.monotonic() < end and within(1, lambda: not store.check(["ruled"])):
+        time.sleep(0.05)
 
 
 def told(err, code, guard):
