@@ -2,6 +2,7 @@
 defined by, and `python -m common.guards.check` as the job scripts' check before torchrun."""
 
 import hashlib
+import inspect
 import os
 import pickle
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import HANG, S01, S03, S05, clean_env, run
 
 from common import cli
@@ -81,7 +83,7 @@ def test_a_recipe_flag_the_recipe_never_reads_is_refused(argv, said, capsys):
     or it is left at its default, it runs."""
     err = refused(argv, capsys)
     assert err.startswith(f"error: {said}") and err.count("\n") == 1, err
-    parse(["--optimizer", "rmsprop", "--momentum", "0.9", "--scheduler", "cosine", "--step-size", "1"])
+    parse(["--optimizer", "rmsprop", "--lr", "0.01", "--momentum", "0.9", "--scheduler", "cosine", "--step-size", "1"])
 
 
 SGD_BY_DEFAULT = """
@@ -90,7 +92,7 @@ from common.tasks.images import add_arguments as images, check, datasets, model
 
 def add_arguments(group):
     images(group)
-    group.set_defaults(optimizer="sgd", momentum=0.9)
+    group.set_defaults(optimizer="sgd", momentum=0.9, lr=0.05)
 """
 
 
@@ -109,6 +111,46 @@ def test_a_recipe_value_a_task_sets_and_its_optimizer_never_reads_runs_and_is_no
     state = {"epoch": 1, "step": 0}
     assert recorded.mismatch(older, state, parse([]), None) is None
     assert "--lr 1.0 (now 0.5)" in recorded.mismatch(older, state, parse(["--lr", "0.5"]), None)  # the rest compared
+
+
+RATE_BY_THE_TASK = """
+from common.tasks.images import add_arguments as images, check, datasets, model
+
+
+def add_arguments(group):
+    images(group)
+    group.add_argument("--lr-warmup", type=float, default=0.0)  # a task's flag that --lr is a prefix of
+    group.set_defaults(optimizer="{}"{})
+"""
+
+
+@pytest.mark.parametrize(
+    "name, argv, task",
+    [
+        ("adam", ["--optimizer", "adam"], "adadelta"),
+        ("sgd", ["--optimizer=sgd", "--lr-scaling", "sqrt"], "adadelta"),
+        ("rmsprop", ["--optimizer", "rmsprop", "--lr-warmup", "1.0"], "adadelta"),
+        ("adam", [], "adam"),  # the task's default optimizer, at no rate of its own
+    ],
+)
+def test_another_optimizer_at_adadeltas_rate_nobody_gave_is_refused(name, argv, task, tmp_path, capsys):
+    """--optimizer adam (or rmsprop, sgd; a flag's or the task's) without --lr trained at the lesson's 1.0, Adadelta's
+    rate: Adam's loss in the millions, logged and saved as a run. One line naming the optimizer's own default rate;
+    a rate typed, 1.0 too, or the task's own, runs."""
+    path = tmp_path / "task.py"
+    path.write_text(RATE_BY_THE_TASK.format(task, ""))
+    err = refused(["--task", str(path), *argv], capsys)
+    assert err == (
+        f"error: argument --optimizer: {name} at --lr's default, 1.0, which is Adadelta's rate: give {name}'s own with "
+        f"--lr (torch's default for it: {options.TORCH_LR[name]:g}) (see --help)\n"
+    )
+    for rate, lr in ((["--lr", "1.0"], 1.0), (["--lr=0.001"], 0.001), (["--lr", "0.5", "--lr-warmup", "1"], 0.5)):
+        assert parse(["--task", str(path), *argv, *rate]).lr == lr
+    path.write_text(RATE_BY_THE_TASK.format(task, ", lr=0.01"))
+    assert parse(["--task", str(path), *argv]).lr == 0.01
+    assert parse(["--optimizer", "adadelta"]).lr == options.LESSON_LR == cli.parser(S01).get_default("lr")
+    optimizers = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop, "sgd": torch.optim.SGD}
+    assert options.TORCH_LR == {k: inspect.signature(c).parameters["lr"].default for k, c in optimizers.items()}
 
 
 def test_every_number_has_a_range():
@@ -200,7 +242,7 @@ def test_defining_values_and_the_cosine_rule():
     assert preflight.defining(large)["grad_accum"] == 2 and set(preflight.defining(large)) == set(step) | {"grad_accum"}
     cosine = preflight.defining(parse(["--epochs", "3", "--scheduler", "cosine"]))
     assert cosine == {k: v for k, v in step.items() if k != "step_size"} | {"scheduler": "cosine", "epochs": 3}
-    assert preflight.defining(parse(["--optimizer", "sgd", "--momentum", "0.9"]))["momentum"] == 0.9
+    assert preflight.defining(parse(["--optimizer", "sgd", "--lr", "0.01", "--momentum", "0.9"]))["momentum"] == 0.9
     assert all(type(value) in (str, int, float, bool, type(None)) for value in cosine.values())  # weights_only loads
 
 

@@ -160,7 +160,8 @@ def check_args(args, warn=True, gpus=None, argv=None):
     run would use, where torch is loaded to count them (a stage, its --check too), else None; then the data
     files are checked too."""
     argv = sys.argv[1:] if argv is None else argv  # the command line as typed: what the user gave, not a default
-    if problem := options.out_of_range(args) or options.unread(args, argv) or empty_path(argv):
+    problem = options.out_of_range(args) or options.unread(args, argv) or options.unset_rate(args, argv)
+    if problem := problem or empty_path(argv):
         usage(problem)  # the parser reads numbers and paths, each flag alone
     if args.sync_bn and gpus == 0:
         usage("--sync-bn needs GPUs (PyTorch's SyncBatchNorm runs on CUDA only) and this run has none: drop it on CPUs")

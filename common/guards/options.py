@@ -146,6 +146,24 @@ def unread(args, argv):
     return None
 
 
+# the lesson's --lr (common/cli.py): Adadelta's rate in pytorch/examples' recipe, not another optimizer's; and the
+# default rate of each other one in torch.optim, named where that rate is refused for them
+LESSON_LR = 1.0
+TORCH_LR = {"adam": 1e-3, "rmsprop": 1e-2, "sgd": 1e-3}
+
+
+def unset_rate(args, argv):
+    """Another optimizer than Adadelta (a flag's or the task's) at the lesson's --lr, which nobody gave, as a usage
+    error's words; else None: Adam, RMSprop or SGD at Adadelta's 1.0 trains, logs and saves numbers of a run nobody
+    meant (Adam's loss in the millions). A task that sets its own --lr, or a --lr typed (1.0 too), runs."""
+    if args.optimizer != "adadelta" and args.lr == LESSON_LR and not given(argv, "--lr"):
+        return (
+            f"argument --optimizer: {args.optimizer} at --lr's default, {LESSON_LR}, which is Adadelta's rate: give "
+            f"{args.optimizer}'s own with --lr (torch's default for it: {TORCH_LR[args.optimizer]:g})"
+        )
+    return None
+
+
 def given(argv, flag):
     """The values `flag` is given in `argv` as argparse reads it: in full or a prefix of it (--output), which argparse
     takes where no other flag has it; the value after its `=`, else the next word (None after the last)."""
