@@ -68,13 +68,17 @@ def refusal(err):
         return None
 
 
+# pathlib's files: one module to Python 3.12, a package from 3.13 (its read_bytes() in pathlib/_local.py)
+PATHLIB = (pathlib.__file__, *(os.path.join(d, "") for d in pathlib.__spec__.submodule_search_locations or ()))
+
+
 def loading_task(err):
     """Is `err` the failure to read the --task file itself (missing, a folder, a FIFO), not one of the task's own
     reads? cli.load_task()'s own read raised it (pathlib's, called from load_task()), or bounded.regular_file()
     before it, or Python's loader: the task never ran."""
     frames = traceback.extract_tb(err.__traceback__) if err.__traceback__ else []
-    raised, outside = frames[-1].filename if frames else "", [f for f in frames if f.filename != pathlib.__file__]
-    read = raised == pathlib.__file__ and outside and outside[-1].name == "load_task"  # not the task's, as it runs
+    raised, outside = frames[-1].filename if frames else "", [f for f in frames if not f.filename.startswith(PATHLIB)]
+    read = raised.startswith(PATHLIB) and outside and outside[-1].name == "load_task"  # not the task's, as it runs
     read = read or raised.startswith("<frozen importlib") or raised == bounded.__file__
     return isinstance(err, OSError) and bool(read)
 
