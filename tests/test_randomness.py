@@ -3,6 +3,7 @@ numpy or `random` in DataLoader workers resumes bit-identical, draws its own num
 --seed, the same with any number of workers; the fingerprint sees the data, not one draw; the repository's
 own data set is chosen by its type, and the banner names the workers that run."""
 
+import multiprocessing
 import random
 import signal
 from types import SimpleNamespace
@@ -14,7 +15,7 @@ from helpers import REPO, S01, S03, assert_same_state, checkpoint, clean_env, py
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2, stopped_and_resumed
 from torch.utils.data import Dataset
 
-from common import distributed, sampling
+from common import cli, distributed, sampling
 from common.guards import preflight, randomness
 from common.options import loaders
 
@@ -84,6 +85,39 @@ def test_each_sample_draws_its_own_numbers_from_the_seed_with_any_workers():
     assert one.unique().numel() == one.numel()  # no two samples, workers or generators draw alike
     assert torch.equal(draws(1, 2), one)  # 0 or 2 workers (each with a share of the batches): the same draws
     assert not torch.equal(draws(2, 2), one) and not torch.equal(draws(1, 2, epoch=2), one)  # per --seed, per epoch
+
+
+OWN_DATA_SET = """
+import torch
+from torch.utils.data import Dataset
+
+
+class Pairs(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.tensor([float(index)]), index % 2
+"""
+
+
+def test_a_data_set_class_of_the_task_reaches_the_workers_whatever_python_starts_processes_with(tmp_path):
+    """Python 3.14 starts processes from a fork server on Linux: a worker imports by name what it is handed, and the
+    task's module, read from --task FILE, has no name it can import (every worker died: "No module named 'task_t'",
+    a task's own data set trains with workers by default). Workers are forked, the task in them, whatever the
+    default; the samples are those of forked workers."""
+    path = tmp_path / "t.py"
+    path.write_text(OWN_DATA_SET)
+    task = cli.load_task(path)
+    options = SimpleNamespace(loader="batched", num_workers=1, seed=1)
+    default = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method("forkserver", force=True)  # 3.14's default on Linux
+    try:
+        loader = loaders.loader(task.Pairs(), range(8), 4, torch.device("cpu"), options)
+        batches = [(x.flatten().tolist(), y.tolist()) for x, y in loader]
+    finally:
+        multiprocessing.set_start_method(default, force=True)
+    assert batches == [([0.0, 1.0, 2.0, 3.0], [0, 1, 0, 1]), ([4.0, 5.0, 6.0, 7.0], [0, 1, 0, 1])]
 
 
 def masked(samples):
