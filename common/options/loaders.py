@@ -49,8 +49,8 @@ def loader(dataset, sampler, batch_size, device, args, collate=None):
     generator = torch.Generator().manual_seed(args.seed)
     pinned = device.type == "cuda"
     options = dict(num_workers=workers, pin_memory=pinned, persistent_workers=workers > 0)
-    # workers forked, as on Linux before Python 3.14: one that 3.14's fork server starts imports what
-    # it is handed by name, and the task's module (read from --task FILE) has no name it can import
+    # workers forked, as on Linux before Python 3.14: a worker that 3.14's fork server starts
+    # imports what it is handed by name, and the task's module (--task FILE's) has no such name
     if workers:
         options["multiprocessing_context"] = "fork"
     if isinstance(dataset, Images) and per_sample:  # classic
