@@ -178,12 +178,8 @@ def run(main):
     guard, together = Guard(), True  # together: every rank ends here alike, and rank 0 waits for the others
     signals.stop_at_once()  # until guard.resume(): nothing saved yet, nothing to lose
     threading.excepthook = failure.in_thread(guard)
-    try:
-        check.task_file()  # before the lesson reads it
-        main(guard)
-        code = 0
-    except BaseException as raised:
-        err = raised
+    err, code = signals.failure(lambda: (check.task_file(), main(guard))), 0  # the task file before the lesson
+    if err is not None:
         while True:  # until hold() is done, a signal pending as main() failed is raised as it begins, once each:
             try:
                 signals.hold()  # the verdict is being reached: a stop now (torchrun's, for a rank that failed) waits

@@ -53,6 +53,23 @@ def stop_at_once():
         signal.signal(signum, raise_stopped)
 
 
+def failure(call):
+    """What call() raised, or None. A signal pending as it fails (it arrived while the process waited in C, in a
+    collective that then failed) is raised where Python next looks for one: from 3.11 at the next call, which
+    rails.run() makes where it catches them (hold()); on 3.10 as the except clause below begins. There, a stop
+    stands for the failure, as in run() (the stop is why), and torch's SIGCHLD line leaves it its own."""
+    try:
+        try:
+            call()
+        except BaseException as raised:
+            return raised
+    except Stopped as stop:  # Python 3.10
+        return stop
+    except BaseException as late:  # Python 3.10: torch's SIGCHLD handler, raised while the failure was handled
+        return late.__context__ or late
+    return None
+
+
 def hold():
     """While rails.run() reaches its verdict on a failure: a stop is noted, not raised into the code that
     explains the failure (a traceback instead of its line); end() then ends the run with the status decided.
