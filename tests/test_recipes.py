@@ -74,6 +74,26 @@ def right_and_all(output, target):
     return torch.stack([(output.argmax(1) == target).sum().float(), torch.tensor(float(len(target)))])
 
 
+def test_a_task_metric_named_accuracy_is_the_stages_kind_or_one_line():
+    """"accuracy" is shown in %, counted right/all, and read so by --target and the tools: a figure of totals()
+    (right/all: "accuracy 359/640 (0.56%)"), a lower-is-better one, or a score() in % ("5609.38%", a target of 99
+    reached at once) was a plausible wrong number; a score() of shares, each sample's, is the stages' own."""
+    shares = task(metric=("accuracy", "higher"), score=lambda o, t: (o.argmax(1) == t).float())
+    assert metric_of(shares).value([3.0], 4) == pytest.approx(75.0)  # in %, as the default accuracy
+    for wrong in (
+        task(metric=("accuracy", "higher"), totals=right_and_all, figure=lambda t: t[0] / t[1]),
+        task(metric=("accuracy", "lower"), score=shares.score),
+    ):
+        with pytest.raises(ValueError, match=r'is not the stages\' accuracy, .*\("token_accuracy", "higher"\)'):
+            metric_of(wrong)
+    for percent in ([300.0], [-1.0]):  # score() gave 100 (or -1) a sample right: 7500 %, -25 %
+        with pytest.raises(ValueError, match=r"the task's accuracy came to -?\d+%: its score\(\) must give each"):
+            metric_of(shares).value(percent, 4)
+    assert metric_of(shares).value([float("nan")], 4) != metric_of(shares).value([float("nan")], 4)  # nan: logged
+    tokens = task(metric=("token_accuracy", "higher"), totals=right_and_all, figure=lambda t: t[0] / t[1])
+    assert metric_of(tokens).value([359.0, 640.0], 640) == pytest.approx(359 / 640)  # its own name: as it is
+
+
 def test_a_tasks_totals_are_summed_over_the_epoch_and_its_figure_taken_of_them():
     """Micro-F1, a data set's IoU, perplexity: a figure of the epoch's sums, which a mean of per-sample values
     is not; a row of another length, or not a float tensor, is one line."""

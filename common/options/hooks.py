@@ -11,6 +11,7 @@ from common.metrics import Metric
 from common.options import large, recipes
 
 OWN = {"metric", "loss", "throughput"}  # a task defining one is measured here
+ACCURACY = ("accuracy", "higher")  # the stages' own: the mean of each sample's share right, in %
 
 
 def metric(task, args):
@@ -19,10 +20,17 @@ def metric(task, args):
     loss() and no metric of its own: its mean loss, lower is better, never an accuracy. Its
     throughput(args), e.g. ("tokens", args.seq_len): what each sample counts, the speed's unit."""
     unit = throughput(task.throughput(args)) if hasattr(task, "throughput") else ("samples", 1)
+    own = getattr(task, "metric", None)
+    if own and own[0] == "accuracy" and (own != ACCURACY or hasattr(task, "totals")):
+        raise ValueError(
+            f"the task's metric {own} is not the stages' accuracy, the mean of each sample's share "
+            f"right (score()), higher is better, in %: name it after what it is, e.g. "
+            f'("token_accuracy", "higher") or ("error", "lower")'
+        )
     if hasattr(task, "totals"):
         return Totals(*task.metric, task.totals, task.figure, unit)
     if hasattr(task, "metric"):
-        return Metric(*task.metric, lambda out, y: per_sample(task.score(out, y), count(y)), unit)
+        return Mean(*task.metric, lambda out, y: per_sample(task.score(out, y), count(y)), unit)
     if hasattr(task, "loss"):
         return Metric("mean_loss", "lower", lambda output, y: task.loss(output, y) * count(y), unit)
     return Metric(unit=unit)
@@ -48,6 +56,21 @@ def per_sample(scores, samples):
             f"({samples},) for this batch, not {got}: the stages sum it and divide by the samples"
         )
     return scores.sum()
+
+
+class Mean(Metric):
+    """A task's score(), one value per sample: their mean. An accuracy's, each sample's share right,
+    in % as the stages' own; beyond 100 % it was a percentage or a count, which --target and the
+    tools would misread (a target of 99 reached at 5609 %): one line."""
+
+    def value(self, row, samples):
+        value = super().value(row, samples)
+        if self.name == "accuracy" and (value < 0 or value > 100):  # nan: logged as any metric's
+            raise ValueError(
+                f"the task's accuracy came to {value:.6g}%: its score() must give each sample's "
+                f"share right, from 0 to 1 (the stages show their mean in %), not a percentage"
+            )
+        return value
 
 
 class Totals:
