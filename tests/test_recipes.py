@@ -75,9 +75,10 @@ def right_and_all(output, target):
 
 
 def test_a_task_metric_named_accuracy_is_the_stages_kind_or_one_line():
-    """A metric named accuracy is shown in %, counted right/all, and read so by --target and the tools: a figure of totals()
-    (right/all: "accuracy 359/640 (0.56%)"), a lower-is-better one, or a score() in % ("5609.38%", a target of 99
-    reached at once) was a plausible wrong number; a score() of shares, each sample's, is the stages' own."""
+    """A metric named accuracy is shown in %, counted right/all, and read so by --target and the tools: a
+    figure of totals() (right/all: "accuracy 359/640 (0.56%)"), a lower-is-better one, or a score() in %
+    ("5609.38%", a target of 99 reached at once) was a plausible wrong number; a score() of each sample's share
+    right is the stages' own."""
     shares = task(metric=("accuracy", "higher"), score=lambda o, t: (o.argmax(1) == t).float())
     assert metric_of(shares).value([3.0], 4) == pytest.approx(75.0)  # in %, as the default accuracy
     for wrong in (
