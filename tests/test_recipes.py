@@ -4,6 +4,7 @@ line, its optimizer() and scheduler() (stepped per optimizer step), --clip-grad,
 refused. The examples of common/tasks/examples/ through the stages are the slow tests at the end."""
 
 import argparse
+import collections
 import contextlib
 import io
 import json
@@ -34,7 +35,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from common import data, optim
-from common.guards import preflight, samples
+from common.guards import preflight, pretrained, samples
 from common.metrics import Epoch, Log, Metric
 from common.options import hooks
 
@@ -215,11 +216,32 @@ def test_a_weights_file_that_does_not_fit_is_one_line_naming_the_keys(tmp_path):
     small = task(model=lambda args: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), weights=lambda a: path)
     args = argparse.Namespace(task=tmp_path / "task.py")
     with pytest.raises(SystemExit) as stop:
-        samples.check_weights(args, small)
+        pretrained.check_weights(args, small)
     said = stop.value.code
     assert "does not fit model(args): 2 mis-shaped (2.weight [10, 8] in the file, [3, 8] in the model" in said, said
     assert said.endswith('FRESH = ("fc.",)') and "\n" not in said
-    samples.check_weights(args, task(FRESH=("2.",), **vars(small)))  # the new head left fresh: it fits
+    pretrained.check_weights(args, task(FRESH=("2.",), **vars(small)))  # the new head left fresh: it fits
+
+
+def test_fresh_leaves_the_keys_it_names_and_a_prefix_naming_none_is_one_line(tmp_path):
+    """FRESH = "fc." (a string, not a tuple) was read as its letters: "c" left conv.* at its initialisation too,
+    untold; FRESH = ("head.",), naming no key, loaded the old head over the new one of the same shape, untold."""
+    path, layers = tmp_path / "whole.pt", {"conv": nn.Linear(4, 8), "relu": nn.ReLU(), "fc": nn.Linear(8, 3)}
+    torch.save(nn.Sequential(collections.OrderedDict(layers)).state_dict(), path)
+    fresh = nn.Sequential(collections.OrderedDict(layers | {"conv": nn.Linear(4, 8), "fc": nn.Linear(8, 3)}))
+    started = {k: v.clone() for k, v in fresh.state_dict().items()}
+    hooks.load_weights(fresh, path, hooks.kept_fresh(task(FRESH="fc.")))
+    assert torch.equal(fresh.conv.weight, layers["conv"].weight) and torch.equal(fresh.fc.weight, started["fc.weight"])
+    args, model = argparse.Namespace(task=tmp_path / "task.py"), lambda args: fresh
+    pretrained.check_weights(args, task(model=model, weights=lambda a: path, FRESH="fc."))  # it fits
+    for named, said in (
+        (("head.",), "has no key starting with FRESH's 'head.'"),
+        (("fc.", ""), "has every key starting with FRESH's ''"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            pretrained.check_weights(args, task(model=model, weights=lambda a: path, FRESH=named))
+        assert f"file {path} {said} (conv.weight, conv.bias, fc.weight, ...): name the keys" in stop.value.code
+        assert "\n" not in stop.value.code
 
 
 def test_a_weights_file_with_an_integer_or_a_nan_tensor_is_one_line_naming_it(tmp_path):
@@ -230,7 +252,7 @@ def test_a_weights_file_with_an_integer_or_a_nan_tensor_is_one_line_naming_it(tm
     torch.save(weights, path)
     args = argparse.Namespace(task=tmp_path / "task.py")
     with pytest.raises(SystemExit) as stop:
-        samples.check_weights(args, task(model=lambda args: model, weights=lambda a: path))
+        pretrained.check_weights(args, task(model=lambda args: model, weights=lambda a: path))
     said = stop.value.code
     assert f"weights(args) file {path} does not fit model(args): 1 not floating-point (0.bias torch.int64)" in said
     assert "1 not finite (2.weight)" in said and "FRESH" not in said and "\n" not in said, said
@@ -248,10 +270,10 @@ def test_a_model_that_loads_its_own_weights_is_refused_in_stage_05_pointing_to_w
 
     stage05 = argparse.Namespace(task=tmp_path / "task.py", full_shard=False)
     with pytest.raises(SystemExit) as stop:
-        samples.check_meta_load(stage05, task(model=loads_itself))
+        pretrained.check_meta_load(stage05, task(model=loads_itself))
     assert "model(args) loads weights itself" in stop.value.code and "weights(args)" in stop.value.code
-    samples.check_meta_load(stage05, task(model=lambda args: nn.Linear(4, 2)))  # built alone: no word
-    samples.check_meta_load(stage05, task(model=loads_itself, META=False))  # built whole: its weights kept
+    pretrained.check_meta_load(stage05, task(model=lambda args: nn.Linear(4, 2)))  # built alone: no word
+    pretrained.check_meta_load(stage05, task(model=loads_itself, META=False))  # built whole: its weights kept
 
 
 def test_every_stage_starts_from_weights_and_a_fresh_head_keeps_its_initialisation(tmp_path):

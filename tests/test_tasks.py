@@ -30,7 +30,7 @@ from helpers import (
 )
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
 
-from common.guards import check, logits, samples
+from common.guards import check, logits, pretrained, samples
 from common.guards.ending import Refusal
 from common.metrics import Epoch, Sums
 from common.tasks import sequences
@@ -362,10 +362,10 @@ def test_a_weights_file_is_checked_before_a_stage_reads_it(kind, named, stage, t
     task = argparse.Namespace(weights=lambda args: str(path))  # a str, as a task may return
     args = argparse.Namespace(task=tmp_path / "task.py", **({"full_shard": False} if stage == "05" else {}))
     if named is None:
-        samples.check_weights(args, task)
+        pretrained.check_weights(args, task)
         return
     with pytest.raises(SystemExit) as stop:
-        samples.check_weights(args, task)
+        pretrained.check_weights(args, task)
     said = stop.value.code
     assert said.startswith(f"error: --task {tmp_path / 'task.py'}: its weights(args) file {path} {named}"), said
     assert said.endswith(": give a torch.save'd state dict of the task's model") and "\n" not in said, said

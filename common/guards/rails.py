@@ -34,6 +34,7 @@ from common.guards import (
     lock,
     logits,
     preflight,
+    pretrained,
     randomness,
     recorded,
     rendezvous,
@@ -99,8 +100,8 @@ class Guard:
         self.sizes = (len(train_set), len(val_set), len(test_set))  # what each epoch must count: check_epoch()
         self.default_loss = not hasattr(task, "loss")
         samples.check_totals(self.args, task, self.sizes[1:])  # a task's totals: a row on every rank
-        samples.check_weights(self.args, task)  # the task's file of whole weights, before it is trusted
-        samples.check_meta_load(self.args, task)  # stage 05: weights model(args) loads itself are lost on meta
+        pretrained.check_weights(self.args, task)  # the task's file of whole weights, before it is trusted
+        pretrained.check_meta_load(self.args, task)  # stage 05: weights model(args) loads itself are lost on meta
         self.data = preflight.fingerprint(train_set)
 
     def resume(self, path, states, sharded=False):

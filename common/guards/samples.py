@@ -1,21 +1,15 @@
 """Guard rail: a task's samples and batches, named in one line where they do not fit: a collate() that fails
 (with the shapes it was given), a batch that is no (input, label) pair, a label the model has no output for, an
-epoch that counted fewer samples than its sets hold; and its file of whole weights, checked before stage 05 loads
-it."""
+epoch that counted fewer samples than its sets hold (its weights: pretrained.py)."""
 
 import re
-import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.data import default_collate
 
 from common.data import count
-from common.environment import is_rank0
-from common.guards.bounded import Refused, torch_file
 from common.guards.ending import stop
 
 
@@ -53,108 +47,6 @@ def check_totals(args, task, sizes):
             f"error: --task {args.task}: totals() need a sample on every rank: a split of {min(short)} samples at "
             f"{ranks} ranks; give it more samples (--limit, --val-fraction) or use fewer ranks"
         )
-
-
-def check_weights(args, task):
-    """The task's `weights(args)` file, which rank 0 alone reads at stage 05 (hooks.load_weights()): checked there
-    against what it declares, headers only, before it is trusted; a FIFO blocked rank 0 for ever, a file cut short
-    was torch's "central directory" error naming no file; keys that do not fit model(args) were torch's message, the
-    keys elided. Every rank ends with rank 0's verdict. Every stage starts from the file (common/options/hooks.py)."""
-    if not getattr(task, "weights", None):
-        return
-    path, problem = is_rank0() and task.weights(args), None
-    path = path and Path(path)
-    if path and not path.is_file():
-        problem = "does not exist" if not path.exists() else "is not a regular file (a FIFO, a socket or a device)"
-    elif path:
-        try:
-            torch_file(path)
-            found = torch.load(path, map_location="cpu", mmap=True, weights_only=True)  # mapped: no copy read
-        except (Refused, OSError) as err:
-            problem = f"is damaged or no file torch.save wrote ({str(err).removeprefix(str(path)).lstrip(': ')})"
-        except Exception as err:  # a pickle weights_only refuses: it may be planted
-            problem = f"cannot be loaded with weights_only=True ({type(err).__name__})"
-        else:
-            if not (isinstance(found, dict) and found and all(torch.is_tensor(v) for v in found.values())):
-                problem = "holds no state dict, names of tensors (a training checkpoint? --save-model writes one)"
-            elif misfit := misfits(found, task, args):
-                problem = f"does not fit model(args): {misfit}"
-    fix = "give a torch.save'd state dict of the task's model"
-    if problem and problem.startswith("does not fit") and not problem.endswith("a fault in the values"):
-        fix = 'name the keys to leave at their initialisation (a new head) in the task: FRESH = ("fc.",)'
-    box = [problem and f"error: --task {args.task}: its weights(args) file {path} {problem}: {fix}"]
-    if dist.is_initialized():
-        dist.broadcast_object_list(box)
-    if box[0]:
-        stop(box[0])
-
-
-class Loads(TorchFunctionMode):
-    """Notes a copy of values into a tensor on the meta device, which keeps none: a load_state_dict() lost."""
-
-    def __init__(self):
-        super().__init__()
-        self.lost = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.copy_ and args[0].is_meta and not args[1].is_meta:
-            self.lost = True
-        return func(*args, **(kwargs or {}))
-
-
-def check_meta_load(args, task):
-    """Stage 05 builds model(args) on the meta device (shapes, no values): weights that model(args) loads itself
-    (the torchvision idiom) were lost there, and the run trained from a random start, unsaid. One line instead."""
-    if not (hasattr(args, "full_shard") and getattr(task, "META", True)):
-        return
-    loads = Loads()
-    try:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"), loads, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch's own on a load onto meta: this line says it
-            task.model(args)
-    except Exception:  # the stage's own build names what fails
-        return
-    if loads.lost:
-        stop(
-            f"error: --task {args.task}: model(args) loads weights itself, which stage 05 would lose: it builds the "
-            "model on the meta device (shapes, no values) and would train from a random start: return the file from "
-            "weights(args) instead (rank 0 maps it, each rank receives its shards), or set META = False in the task"
-        )
-
-
-def misfits(found, task, args):
-    """The keys of `found` that do not fit model(args), built on the meta device (shapes alone), but FRESH's: the
-    first few missing, unexpected, mis-shaped, integer where the model's are floats, or holding a NaN or an
-    infinity, and their counts; None if it fits or cannot be built so."""
-    fresh = tuple(getattr(task, "FRESH", ()))
-    try:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = task.model(args).state_dict()
-    except Exception:  # its own load names what fails
-        return None
-    want = {k: list(t.shape) for k, t in model.items() if not k.startswith(fresh)}
-    got = {k: list(t.shape) for k, t in found.items() if not k.startswith(fresh)}
-    kinds = {
-        "missing": [k for k in want if k not in got],
-        "unexpected": [k for k in got if k not in want],
-        "mis-shaped": [
-            f"{k} {got[k]} in the file, {want[k]} in the model" for k in want if got.get(k, want[k]) != want[k]
-        ],
-        # loaded as they are, an integer tensor is rounded into the weights, a NaN trains as a diverged run
-        "not floating-point": [
-            f"{k} {found[k].dtype}"
-            for k in want
-            if k in got and model[k].is_floating_point() > found[k].is_floating_point()
-        ],
-        "not finite": [k for k in want if k in got and found[k].is_floating_point() and not found[k].isfinite().all()],
-    }
-    said = [
-        f"{len(keys)} {kind} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
-        for kind, keys in kinds.items()
-        if keys
-    ]
-    values = not any(kinds[kind] for kind in ("missing", "unexpected", "mis-shaped"))  # not a new head's
-    return "; ".join(said) + (": a fault in the values" if values else "") if said else None
 
 
 def check_collate(args, task, name, samples):

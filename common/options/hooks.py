@@ -116,7 +116,7 @@ def recipe(step, states, task, args):
     states.update(optimizer=optimizer, scheduler=recipes.scheduler(args, optimizer))
     step = step._replace(optimizer=optimizer)
     path = getattr(task, "weights", None) and task.weights(args)
-    fresh = tuple(getattr(task, "FRESH", ()))
+    fresh = kept_fresh(task)
     if path:  # over the initialised model: a tensor the file lacks keeps its start, as in stage 01
         load_weights(step.model, path, fresh)
     if getattr(args, "grad_accum", 1) > 1:
@@ -190,6 +190,13 @@ class Schedule:
             )
         self.inner.load_state_dict(state["inner"])
         self.used = state["used"]
+
+
+def kept_fresh(task):
+    """The task's FRESH, the first letters of the keys of weights(args)'s file left at their start:
+    a tuple or list of them, or one string (its letters were each one: "c" left conv1 too)."""
+    named = getattr(task, "FRESH", ())
+    return (named,) if isinstance(named, str) else tuple(named)
 
 
 def load_weights(model, path, fresh):

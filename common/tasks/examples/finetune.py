@@ -38,9 +38,7 @@ def datasets(args):
 
 def model(args):
     classes = len(torchvision.datasets.folder.find_classes(args.folder / "train")[0])
-    return torchvision.models.resnet18(
-        num_classes=classes
-    )  # weights: weights(args), in every stage
+    return torchvision.models.resnet18(num_classes=classes)  # weights: weights(args), every stage
 
 
 def weights(args):
