@@ -286,6 +286,26 @@ def test_every_stage_starts_from_weights_and_a_fresh_head_keeps_its_initialisati
     assert torch.equal(model[0].weight, torch.load(path)["0.weight"]) and torch.equal(model[2].weight, head)
 
 
+def test_a_tasks_optimizer_over_tensors_outside_its_model_is_one_line():
+    """optimizer(args, model) over a new model(args)'s parameters, a slip of names: the run stepped those, trained
+    nothing (loss 2.31, 9.84 % after two epochs) and said nothing."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    other = nn.Linear(4, 3)
+    for own, said in (
+        (lambda args, m: torch.optim.AdamW(other.parameters()), "holds 2 of its 2 tensors outside the model"),
+        (
+            lambda args, m: torch.optim.AdamW([*m.parameters(), other.bias]),
+            "holds 1 of its 5 tensors outside the model",
+        ),
+    ):
+        step, states, args = recipe_step(model)
+        with pytest.raises(ValueError, match=said + r" it is given: build it over that model's parameters"):
+            hooks.recipe(step, states, task(optimizer=own), args)
+    step, states, args = recipe_step(model)  # a part of the model's (a linear probe) is its own choice
+    step, _ = hooks.recipe(step, states, task(optimizer=lambda args, m: torch.optim.SGD(m[2].parameters())), args)
+    assert [len(g["params"]) for g in step.optimizer.param_groups] == [2]
+
+
 def test_stage_05_starts_from_weights_with_a_model_built_whole_too(tmp_path):
     """Stage 05 loads weights(args) into its model as every stage does, built on the meta device (and initialised)
     or whole on the CPU (META = False): one built whole was filled by nothing, and trained from its random start,

@@ -124,7 +124,7 @@ def recipe(step, states, task, args):
     if not (args.clip_grad or {"optimizer", "scheduler"} & vars(task).keys()):
         return step, states["scheduler"]
     optimizer = task.optimizer(args, unwrap(step.model)) if hasattr(task, "optimizer") else None
-    optimizer = optimizer or step.optimizer
+    optimizer = owned(optimizer, step.model) if optimizer else step.optimizer
     if hasattr(task, "scheduler"):
         inner, per_step = task.scheduler(args, optimizer), True
     elif optimizer is not step.optimizer:
@@ -137,6 +137,21 @@ def recipe(step, states, task, args):
     schedule = Schedule(optimizer, inner, per_step, args.clip_grad, unused)
     states.update(optimizer=optimizer, scheduler=schedule)
     return step._replace(optimizer=optimizer), schedule
+
+
+def owned(optimizer, model):
+    """The task's optimizer(), over the model's own parameters: one over a new model(args)'s stepped
+    those, and the run trained nothing, untold; a tensor outside the model is neither saved with it
+    nor kept alike on every rank."""
+    mine = {id(p) for p in model.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if strays := sum(id(p) not in mine for p in held):
+        raise ValueError(
+            f"the task's optimizer(args, model) holds {strays} of its {len(held)} tensors outside "
+            f"the model it is given: build it over that model's parameters, as "
+            f"AdamW(model.parameters())"
+        )
+    return optimizer
 
 
 class Schedule:
