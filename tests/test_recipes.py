@@ -223,6 +223,21 @@ def test_a_weights_file_that_does_not_fit_is_one_line_naming_the_keys(tmp_path):
     pretrained.check_weights(args, task(FRESH=("2.",), **vars(small)))  # the new head left fresh: it fits
 
 
+def test_a_weights_file_of_a_wrapped_model_is_one_line_naming_its_prefix(tmp_path):
+    """A DDP model's state dict ("module.conv1.weight"), or a compiled one's ("_orig_mod."), was told to name a new
+    head in FRESH, of every key, missing and unexpected alike."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    args = argparse.Namespace(task=tmp_path / "task.py")
+    for wrapper in ("module.", "_orig_mod."):
+        path = tmp_path / f"{wrapper}pt"
+        torch.save({wrapper + k: v for k, v in model.state_dict().items()}, path)
+        with pytest.raises(SystemExit) as stop:
+            pretrained.check_weights(args, task(model=lambda args: model, weights=lambda a, p=path: p))
+        said = stop.value.code
+        assert f"its keys are the model's behind '{wrapper}' ({wrapper}0.weight for 0.weight): save the model" in said
+        assert "FRESH" not in said and "\n" not in said, said
+
+
 def test_fresh_leaves_the_keys_it_names_and_a_prefix_naming_none_is_one_line(tmp_path):
     """FRESH = "fc." (a string, not a tuple) was read as its letters: "c" left conv.* at its initialisation too,
     untold; FRESH = ("head.",), naming no key, loaded the old head over the new one of the same shape, untold."""

@@ -14,6 +14,12 @@ from common.guards.bounded import Refused, torch_file
 from common.guards.ending import stop
 from common.options.hooks import kept_fresh
 
+FRESH = 'name the keys to leave at their initialisation (a new head) in the task: FRESH = ("fc.",)'
+STATE_DICT = "give a torch.save'd state dict of the task's model"
+UNWRAP = (
+    "save the model inside its wrapper (DDP's or DataParallel's model.module), or strip the prefix in weights(args)"
+)
+
 
 def check_weights(args, task):
     """The task's `weights(args)` file, which rank 0 alone reads at stage 05 (hooks.load_weights()): checked there
@@ -22,7 +28,7 @@ def check_weights(args, task):
     keys elided. Every rank ends with rank 0's verdict. Every stage starts from the file (common/options/hooks.py)."""
     if not getattr(task, "weights", None):
         return
-    path, problem = is_rank0() and task.weights(args), None
+    path, problem, fix = is_rank0() and task.weights(args), None, STATE_DICT
     path = path and Path(path)
     if path and not path.is_file():
         problem = "does not exist" if not path.exists() else "is not a regular file (a FIFO, a socket or a device)"
@@ -42,11 +48,9 @@ def check_weights(args, task):
                 problem = (
                     f"has {'every' if not stray[0] else 'no'} key starting with FRESH's {stray[0]!r} ({some}, ...)"
                 )
+                fix = FRESH
             elif misfit := misfits(found, task, args):
-                problem = f"does not fit model(args): {misfit}"
-    fix = "give a torch.save'd state dict of the task's model"
-    if problem and problem.startswith(("does not fit", "has")) and not problem.endswith("a fault in the values"):
-        fix = 'name the keys to leave at their initialisation (a new head) in the task: FRESH = ("fc.",)'
+                problem, fix = f"does not fit model(args): {misfit[0]}", misfit[1]
     box = [problem and f"error: --task {args.task}: its weights(args) file {path} {problem}: {fix}"]
     if dist.is_initialized():
         dist.broadcast_object_list(box)
@@ -118,5 +122,21 @@ def misfits(found, task, args):
         for kind, keys in kinds.items()
         if keys
     ]
-    values = not any(kinds[kind] for kind in ("missing", "unexpected", "mis-shaped"))  # not a new head's
-    return "; ".join(said) + (": a fault in the values" if values else "") if said else None
+    if not said:
+        return None
+    if wrapper := prefix(got, want):  # every key of the file is one of the model's, behind one prefix
+        first = next(iter(got))
+        return f"its keys are the model's behind {wrapper!r} ({first} for {first.removeprefix(wrapper)})", UNWRAP
+    if any(kinds[kind] for kind in ("missing", "unexpected", "mis-shaped")):  # a new head, or another model
+        return "; ".join(said), FRESH
+    return "; ".join(said) + ": a fault in the values", STATE_DICT
+
+
+def prefix(got, want):
+    """The prefix that the keys `got` of a file add to a model's `want` (DDP's and DataParallel's "module.",
+    torch.compile's "_orig_mod."), or None."""
+    first = next(iter(got), "")
+    for cut in (first[: i + 1] for i, c in enumerate(first) if c == "."):
+        if all(k.startswith(cut) for k in got) and {k.removeprefix(cut) for k in got} == set(want):
+            return cut
+    return None
