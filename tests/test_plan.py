@@ -169,6 +169,43 @@ def test_another_tasks_model_data_loss_and_blocks_are_planned(tmp_path, capsys):
     assert out.startswith(f"{path} (0.0 M parameters), global batch 8, adadelta") and "| 2 | FSDP |" in out
 
 
+KINDS = [  # each kind of STATE with the settings that change its state: (class, settings)
+    *((kind, {}) for kind in plan.STATE),
+    *((kind, {"amsgrad": True}) for kind in ("Adam", "AdamW")),
+    ("SGD", {"momentum": 0.9}),
+    ("RMSprop", {"momentum": 0.9, "centered": True}),
+]
+
+
+@pytest.mark.parametrize("kind, settings", KINDS, ids=lambda v: v if isinstance(v, str) else ",".join(v) or "-")
+def test_the_plans_optimizer_state_is_what_each_torch_optimizer_keeps(kind, settings):
+    """STATE against torch: the bytes of the per-parameter state one step leaves (its scalars aside)."""
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2))
+    optimizer = getattr(torch.optim, kind)(model.parameters(), lr=0.01, **settings)
+    model(torch.randn(3, 6)).sum().backward()
+    optimizer.step()
+    kept = local_bytes(t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t))
+    assert kept == plan.STATE[kind](optimizer.param_groups[0]) * local_bytes(model.parameters())
+
+
+def test_the_plan_counts_the_optimizer_the_task_trains_with(tmp_path, capsys):
+    """A task's own optimizer() was planned as --optimizer's: its SGD (no state) as Adadelta's two tensors a
+    weight, an Adam over --optimizer sgd as none (the plan said it fits; the run ran out of memory)."""
+    path = tmp_path / "mlp.py"
+    own = "\ndef optimizer(args, model):\n    return torch.optim.{}(model[2:].parameters(), lr=0.1)\n"
+    head = sum(p.numel() for p in torch.nn.Linear(64, 64).parameters()) * 4  # model[2:]: the last two layers
+    head += sum(p.numel() for p in torch.nn.Linear(64, 3).parameters()) * 4
+    for kind, argv, tensors in (("SGD", [], 0), ("Adam", ["--optimizer", "sgd"], 2)):
+        path.write_text(MLP + own.format(kind))
+        args = plan.parse(["--task", str(path), "--batch-size", "8", *argv])
+        assert plan.per_gpu(args, 1, plan.measure(args))["DDP"]["optimizer"] == tensors * head
+        plan.main(["--task", str(path), "--batch-size", "8", "--max-gpus", "1", *argv])
+        assert f"global batch 8, the task's {kind};" in capsys.readouterr().out
+    path.write_text(MLP + "\nclass Lion(torch.optim.SGD):\n    pass\n" + own.format("Lion").replace("torch.optim.", ""))
+    with pytest.raises(SystemExit, match=r"^error: the task's optimizer\(\) is a task_mlp.Lion, whose state the"):
+        plan.main(["--task", str(path), "--batch-size", "8"])
+
+
 def test_the_plan_answers_with_sbatch_lines_in_seconds():
     out = run([sys.executable, REPO / "tools/plan.py", "--model", "wideresnet", "--depth", "16", "--width", "4",
                "--dataset", "cifar10", "--batch-size", "4096", "--gpu-memory", "4", "--gpus-per-node", "4",

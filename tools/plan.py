@@ -7,7 +7,8 @@ the batch is shaped as one sample of the task's training set, which is loaded fo
 shapes come from common/data.py's description of its data sets: planning a CIFAR-100 job needs no download.
 
 Per GPU:
-  - weights, gradients and optimizer state: exact, from the model and the optimizer; FSDP and HSDP keep
+  - weights, gradients and optimizer state: exact, from the model and the optimizer the stage trains it with
+    (the task's optimizer(), else --optimizer's: the state each of torch's keeps, STATE); FSDP and HSDP keep
     each parameter's first-dimension chunk of this rank (the largest, rank 0's), as fully_shard splits it;
   - FSDP and HSDP gather one block's whole weights at a time, and prefetch the next: two of the largest;
   - activations saved for backward: counted by saved-tensor hooks in one forward at per-rank batches of 2
@@ -36,13 +37,27 @@ from torch.distributed._composable import checkpoint as recompute  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 from torch.utils.data import default_collate  # noqa: E402
 
-from common import cli, data, meta, models, optim  # noqa: E402
+from common import cli, data, meta, models  # noqa: E402
 from common.guards import check, failure, options  # noqa: E402
 from common.guards.bounded import Refused, text  # noqa: E402
-from common.options import flags  # noqa: E402
+from common.options import flags, recipes  # noqa: E402
 
 MiB = 2**20
 ALLOWANCE = 1024 * MiB  # the CUDA context, cuBLAS/cuDNN workspaces and NCCL's buffers, per GPU
+# tensors the size of a parameter that each of torch's optimizers keeps for it, by its group's settings
+STATE = {
+    "Adadelta": lambda group: 2,  # square_avg, acc_delta
+    "Adagrad": lambda group: 1,  # sum
+    "Adam": lambda group: 2 + bool(group["amsgrad"]),  # exp_avg, exp_avg_sq, max_exp_avg_sq
+    "AdamW": lambda group: 2 + bool(group["amsgrad"]),
+    "Adamax": lambda group: 2,  # exp_avg, exp_inf
+    "ASGD": lambda group: 1,  # ax
+    "NAdam": lambda group: 2,
+    "RAdam": lambda group: 2,
+    "RMSprop": lambda group: 1 + (group["momentum"] > 0) + bool(group["centered"]),
+    "Rprop": lambda group: 2,  # prev, step_size
+    "SGD": lambda group: int(group["momentum"] != 0),  # momentum_buffer
+}
 
 
 def builtin(args):
@@ -65,11 +80,24 @@ def sample(args, task):
     return task.datasets(args)[0][0]  # tensors, or dicts, lists and tuples of them
 
 
-def shard_bytes(model, ranks):
-    """Bytes of this model's weights that rank 0 holds when fully_shard splits every parameter over `ranks`:
-    the first chunk of its first dimension (torch.chunk's, as FSDP2 lays it out)."""
+def trained_with(args, task, model):
+    """The optimizer the stages train `model` with, built over its fake weights: the task's optimizer(args,
+    model), else --optimizer's (its state: STATE); one line for another kind, whose state it cannot count."""
+    own = hasattr(task, "optimizer") and task.optimizer(args, model)
+    optimizer = own or recipes.optimizer(args, model.parameters())
+    if type(optimizer).__name__ not in STATE or type(optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
+        sys.exit(
+            f"error: the task's optimizer() is a {type(optimizer).__module__}.{type(optimizer).__name__}, whose "
+            f"state the planner cannot count: it counts torch.optim's {', '.join(STATE)}"
+        )
+    return optimizer
+
+
+def shard_bytes(parameters, ranks):
+    """Bytes of these weights that rank 0 holds when fully_shard splits every parameter over `ranks`: the
+    first chunk of its first dimension (torch.chunk's, as FSDP2 lays it out)."""
     total = 0
-    for p in model.parameters():
+    for p in parameters:
         rows = p.shape[0] if p.dim() else 1
         total += min(math.ceil(rows / ranks), rows) * (p.numel() // max(rows, 1)) * p.element_size()
     return total
@@ -119,22 +147,26 @@ def measure(args):
         units.append(sum(p.numel() for p in model.parameters()) - sum(units))
         fakes = [pytree.tree_map(lambda t: fake.from_tensor(t) if torch.is_tensor(t) else t, b) for b in batches]
         two, three = (activation_bytes(args, model, loss_fn, batch) for batch in fakes)
-        return model, 2 * two - three, two, max(units)  # linear in the batch: its value at 1
+        return model, 2 * two - three, two, max(units), trained_with(args, task, model)  # linear in the batch
 
 
 def per_gpu(args, world_size, measured):
     """{strategy: {component: bytes}} for DDP, FSDP and (on several nodes) HSDP at `world_size` GPUs."""
-    model, one, two, unit = measured
+    model, one, two, unit, optimizer = measured
     activations = one + (args.batch_size // world_size - 1) * (two - one)
     gathered = 2 * unit * (2 if args.amp else 4)  # the block in use and the next, prefetched; bf16 under --amp
-    plans = {"DDP": (shard_bytes(model, 1), 0), "FSDP": (shard_bytes(model, world_size), gathered)}
+    plans = {"DDP": 1, "FSDP": world_size}
     per_node = min(args.gpus_per_node, world_size)
     if world_size > per_node:
-        plans["HSDP"] = (shard_bytes(model, per_node), gathered)
+        plans["HSDP"] = per_node
     result = {}
-    for name, (weights, transient) in plans.items():
-        parts = {"weights": weights, "gradients": weights, "optimizer": optim.state_tensors(args) * weights,
-                 "gathered": transient, "activations": activations}  # fmt: skip
+    for name, ranks in plans.items():
+        weights = shard_bytes(model.parameters(), ranks)
+        state = sum(
+            STATE[type(optimizer).__name__](g) * shard_bytes(g["params"], ranks) for g in optimizer.param_groups
+        )
+        parts = {"weights": weights, "gradients": weights, "optimizer": state,
+                 "gathered": gathered if name != "DDP" else 0, "activations": activations}  # fmt: skip
         parts["allowance"] = ALLOWANCE + sum(parts.values()) // 10
         result[name] = parts
     return result
@@ -222,12 +254,14 @@ def main(argv=None):
         if not failure.refusal(err):  # the task's own error: one line with its place (early.tool())
             raise
         sys.exit(failure.refusal(err))  # the lesson's (--depth 15): a line that names the fix
-    model_bytes = shard_bytes(measured[0], 1)
+    model_bytes, optimizer = shard_bytes(measured[0].parameters(), 1), measured[-1]
+    own = type(optimizer) is not recipes.OPTIMIZERS[args.optimizer]
+    kind = f"the task's {type(optimizer).__name__}" if own else args.optimizer
     count = f"{model_bytes / 4 / 1e6:.1f} M parameters"
     name = f"{args.model} ({count}) on {args.dataset}" if builtin(args) else f"{args.task} ({count})"
     print(f"{name}, global batch {args.batch_size}"
           f"{', --amp' if args.amp else ''}{', --checkpoint-activations' if args.checkpoint_activations else ''}, "
-          f"{args.optimizer}; GPUs of {args.gpu_memory:g} GiB, {args.gpus_per_node} per node"
+          f"{kind}; GPUs of {args.gpu_memory:g} GiB, {args.gpus_per_node} per node"
           + (f"; links of {speed:g} GB/s" if speed else ""))  # fmt: skip
     print("\n| GPUs | strategy | weights | gradients | optimizer | gathered | activations | allowance | total GiB | fits |"
           + (" comm. ms/step |" if speed else "") + "\n|---|---|---|---|---|---|---|---|---|---|" + ("---|" if speed else ""))  # fmt: skip
