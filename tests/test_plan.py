@@ -5,14 +5,19 @@ import fcntl
 import json
 import os
 import sys
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import HANG, REPO, free_port, run, shared, spawn
 from test_equivalence import ARGS, RUN, stage, step
+from torch.distributed._composable import checkpoint as recompute
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.nn import functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import cli, models, optim
 from common.metrics import Sums
@@ -204,6 +209,75 @@ def test_the_plan_counts_the_optimizer_the_task_trains_with(tmp_path, capsys):
     path.write_text(MLP + "\nclass Lion(torch.optim.SGD):\n    pass\n" + own.format("Lion").replace("torch.optim.", ""))
     with pytest.raises(SystemExit, match=r"^error: the task's optimizer\(\) is a task_mlp.Lion, whose state the"):
         plan.main(["--task", str(path), "--batch-size", "8"])
+
+
+class Live(TorchDispatchMode):
+    """The most bytes of tensor storages alive at once while it is on: each new storage counted until freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+            if storage is not None and storage.data_ptr() and storage.data_ptr() not in self.seen:
+                self.seen.add(storage.data_ptr())
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self.freed, storage.data_ptr(), storage.nbytes())
+        return out
+
+    def freed(self, pointer, nbytes):
+        self.live -= nbytes
+        self.seen.discard(pointer)
+
+
+def test_recomputed_blocks_are_planned_as_stage_05_runs_them_and_ddp_without():
+    """--checkpoint-activations: the plan counted the blocks' inputs alone (12 MiB for a WRN-10-1 at batch 64, whose
+    training step peaks at 29 MiB: a block runs again in the backward), and its DDP rows too, though stages 03 and 04
+    refuse the flag: its answer, stage 03, either refused it or ran out of memory."""
+    argv = ["--model", "wideresnet", "--depth", "10", "--width", "1", "--dataset", "cifar10", "--batch-size", "64"]
+    plain, recomputed = plan.parse(argv), plan.parse([*argv, "--checkpoint-activations"])
+    planned = {args.checkpoint_activations: plan.per_gpu(args, 1, plan.measure(args)) for args in (plain, recomputed)}
+    assert planned[True]["DDP"] == planned[False]["DDP"]  # stages 03, 04: no block recomputed
+    model = plan.build(recomputed)
+    for block in models.blocks(model):
+        recompute(block)
+    x, y = torch.randn(64, 3, 32, 32), torch.randint(10, (64,))
+    model.train()
+    with Live() as live:
+        F.cross_entropy(model(x), y).backward()
+    gradients = sum(p.numel() * p.element_size() for p in model.parameters())
+    peak = live.peak - gradients  # what the step keeps beyond the weights' gradients
+    assert 0.9 * peak <= planned[True]["FSDP"]["activations"] < planned[False]["FSDP"]["activations"], peak
+
+
+def test_micro_batches_are_planned_for_stage_05_alone_and_its_mesh_across_nodes():
+    """--grad-accum 4 left the plan as it was (stage 05 holds one micro-batch's activations), and its advice was
+    "a smaller --batch-size (with --grad-accum)"; an FSDP answer on two nodes ran as HSDP, stage 05's there, which
+    the plan said did not fit, unless --full-shard, which it did not say."""
+    argv = ["--model", "wideresnet", "--depth", "10", "--width", "1", "--dataset", "cifar10", "--batch-size", "64"]
+    whole, micro = plan.parse(argv), plan.parse([*argv, "--grad-accum", "4"])
+    quarter = plan.parse(argv[:-1] + ["16"])  # one micro-batch: a global batch a quarter as large
+    rows = {a.grad_accum * a.batch_size: plan.per_gpu(a, 2, plan.measure(a)) for a in (whole, quarter)}
+    accumulated = plan.per_gpu(micro, 2, plan.measure(micro))
+    assert accumulated["FSDP"]["activations"] == rows[16]["FSDP"]["activations"] < rows[64]["FSDP"]["activations"]
+    assert accumulated["DDP"]["activations"] == rows[64]["DDP"]["activations"]  # stages 03, 04: the whole batch
+    big = ["--model", "wideresnet", "--depth", "28", "--width", "10", "--dataset", "cifar10", "--batch-size", "8"]
+    fits = [*big, "--optimizer", "adam", "--lr", "0.001", "--gpus-per-node", "2", "--max-gpus", "8"]
+    for extra, said in ((["--gpu-memory", "1.3"], "4 GPUs, FSDP (05_fsdp/job.slurm with --full-shard)"),
+                        (["--gpu-memory", "1.42"], "4 GPUs, HSDP (05_fsdp/job.slurm)"),
+                        (["--gpu-memory", "3", "--grad-accum", "2"], "1 GPU, DDP (03_ddp_single_node/job.slurm "
+                         "without --grad-accum, stage 05's)")):  # fmt: skip
+        out = run([sys.executable, "tools/plan.py", *fits, *extra])
+        assert out.returncode == 0 and f"the smallest allocation that fits: {said}" in out.stdout, out.stdout[-800:]
+    out = run([sys.executable, "tools/plan.py", *big, "--gpu-memory", "0.5", "--max-gpus", "1", "--amp"])
+    assert "nothing fits in 1 GPUs of 0.5 GiB: stage 05 with --checkpoint-activations, --grad-accum N (the same" in (
+        out.stdout
+    )
 
 
 def test_the_plan_answers_with_sbatch_lines_in_seconds():

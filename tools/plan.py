@@ -1,6 +1,7 @@
 """Will it fit, and on how many GPUs? The memory each GPU needs for a model and batch under DDP (stages
 03, 04), FSDP and HSDP (stage 05) on every allocation up to --max-gpus (part of one node, or whole nodes),
-and the smallest allocation that fits, as #SBATCH lines. `make plan ARGS="--model wideresnet --depth 28
+and the smallest allocation that fits, as #SBATCH lines (stage 05 on several nodes: HSDP, unless its FSDP
+row alone fits: then with --full-shard). `make plan ARGS="--model wideresnet --depth 28
 --width 10 --dataset cifar100 --batch-size 512 --amp --optimizer sgd --momentum 0.9 --gpu-memory 80
 --gpus-per-node 4"`. The model, its blocks and its loss are the task's (--task FILE, as the stages take it);
 the batch is shaped as one sample of the task's training set, which is loaded for it. The built-in task's
@@ -12,9 +13,11 @@ Per GPU:
     each parameter's first-dimension chunk of this rank (the largest, rank 0's), as fully_shard splits it;
   - FSDP and HSDP gather one block's whole weights at a time, and prefetch the next: two of the largest;
   - activations saved for backward: counted by saved-tensor hooks in one forward at per-rank batches of 2
-    and 3, extrapolated (they grow linearly with the batch), with --amp and --checkpoint-activations as the
-    stage applies them. On fake tensors, which have shapes and dtypes but no memory: a model larger than
-    this machine's memory is counted too;
+    and 3, extrapolated (they grow linearly with the batch), with --amp as the stage applies it; stage 05's
+    --checkpoint-activations keeps each block's inputs and runs the largest block again in its backward,
+    and its --grad-accum holds one micro-batch at a time (DDP's rows, stages 03 and 04, take neither). On fake
+    tensors, which have shapes and dtypes but no memory: a model larger than this machine's memory is counted
+    too;
   - an allowance for the CUDA context and the allocator: ALLOWANCE, and 10 % of the rest.
 With --bandwidth GB/s (or the doctor.json of tools/doctor.py), the communication time per step too.
 """
@@ -103,28 +106,33 @@ def shard_bytes(parameters, ranks):
     return total
 
 
-def activation_bytes(args, model, loss_fn, batch):
-    """Bytes saved for backward by one forward and loss of the (fake) `batch`, as the stages train (dropout,
-    BatchNorm in train mode; --amp in bf16; --checkpoint-activations per block): tensors counted once by
-    storage, parameters left out (they are the weights). Fake tensors have no addresses: a storage is told
-    by its object."""
+def activation_bytes(args, model, loss_fn, batch, blocks):
+    """(bytes saved for backward by one forward and loss of the (fake) `batch`, the most of them saved inside one
+    of `blocks`), as the stages train (dropout, BatchNorm in train mode; --amp in bf16; --checkpoint-activations'
+    blocks: their inputs alone): tensors counted once by storage, parameters left out (they are the weights).
+    Fake tensors have no addresses: a storage is told by its object."""
     x, y = batch
     weights = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved = {}
+    saved, inside, within = {}, [None], {}  # within: block -> its storages
 
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage._cdata not in weights:
             saved[storage._cdata] = storage.nbytes()
+            within.setdefault(inside[0], {})[storage._cdata] = storage.nbytes()
         return tensor
 
+    hooks = [b.register_forward_pre_hook(lambda b, _: inside.__setitem__(0, b)) for b in blocks]
+    hooks += [b.register_forward_hook(lambda *_: inside.__setitem__(0, None)) for b in blocks]
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.amp):
             loss = loss_fn(model(x), y)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return sum(saved.values())
+    for hook in hooks:
+        hook.remove()
+    return sum(saved.values()), max((sum(v.values()) for b, v in within.items() if b is not None), default=0)
 
 
 def measure(args):
@@ -140,24 +148,38 @@ def measure(args):
     batches = [getattr(task, "collate", default_collate)([example] * size) for size in (2, 3)]
     with FakeTensorMode() as fake:
         model = build(args)
-        if args.checkpoint_activations:
-            for block in blocks(model):
-                recompute(block)
         units = [sum(p.numel() for p in block.parameters()) for block in models.gathered(blocks(model))]
         units.append(sum(p.numel() for p in model.parameters()) - sum(units))
         fakes = [pytree.tree_map(lambda t: fake.from_tensor(t) if torch.is_tensor(t) else t, b) for b in batches]
-        two, three = (activation_bytes(args, model, loss_fn, batch) for batch in fakes)
-        return model, 2 * two - three, two, max(units), trained_with(args, task, model)  # linear in the batch
+        plain = [activation_bytes(args, model, loss_fn, batch, blocks(model)) for batch in fakes]
+        kept = [total for total, _ in plain]  # DDP's (stages 03, 04 recompute nothing), and stage 05's without
+        if args.checkpoint_activations:  # stage 05: each block's inputs, and one block's own again in its backward
+            for block in blocks(model):
+                recompute(block)
+            again = zip(fakes, plain, strict=True)
+            kept = [activation_bytes(args, model, loss_fn, batch, [])[0] + largest for batch, (_, largest) in again]
+        unit, optimizer = max(units), trained_with(args, task, model)
+        return model, line(total for total, _ in plain), line(kept), unit, optimizer
+
+
+def line(at_2_and_3):
+    """(bytes at a per-rank batch of 1, bytes per further sample) of bytes measured at batches 2 and 3 (BatchNorm
+    refuses to train on one sample): activations grow linearly with the batch."""
+    two, three = at_2_and_3
+    return 2 * two - three, three - two
 
 
 def per_gpu(args, world_size, measured):
-    """{strategy: {component: bytes}} for DDP, FSDP and (on several nodes) HSDP at `world_size` GPUs."""
-    model, one, two, unit, optimizer = measured
-    activations = one + (args.batch_size // world_size - 1) * (two - one)
+    """{strategy: {component: bytes}} for DDP (stages 03, 04: the whole batch of a rank at once, no block
+    recomputed), FSDP and, on several nodes, HSDP (stage 05's there without --full-shard), at `world_size`
+    GPUs. Stage 05 holds one micro-batch's activations at a time (--grad-accum: the first, the largest)."""
+    model, plain, kept, unit, optimizer = measured
+    per_rank = args.batch_size // world_size
+    micro = math.ceil(per_rank / args.grad_accum)  # torch.chunk's first
     gathered = 2 * unit * (2 if args.amp else 4)  # the block in use and the next, prefetched; bf16 under --amp
     plans = {"DDP": 1, "FSDP": world_size}
     per_node = min(args.gpus_per_node, world_size)
-    if world_size > per_node:
+    if world_size > per_node and not args.full_shard:
         plans["HSDP"] = per_node
     result = {}
     for name, ranks in plans.items():
@@ -165,8 +187,10 @@ def per_gpu(args, world_size, measured):
         state = sum(
             STATE[type(optimizer).__name__](g) * shard_bytes(g["params"], ranks) for g in optimizer.param_groups
         )
+        one, more = plain if name == "DDP" else kept
+        batch = per_rank if name == "DDP" else micro
         parts = {"weights": weights, "gradients": weights, "optimizer": state,
-                 "gathered": gathered if name != "DDP" else 0, "activations": activations}  # fmt: skip
+                 "gathered": gathered if name != "DDP" else 0, "activations": one + (batch - 1) * more}  # fmt: skip
         parts["allowance"] = ALLOWANCE + sum(parts.values()) // 10
         result[name] = parts
     return result
@@ -269,6 +293,7 @@ def main(argv=None):
     for world_size in range(1, args.max_gpus + 1):
         if args.batch_size % world_size or (world_size > args.gpus_per_node and world_size % args.gpus_per_node):
             continue  # the global batch splits evenly; part of one node, or whole nodes
+        fitting = []
         for name, parts in per_gpu(args, world_size, measured).items():
             total = sum(parts.values())
             cells = " | ".join(f"{parts[k] / MiB:.0f} MiB" for k in parts)
@@ -278,8 +303,9 @@ def main(argv=None):
             print(
                 f"| {world_size} | {name} | {cells} | {total / 2**30:.2f} | {'yes' if total <= limit else 'no'} |{comm}"
             )
-            if best is None and total <= limit:
-                best = (world_size, name)
+            fitting += [name] if total <= limit else []
+        if best is None and fitting:  # DDP, the simplest; else HSDP, stage 05's across nodes; else FSDP
+            best = (world_size, min(fitting, key=["DDP", "HSDP", "FSDP"].index))
     print(host(measured[0]))
     recommend(args, best)
 
@@ -297,14 +323,22 @@ def host(model):
 
 def recommend(args, best):
     if best is None:
-        print(f"\nnothing fits in {args.max_gpus} GPUs of {args.gpu_memory:g} GiB: --checkpoint-activations, --amp, a "
-              "smaller --batch-size (with --grad-accum in stage 05) or larger GPUs")  # fmt: skip
+        savers = [("--checkpoint-activations", args.checkpoint_activations), ("--amp", args.amp)]
+        savers += [("--grad-accum N (the same --batch-size in N micro-batches)", args.grad_accum > 1)]
+        untried = [flag for flag, given in savers if not given]
+        print(f"\nnothing fits in {args.max_gpus} GPUs of {args.gpu_memory:g} GiB: stage 05 with "
+              f"{', '.join(untried + ['a smaller --batch-size'])}, or larger GPUs")  # fmt: skip
         return
     world_size, name = best
     per_node = min(args.gpus_per_node, world_size)
     stage = {"DDP": "03_ddp_single_node" if world_size <= per_node else "04_ddp_multi_node"}.get(name, "05_fsdp")
+    how = " with --full-shard" if name == "FSDP" and world_size > per_node else ""  # else HSDP there
+    large = [flag for flag, given in (("--grad-accum", args.grad_accum > 1), ("--checkpoint-activations",
+             args.checkpoint_activations)) if given]  # fmt: skip
+    how = f" without {' and '.join(large)}, stage 05's" if name == "DDP" and large else how  # planned so
     print(
-        f"\nthe smallest allocation that fits: {world_size} GPU{'s' * (world_size > 1)}, {name} ({stage}/job.slurm):\n"
+        f"\nthe smallest allocation that fits: {world_size} GPU{'s' * (world_size > 1)}, {name} "
+        f"({stage}/job.slurm{how}):\n"
     )
     tasks = 1 if stage == "03_ddp_single_node" else per_node  # 03's one task is torchrun: a rank per GPU
     print(f"#SBATCH --nodes={world_size // per_node}\n#SBATCH --ntasks-per-node={tasks}\n#SBATCH --gres=gpu:{per_node}")
