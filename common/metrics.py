@@ -29,10 +29,12 @@ FIELDS = [  # accuracy: or the task's metric; better: its direction, "higher" or
 
 
 def accuracy(output, target):
-    """Right answers: each sample's share of labels (B, ...) its top class (B, C, ...) hits."""
+    """Right answers: each sample's share of its labels (B, ...) its top class (B, C, ...) hits, but
+    -100's, cross-entropy's ignored (padding): a sample of none has no accuracy (nan)."""
     if output.ndim == 1 or output.shape[1] == 1:
         return ((output.reshape(-1) > 0).long() == target.reshape(-1).long()).sum()
-    return (output.argmax(dim=1) == target).reshape(len(target), -1).float().mean(1).sum()
+    right = (output.argmax(dim=1) == target).reshape(len(target), -1).sum(1)
+    return (right / (target != -100).reshape(len(target), -1).sum(1)).sum()
 
 
 class Metric(NamedTuple):
@@ -86,7 +88,7 @@ def progress(epoch, batch, batches, loss):
 
 class Log:
     """metrics.csv's rows and the epoch lines, from sums all-reduced: alike on every rank; rank 0
-    writes. `carried`: epoch -> (seconds, training Sums) before a stop; `compiles`: compilations."""
+    writes. `carried`: epoch -> (seconds, training Sums) before a stop; `compiled`: compile time."""
 
     def __init__(self, output_dir, world_size, metric):
         if is_rank0():  # the run's folder, where rank 0 alone writes (atomic() makes none)
@@ -94,7 +96,7 @@ class Log:
         self.path, self.world_size, self.metric = output_dir / "metrics.csv", world_size, metric
         self.fields = [field.replace("accuracy", metric.name) for field in FIELDS]
         self.nodes = max(world_size // ranks_per_node(world_size), 1)
-        self.rows, self.clock, self.carried, self.compiles = [], 0.0, {}, []
+        self.rows, self.clock, self.carried, self.compiled = [], 0.0, {}, 0.0
         self.unit, self.per_sample = metric.unit  # the speed's, and what a sample counts in it
 
     def state_dict(self):
@@ -126,9 +128,7 @@ class Log:
         if torch.cuda.is_initialized():  # each epoch's own peak
             peak = torch.cuda.max_memory_allocated() / 2**20
             torch.cuda.reset_peak_memory_stats()
-        end = self.clock + seconds  # the compiler's seconds in training, inside `seconds`
-        spans, self.compiles = zip(self.compiles[::2], self.compiles[1::2], strict=False), []
-        compiling = sum(max(min(b, end) - a, 0) for a, b in spans)  # an evaluation's after: none
+        compiling, self.compiled = self.compiled, 0.0  # inside `seconds`
         row = [epoch, lr, training.loss / training.samples, *self.mean(val), *self.mean(test)]
         row += [seconds, speed, speed / self.world_size, self.world_size, self.nodes, peak]
         self.rows.append(dict(zip(self.fields, [*row, compiling, self.metric.better], strict=True)))

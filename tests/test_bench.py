@@ -66,7 +66,7 @@ def test_measure_sh_reads_the_compile_line_compiling_py_prints(capsys):
     from common.options import compiling
 
     step = optim.Step(torch.nn.Linear(2, 2), torch.device("cpu"), None, None, None, None)
-    compiling.compiled(step, SimpleNamespace(compiles=[]), SimpleNamespace(amp=False))
+    compiling.compiled(step, SimpleNamespace(compiled=0.0), SimpleNamespace(amp=False))
     printed = capsys.readouterr().out.splitlines()
     patterns = re.findall(r"grep -m1 '(\^compile[^']*)'", (GPU / "measure.sh").read_text())
     assert patterns and all(any(re.search(p, line) for line in printed) for p in patterns), (patterns, printed)

@@ -43,7 +43,7 @@ def both(rank, world_size, port, data_dir, name, result):
         args = type(ARGS)(**vars(ARGS), grad_accum=1)  # stage 05's train() reads it
         run = step(model, args)
         if compiled and name != "05_fsdp":
-            run = compiling.compiled(run, SimpleNamespace(compiles=[]), ARGS)
+            run = compiling.compiled(run, SimpleNamespace(compiled=0.0), ARGS)
         sums = stage(name).train(run, loader, 1, Sums.zeros(CPU), args, RUN)
         for total in (sums.loss, sums.samples) if world_size > 1 else ():
             dist.all_reduce(total)
@@ -107,7 +107,7 @@ def graph_of(model, device, args):
     """The StepGraph compiling.compiled() makes of a step of `model`, or None where it steps eagerly."""
     eager = stage("01_single_gpu").train_step
     plain = optim.Step(model, device, None, None, None, eager)
-    run = compiling.compiled(plain, SimpleNamespace(compiles=[]), args).run
+    run = compiling.compiled(plain, SimpleNamespace(compiled=0.0), args).run
     return run if isinstance(run, compiling.StepGraph) else None
 
 
@@ -147,7 +147,7 @@ def test_no_host_sync_between_log_steps(name, compiled, monkeypatch):
     model = model_without_dropout()
     run = step(model)
     if compiled:
-        run = compiling.compiled(run, SimpleNamespace(compiles=[]), ARGS)
+        run = compiling.compiled(run, SimpleNamespace(compiled=0.0), ARGS)
     args = type(ARGS)(**{**vars(ARGS), "log_interval": 3, "grad_accum": 1})  # steps 0, 3 and 6 log
     train = stage(name).train
     if compiled:  # the compiler reads tensors while it compiles: once, before the steps counted

@@ -115,7 +115,7 @@ def test_parser_refuses_untested_pairs(pair, capsys):
 def test_validation_and_early_stop(tiny_data, tmp_path):
     """A validation split is reported each epoch; --target stops every rank at the same epoch,
     and the count survives a resume (the rows it is made of are in the checkpoint)."""
-    flags = ("--epochs", 5, "--val-fraction", 0.25, "--target", 1, "--patience", 2)
+    flags = ("--epochs", 5, "--val-fraction", 0.25, "--target", 2, "--patience", 2)
     out = run([sys.executable, "01_single_gpu/train.py", *stage_args(tiny_data, tmp_path, *flags)])
     assert out.returncode == 0, out.stderr
     assert [line.split("|")[0].strip() for line in out.stdout.splitlines() if line.startswith("epoch ")] == [

@@ -35,7 +35,7 @@ from torch.utils.data import default_collate
 from common import cli, data
 from common.guards import divergence, preflight, resume
 from common.metrics import Epoch, Log, Metric, Sums
-from common.options import flags, holdout, large
+from common.options import compiling, flags, holdout, large
 from common.tasks import text
 
 TEXT = REPO / "common" / "tasks" / "text.py"
@@ -199,16 +199,42 @@ def test_the_target_of_a_lower_is_better_metric_is_reached_at_or_below_it(tmp_pa
     assert holdout.reached(accuracy_log, 90, 1) and not holdout.reached(accuracy_log, 91, 1)
 
 
-def test_compile_seconds_count_the_compilations_inside_the_epochs_training_alone(tmp_path, capsys):
-    """A compilation that began in the evaluation, after the training's clock stopped, subtracted its start from the
-    end (a few ms less each time); one that ended after it counts up to the end."""
+def test_a_target_of_accuracy_outside_its_percent_is_one_line(tmp_path):
+    """--target 0.95 on accuracy, in %: reached at the first evaluation, the run stopped as if it had trained to
+    95 %; 150 was never reached. A task's metric of its own takes any target."""
     log = Log(tmp_path, 1, Metric())
-    log.clock = 100.0  # the epoch's training ran from 100 s to 110 s
-    log.compiles = [101.0, 103.0, 109.0, 112.0, 115.0, 118.0]  # 2 s, 1 s of a span that ended after, 0 s: the test's
+    for target, said in ((0.95, r"0.95 % is reached at once \(did you mean 95\?\)"), (150, "150 % is never reached")):
+        with pytest.raises(ValueError, match=r"^--target [\d.]+: accuracy is in %, from 0 to 100: " + said):
+            holdout.reached(log, target, 1)
+    assert not holdout.reached(log, 99, 1) and not holdout.reached(Log(tmp_path, 1, Metric("mae", "lower")), 0.5, 1)
+
+
+def test_compile_seconds_count_the_compilations_inside_the_epochs_training_alone(tmp_path, capsys):
+    """The compiler's seconds while the model trains, its backward's too (compiled with grad off); an evaluation's
+    compilation (in eval mode) counts nowhere. Spans clipped at the training's end subtracted an evaluation's start
+    from the end before."""
+    log, model = Log(tmp_path, 1, Metric()), torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model.compile(backend="aot_eager")  # forward and backward compiled, no code generated
+    handler = torch._dynamo.callback.callback_handler
+    before = (list(handler.start_callbacks), list(handler.end_callbacks))
+    try:
+        compiling.timed(log, model)
+        modes = []
+        handler.register_start_callback(lambda *_: modes.append((model.training, torch.is_grad_enabled())))
+        model.train()
+        model(torch.randn(3, 4)).sum().backward()
+        trained = log.compiled
+        assert modes == [(True, True), (True, False)]  # the forward, then the backward, with grad off
+        with torch.no_grad():
+            model.eval()
+            model(torch.randn(5, 4))  # another batch size and mode: compiled again, in the evaluation
+    finally:
+        handler.start_callbacks[:], handler.end_callbacks[:] = before
+    assert 0 < trained == log.compiled
     sums = Sums(torch.tensor(1.0), torch.tensor([1.0]), torch.tensor(2.0))  # loss, score, samples
     log.epoch(1, 1.0, 10.0, Epoch(sums, sums, sums))
-    assert log.rows[-1]["compile_seconds"] == pytest.approx(3.0) and log.compiles == []
-    assert "compile 3.0 s" in capsys.readouterr().out
+    assert log.rows[-1]["compile_seconds"] == trained and log.compiled == 0
+    assert f"compile {trained:.1f} s" in capsys.readouterr().out
 
 
 def test_a_one_output_model_counts_its_logit_above_zero_as_class_1():

@@ -71,6 +71,18 @@ def test_per_pixel_labels_count_the_pixels_right_over_the_pixels():
     assert Metric().value([Metric().score(output, target)], 2) == pytest.approx(50.0)  # % of the pixels
 
 
+def test_labels_of_minus_100_count_in_no_samples_accuracy():
+    """(B, T) labels padded with -100, which cross-entropy ignores: the default accuracy counted the padding as wrong
+    answers, 54.26 % at --test-batch-size 1000 and 100.00 % at 1 for the same weights (the padding's width)."""
+    output = torch.zeros(2, 3, 4)
+    output[:, 1] = 1  # every position class 1
+    target = torch.tensor([[1, 1, -100, -100], [1, 0, 1, -100]])  # 2 of 2 labelled right, then 2 of 3
+    assert Metric().score(output, target) == pytest.approx(1 + 2 / 3)
+    wider, padded = torch.cat([output, torch.zeros(2, 3, 3)], 2), torch.cat([target, torch.full((2, 3), -100)], 1)
+    assert Metric().score(wider, padded) == Metric().score(output, target)  # the padding's width: none of it
+    assert Metric().score(output[:1], torch.full((1, 4), -100)).isnan()  # none labelled: no accuracy, not 0 or 1
+
+
 def right_and_all(output, target):
     return torch.stack([(output.argmax(1) == target).sum().float(), torch.tensor(float(len(target)))])
 
@@ -195,6 +207,63 @@ def test_token_labels_without_a_loss_are_one_line_naming_loss():
         said = samples.explain(err, "task.py")
     assert said.startswith("error: --task task.py: the default loss, cross-entropy, takes outputs (B, C, ...)"), said
     assert "outputs of shape [4, 16, 256]" in said and "define loss(output, target)" in said
+
+
+def test_the_contrastive_example_refuses_micro_batches_which_would_change_its_loss():
+    """--grad-accum 2 gave its loss() each half batch alone: half the negatives, another loss (train loss 2.33, not
+    2.99), said nowhere."""
+    from common.tasks.examples import contrastive
+
+    assert "--grad-accum: this loss compares each view with the batch's" in contrastive.check(
+        argparse.Namespace(grad_accum=2)
+    )
+    assert (
+        contrastive.check(argparse.Namespace(grad_accum=1)) is None and contrastive.check(argparse.Namespace()) is None
+    )
+
+
+def test_a_0_dim_tensor_in_the_labels_is_one_line():
+    """A collate() adding the batch's token count to its labels: first among them, the stages' count() failed and
+    the line blamed collate(), printing the options as shapes; after the ids, a rank's padded last evaluation batch
+    was cut and its loss divided by the uncut count (test loss 2.09, not 2.50, at 2 ranks)."""
+    pairs = [(torch.arange(4), torch.arange(4)), (torch.arange(4), torch.arange(4))]
+    for labels in (lambda y: {"ntokens": torch.tensor(y.numel()), "ids": y}, lambda y: [y, torch.tensor(8)]):
+        own = task(
+            collate=lambda s, labels=labels: (torch.stack([x for x, _ in s]), labels(torch.stack([y for _, y in s])))
+        )
+        with pytest.raises(
+            SystemExit, match=r"its collate\(\) returns labels holding a 0-dim tensor \(8\): the stages cut"
+        ):
+            samples.check_collate(argparse.Namespace(task="task.py"), own, "training", pairs)
+
+
+def test_a_task_that_leaves_limit_unread_is_one_line():
+    """--limit 640 with a task whose datasets() keep every sample: the run trained on 4,000 and tested on 800, a
+    quick run that was not, with --limit recorded as what defined it."""
+    pairs = TensorDataset(torch.randn(10, 3), torch.arange(10) % 2)
+    args = argparse.Namespace(task="task.py", limit=4, loader="batched")
+    with pytest.raises(
+        SystemExit, match=r"^error: --task task.py: --limit 4, but its datasets\(\) returned a set of 10 "
+    ):
+        preflight.check_datasets(args, task(), pairs, pairs)
+    cut = torch.utils.data.Subset(pairs, range(4))
+    preflight.check_datasets(args, task(), cut, cut)
+    preflight.check_datasets(argparse.Namespace(task="task.py", limit=None, loader="batched"), task(), pairs, pairs)
+
+
+def test_a_tasks_own_loss_that_misshapes_cross_entropy_is_named_as_the_tasks():
+    """The task's loss() calling F.cross_entropy on (B, T, C) outputs was told "the default loss ... define
+    loss(output, target)": a cause it did not have, and advice it had followed."""
+    code = "import torch.nn.functional as F\ndef loss(output, target):\n    return F.cross_entropy(output, target)\n"
+    own = {}
+    exec(compile(code, "/tmp/task.py", "exec"), own)  # as cli.load_task() runs a task: its file's name
+    try:
+        own["loss"](torch.randn(4, 16, 256), torch.randint(0, 256, (4, 16)))
+    except RuntimeError as err:
+        said = samples.explain(err, "/tmp/task.py")
+    named = "error: --task /tmp/task.py: its loss(output, target) gives cross-entropy outputs of shape [4, 16, 256]"
+    assert said.startswith(named + " that do not fit"), said
+    assert "default" not in said and "the model's outputs start with it" in said and "\n" not in said
 
 
 def test_float_labels_without_a_loss_are_refused_naming_loss(tmp_path):

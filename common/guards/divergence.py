@@ -49,8 +49,9 @@ def check_epoch(epoch, sums, output_dir):
         if not all(map(math.isfinite, part.score)):  # the task's score(): a relative error of a target of 0
             stop(
                 f"error: epoch {epoch} ended with a non-finite {name} score ({', '.join(map(str, part.score))}): "
-                "the task's score() must "
-                f"sum finite values over a batch (totals() too); the checkpoint in {output_dir} keeps the last epoch before"
+                "the task's score() must sum finite values over a batch (totals() too), and the default accuracy has "
+                "none for a sample whose labels are all -100 (ignored): define a metric of your own (totals() of the "
+                f"labels right and labelled); the checkpoint in {output_dir} keeps the last epoch before"
             )
 
 

@@ -161,6 +161,11 @@ def check_datasets(args, task, *datasets):
                 f"first item fails that ({type(err).__name__}: {str(err)[:200]})"
             )
         samples.check_collate(args, task, name, drawn(found, range(min(len(found), 2))))
+    if args.limit is not None and (longer := [len(d) for d in datasets if len(d) > args.limit]):  # a quick run's
+        stop(
+            f"error: --task {args.task}: --limit {args.limit}, but its datasets() returned a set of {longer[0]} "
+            "samples: cut each set to its first args.limit in datasets() (common/tasks/README.md), or drop --limit"
+        )
     if args.loader == "device" and not all(isinstance(d, data.Images) for d in datasets):
         stop(
             f"error: --loader device holds a data set of tensors (common/data.py Images) on the GPU; --task "

@@ -65,6 +65,12 @@ def check_collate(args, task, name, samples):
             f"error: --task {args.task}: {what} must return a pair (inputs, labels), each a tensor or a dict, list or "
             f"tuple of them; of its {name} set's first samples it returns {shapes(batch)}"
         )
+    if scalars := [t for t in pytree.tree_leaves(batch[1]) if torch.is_tensor(t) and t.ndim == 0]:  # ntokens
+        stop(
+            f"error: --task {args.task}: {what} returns labels holding a 0-dim tensor ({scalars[0]}): the stages "
+            "cut a batch per sample (an evaluation's padding, --grad-accum), which a batch's number would outlive: "
+            "compute it in loss() from the labels"
+        )
     if count(batch[1]) != len(samples):  # flattened labels: an evaluation would count tokens as samples
         stop(
             f"error: --task {args.task}: {what} of {len(samples)} samples of its {name} set returns labels of "
@@ -99,6 +105,13 @@ def explain(err, task):
             f"{count - 1}): give model(args) one output per class, or labels in that range"
         )
     if re.search(r"Expected target size .*, got", str(err)) and losses and torch.is_tensor(losses[0]):
+        if any(f.f_code.co_filename == str(task) for f in frames):  # the task's loss() calls it: its own code
+            return (
+                f"error: --task {task}: its loss(output, target) gives cross-entropy outputs of shape "
+                f"{list(losses[0].shape)} that do not fit ({str(err)[:80]}): it takes outputs (B, C, ...) with labels "
+                "(B, ...), classes in dim 1, e.g. F.cross_entropy(output.flatten(0, 1), target.flatten()) for (B, T, C)"
+                "; and the stages cut a batch in dim 0 (an evaluation's padding): the model's outputs start with it"
+            )
         return (
             f"error: --task {task}: the default loss, cross-entropy, takes outputs (B, C, ...) with labels (B, ...), "
             f"classes in dim 1: outputs of shape {list(losses[0].shape)} do not fit ({str(err)[:80]}): define "
@@ -116,7 +129,7 @@ def explain(err, task):
             f"error: --task {task}: a training batch of one sample reached BatchNorm, which needs two to "
             "normalize: choose a --batch-size (per rank) that leaves no last batch of one, or --limit the set"
         )
-    collates = [f for f in frames if "collate" in f.f_code.co_name]
+    collates = [f for f in frames if "collate" in f.f_code.co_name and f.f_code.co_filename != __file__]
     if collates:
         code = collates[0].f_code
         samples = collates[0].f_locals.get(code.co_varnames[0]) if code.co_argcount else None

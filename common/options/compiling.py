@@ -46,7 +46,7 @@ def compiled(step, log, args):
     graph = f"no CUDA graph: {why}" if why else "the step one CUDA graph"
     print0(f"compile: fused kernels, {graph}")
     step.model.compile()
-    timed(log)
+    timed(log, step.model)
     return step if why else step._replace(run=StepGraph(step.run))
 
 
@@ -55,16 +55,25 @@ def units(units, log):
     gathers and reduce-scatters run between the units."""
     for unit in units:
         unit.compile()
-    timed(log)
+    timed(log, units[-1])
 
 
-def timed(log):
-    """When torch.compile starts and ends, in turn, into log.compiles: each epoch's row counts the
-    compiler's seconds in its training (torch._dynamo imports in 1.5 s: only under --compile)."""
+def timed(log, model):
+    """The compiler's seconds while `model` trains, into log.compiled: each epoch's row counts its
+    own, the backward's included (compiled with grad off); an evaluation's (in eval mode) count
+    nowhere (torch._dynamo imports in 1.5 s: only under --compile)."""
     from torch._dynamo import callback
 
-    callback.on_compile_start(lambda *_: log.compiles.append(time.perf_counter()))
-    callback.on_compile_end(lambda *_: log.compiles.append(time.perf_counter()))
+    def started(*_):
+        if model.training:
+            log.compiled -= time.perf_counter()
+
+    def ended(*_):
+        if model.training:  # as at its start: one call, one mode
+            log.compiled += time.perf_counter()
+
+    callback.on_compile_start(started)
+    callback.on_compile_end(ended)
 
 
 class StepGraph:

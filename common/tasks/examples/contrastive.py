@@ -28,6 +28,13 @@ def add_arguments(group):
     group.add_argument("--features", type=int, default=16, help="inputs per view (default: 16)")
 
 
+def check(args):
+    # --grad-accum (stage 05) gives loss() each micro-batch alone: fewer partners, another loss
+    if getattr(args, "grad_accum", 1) > 1:
+        return "--grad-accum: this loss compares each view with the batch's: train without it"
+    return None
+
+
 def views(n, args, seed):
     """n points (n, 2, features): two views each, the point plus noise of its own."""
     g = torch.Generator().manual_seed(seed)

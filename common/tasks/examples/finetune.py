@@ -10,6 +10,7 @@ folder here) is left at its initialisation (FRESH). Stage 05 maps the file on ra
 from pathlib import Path
 
 import torchvision
+from torch.utils.data import Subset
 from torchvision.transforms import v2
 
 FRESH = ("fc.",)  # the new head: one output per class folder, left as initialised
@@ -30,10 +31,8 @@ def datasets(args):
     import torch
 
     pipeline = v2.Compose([v2.ToImage(), v2.Resize((SIZE, SIZE)), v2.ToDtype(torch.float32, True)])
-    train, test = (
-        torchvision.datasets.ImageFolder(args.folder / s, pipeline) for s in ("train", "test")
-    )
-    return train, test
+    sets = [torchvision.datasets.ImageFolder(args.folder / s, pipeline) for s in ("train", "test")]
+    return tuple(Subset(s, range(min(len(s), args.limit or len(s)))) for s in sets)  # --limit
 
 
 def model(args):
