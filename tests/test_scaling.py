@@ -199,6 +199,31 @@ def test_stage05_runs_resumed_at_another_world_size_and_mixed_settings(tmp_path,
     assert "--model: net (03_ddp_single_node/a), cnn (05_fsdp/b (world size 2)), cnn (05_fsdp/b (world size 4))" in text
 
 
+def test_the_time_to_target_of_a_run_resumed_at_other_world_sizes_counts_from_its_start(tmp_path, capsys):
+    """Ran at 2 ranks, requeued onto 1, then 2 again, reaching 99 % in its fifth epoch, 40 s into its training: each
+    part counted its own seconds from 0 ("10.0 s" at world size 2, and two rows named alike)."""
+    run = write_run(
+        tmp_path / "05_fsdp" / "r", 2, [100] * 6, [50, 60, 70, 80, 99.5, 99.6], seconds=(10, 10, 5, 5, 10, 10)
+    )
+    rows = metrics(run)
+    for row in rows[2:4]:
+        row["world_size"], row["images_per_s"] = 1, 200
+    with open(run / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, rows[0].keys())
+        writer.writeheader()
+        writer.writerows(rows)
+    parts = {r["run"]: r["time to 99%"] for r in table(report(capsys, run))}
+    assert parts == {
+        "05_fsdp/r (world size 1)": "not reached",
+        "05_fsdp/r (world size 2, epochs 1-2)": "not reached",
+        "05_fsdp/r (world size 2, epochs 5-6)": "40.0 s (from 2)",
+    }
+    later = {r["run"]: r["time to 70%"] for r in table(report(capsys, run, "--target-accuracy", 70))}
+    assert later["05_fsdp/r (world size 1)"] == "25.0 s (from 2)" and later["05_fsdp/r (world size 2, epochs 5-6)"] == (
+        "at world size 1"  # reached in an earlier part
+    )
+
+
 @pytest.mark.parametrize("bandwidth", ["0", "-1", "nan"])
 def test_a_bandwidth_that_is_no_speed_is_a_usage_error(tmp_path, capsys, bandwidth):
     run = write_run(tmp_path / "a", 1, [100, 100], [90, 99], seconds=(1, 1))

@@ -71,9 +71,10 @@ def recorded(folder):
 
 
 def by_world_size(folder, rows):
-    """A run's rows in parts of one world size each: a run resumed at another world size is two runs here."""
+    """A run's rows in parts of one world size each: a run resumed at another world size is two runs here, each
+    with the rows before it (None: the run is one part), from whose start its time to a target counts."""
     parts = [list(group) for _, group in itertools.groupby(rows, key=lambda r: r["world_size"])]
-    return [(folder, part, len(parts) > 1) for part in parts]
+    return [(folder, part, rows[: rows.index(part[0])] if len(parts) > 1 else None) for part in parts]
 
 
 def differences(names, runs):
@@ -90,21 +91,32 @@ def differences(names, runs):
     return [f"Note: these runs differ in {'; '.join(notes)}.\n"] if notes else []
 
 
-def measure(folder, rows, target):
-    """One run: world size, nodes, global batch, images/s, seconds to `target` % (None: not reached), flags,
-    parameters (None: not recorded)."""
+def part(folder, rows, loaded):
+    """A part's name: its world size, and its epochs where its run has another part at that size (2, 1, then 2)."""
+    size = rows[0]["world_size"]
+    twice = sum(f == folder and other[0]["world_size"] == size for f, other, _ in loaded) > 1
+    return f" (world size {size:g}" + (f", epochs {rows[0]['epoch']:g}-{rows[-1]['epoch']:g})" if twice else ")")
+
+
+def measure(folder, rows, target, before=()):
+    """One run: world size, nodes, global batch, images/s, the training seconds from the run's start (`before`:
+    its rows at another world size, resumed here) to `target` % (None: not reached; reached in `before`: where),
+    flags, parameters (None: not recorded)."""
     run = recorded(folder)
     flags = options.used(run.get("flags", {}))  # no value its recipe never read (older runs recorded them)
-    seconds = itertools.accumulate(r["epoch_seconds"] for r in rows)
-    values = [r["test_metric"] if r.get("val_metric") is None else r["val_metric"] for r in rows]
+    seconds = itertools.accumulate(r["epoch_seconds"] for r in [*before, *rows])
+    values = [r["test_metric"] if r.get("val_metric") is None else r["val_metric"] for r in [*before, *rows]]
     higher = rows[0]["better"] == "higher"
+    reached = next((i for i, v in enumerate(values) if (v >= target if higher else v <= target)), None)
     world, first = int(rows[0]["world_size"]), rows[0]
     return dict(
         world=world, nodes=first.get("nodes") or (1 if world == 1 else None), flags=flags, stage=folder.resolve().parent.name,
         parameters=run.get("parameters"),
         batch=first.get("global_batch") or flags.get("batch_size"),
         rate=statistics.median(r["images_per_s"] for r in rows[1:] or rows),  # a one-epoch run: that epoch
-        to_target=next((s for s, v in zip(seconds, values, strict=True) if (v >= target if higher else v <= target)), None),
+        to_target=None if reached is None else list(seconds)[reached] if reached >= len(before) else
+        f"at world size {before[reached]['world_size']:g}",  # in an earlier part
+        began=before[0]["world_size"] if before else None,
     )  # fmt: skip
 
 
@@ -143,7 +155,9 @@ def report(names, runs, args):
         lines.append(PAPER.format(params, 4 * params / 1e6, args.bandwidth))
     lines.append(HEADER.format(goal))
     for name, r in zip(names, runs, strict=True):
-        to_target = "not reached" if r["to_target"] is None else f"{r['to_target']:.1f} s"
+        to_target = "not reached" if r["to_target"] is None else r["to_target"]
+        if isinstance(to_target, float):  # a part of a run resumed at another world size: the run's seconds
+            to_target = f"{to_target:.1f} s" + (f" (from {r['began']:g})" if r["began"] is not None else "")
         lines.append(row(base, r, r["rate"], to_target, name))
         if args.bandwidth is not None and r["batch"]:
             compute = base["world"] / base["rate"] * r["batch"] / r["world"]  # its batch share, the smallest run's pace
@@ -201,9 +215,9 @@ def main(argv=None):
     if args.target is None and args.metric != "accuracy":
         sys.exit(f"error: these runs measure {args.metric}: give the value to reach with --target")
     args.target = 99.0 if args.target is None else args.target
-    runs = [measure(folder, rows, args.target) for folder, rows, _ in loaded]
-    names = [name + (f" (world size {rows[0]['world_size']:g})" if split else "")
-             for name, (_, rows, split) in zip(labels([folder for folder, _, _ in loaded]), loaded, strict=True)]  # fmt: skip
+    runs = [measure(folder, rows, args.target, before or ()) for folder, rows, before in loaded]
+    names = [name + (part(folder, rows, loaded) if before is not None else "")
+             for name, (folder, rows, before) in zip(labels([folder for folder, _, _ in loaded]), loaded, strict=True)]  # fmt: skip
     text, paper = report(names, runs, args)
     print(text, end="")
     if args.out:
