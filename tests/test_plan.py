@@ -255,7 +255,7 @@ def test_recomputed_blocks_are_planned_as_stage_05_runs_them_and_ddp_without():
     assert 0.9 * peak <= planned[True]["FSDP"]["activations"] < planned[False]["FSDP"]["activations"], peak
 
 
-def test_micro_batches_are_planned_for_stage_05_alone_and_its_mesh_across_nodes():
+def test_micro_batches_are_planned_for_stage_05_alone_and_its_mesh_across_nodes(capsys):
     """--grad-accum 4 left the plan as it was (stage 05 holds one micro-batch's activations), and its advice was
     "a smaller --batch-size (with --grad-accum)"; an FSDP answer on two nodes ran as HSDP, stage 05's there, which
     the plan said did not fit, unless --full-shard, which it did not say."""
@@ -272,12 +272,12 @@ def test_micro_batches_are_planned_for_stage_05_alone_and_its_mesh_across_nodes(
                         (["--gpu-memory", "1.42"], "4 GPUs, HSDP (05_fsdp/job.slurm)"),
                         (["--gpu-memory", "3", "--grad-accum", "2"], "1 GPU, DDP (03_ddp_single_node/job.slurm "
                          "without --grad-accum, stage 05's)")):  # fmt: skip
-        out = run([sys.executable, "tools/plan.py", *fits, *extra])
-        assert out.returncode == 0 and f"the smallest allocation that fits: {said}" in out.stdout, out.stdout[-800:]
-    out = run([sys.executable, "tools/plan.py", *big, "--gpu-memory", "0.5", "--max-gpus", "1", "--amp"])
-    assert "nothing fits in 1 GPUs of 0.5 GiB: stage 05 with --checkpoint-activations, --grad-accum N (the same" in (
-        out.stdout
-    )
+        plan.main([*fits, *extra])  # in this process: the answer alone is checked, not the launch
+        out = capsys.readouterr().out
+        assert f"the smallest allocation that fits: {said}" in out, out[-800:]
+    plan.main([*big, "--gpu-memory", "0.5", "--max-gpus", "1", "--amp"])
+    said = "nothing fits in 1 GPUs of 0.5 GiB: stage 05 with --checkpoint-activations, --grad-accum N (the same"
+    assert said in capsys.readouterr().out
 
 
 def test_the_plan_answers_with_sbatch_lines_in_seconds():
