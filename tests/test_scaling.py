@@ -115,6 +115,20 @@ def test_the_models_size_is_the_one_the_run_records(tmp_path, capsys):
     assert "250,000 fp32 gradients (1.0 MB)" in report(capsys, one, two, "--bandwidth", 1, "--params", 250_000)
 
 
+def test_runs_are_told_apart_by_the_stage_their_manifest_records_not_their_folder(tmp_path, capsys):
+    """Runs with an --output-dir of their own: the stage was read from the folder's parent ("hunt2" for both, no
+    note that one was FSDP), and stage 05's --grad-accum, 1, set beside a stage 03 run without the flag, was noted
+    as a difference (1, None)."""
+    for name, stage, flags in (("a", "03_ddp_single_node", {}), ("b", "05_fsdp", {"grad_accum": 1})):
+        run = write_run(tmp_path / name, 1 + (name == "b"), [100, 100], [90, 95], seconds=(1, 1))
+        record = {"flags": {"batch_size": 64, **flags}, "stage": stage}
+        (run / "run-manifest.json").write_text(
+            json.dumps({"run": name, "writes": [], "launch": None, "record": record})
+        )
+    text = report(capsys, tmp_path / "a", tmp_path / "b")
+    assert "Note: these runs differ in stage: 03_ddp_single_node (a), 05_fsdp (b).\n" in text, text
+
+
 def test_a_model_common_models_does_not_know_is_one_line():
     """A run written before checkpoints recorded the parameter count, of a task with a --model of its own:
     the count models.build() would make of its options is refused in one line, not a traceback."""

@@ -28,6 +28,7 @@ from plot import FORMATS, Figure, labels, load, one_metric, output, save  # noqa
 from common import data, models  # noqa: E402
 from common.guards import check, options, ownership  # noqa: E402
 from common.guards.bounded import Refused, torch_file  # noqa: E402
+from common.options.flags import LARGE  # noqa: E402
 
 NOTE = (
     "images/s: the median of the epochs after the first, which includes warm-up (a one-epoch run: that epoch)."
@@ -82,7 +83,9 @@ def differences(names, runs):
     known = [(name, r) for name, r in zip(names, runs, strict=True) if r["flags"]]
     keys = sorted(set().union(*(r["flags"] for _, r in known)) - {"batch_size", "lr", "lr_scaling"})
     columns = {"stage": [(name, r["stage"]) for name, r in zip(names, runs, strict=True)]}
-    columns |= {f"--{k.replace('_', '-')}": [(name, r["flags"].get(k)) for name, r in known] for k in keys}
+    columns |= {
+        f"--{k.replace('_', '-')}": [(name, r["flags"].get(k, LARGE.get(k))) for name, r in known] for k in keys
+    }
     notes = [
         f"{what}: " + ", ".join(f"{value} ({name})" for name, value in pairs)
         for what, pairs in columns.items()
@@ -110,7 +113,7 @@ def measure(folder, rows, target, before=()):
     reached = next((i for i, v in enumerate(values) if (v >= target if higher else v <= target)), None)
     world, first = int(rows[0]["world_size"]), rows[0]
     return dict(
-        world=world, nodes=first.get("nodes") or (1 if world == 1 else None), flags=flags, stage=folder.resolve().parent.name,
+        world=world, nodes=first.get("nodes") or (1 if world == 1 else None), flags=flags, stage=run.get("stage") or folder.resolve().parent.name,
         parameters=run.get("parameters"),
         batch=first.get("global_batch") or flags.get("batch_size"),
         rate=statistics.median(r["images_per_s"] for r in rows[1:] or rows),  # a one-epoch run: that epoch

@@ -51,7 +51,7 @@ FREE = (
     "data_dir",
     "num_workers",
     "loader",
-    "test_batch_size",  # evaluation sums do not depend on how they are split into batches
+    "test_batch_size",  # per-sample sums do not depend on how they are batched (a task's batch loss may)
     # where it runs and how long a collective waits: checkpoints load on any device
     "no_cuda",
     "dist_timeout",

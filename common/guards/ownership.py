@@ -100,6 +100,7 @@ def well_formed(manifest):
         and isinstance(record.get("data", ""), str)
         and isinstance(record.get("parameters", 0), int)
         and isinstance(record.get("world", 1), int)
+        and isinstance(record.get("stage", ""), str)
     )
 
 

@@ -14,9 +14,11 @@ may skip each of them: the training reads the same without. What each one holds 
   run(main)       any failure ends the run with one line instead of a traceback
 """
 
+import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -122,6 +124,7 @@ class Guard:
         parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
         world = dist.get_world_size() if dist.is_initialized() else 1  # changes the numbers, not the samples
         record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters, "world": world}
+        record["stage"] = Path(sys.argv[0]).resolve().parent.name  # the tools compare runs of any --output-dir
         if hasattr(states["scheduler"], "recipe"):  # a task's optimizer() or scheduler(), not --optimizer's
             record["recipe"] = states["scheduler"].recipe()
             unused = getattr(states["scheduler"], "unused", ())  # its flags: recorded as none, never compared

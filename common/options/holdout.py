@@ -1,7 +1,9 @@
 """--val-fraction (split()): part of the training set held out, evaluated each epoch beside the
 test set, so that a choice of options (--target, the epochs, a learning rate) is not made on the
 test set; and --target with --patience (reached()): stop once the last evaluations reach a value
-of the task's metric, the validation's where there is one, else the test's.
+of the task's metric, the validation's where there is one, else the test's. The held-out part is
+the training set's samples as the task returns them: a task that augments its training set
+(common/tasks/augmented.py) is validated on augmented samples, each drawn the same every epoch.
 """
 
 import torch
