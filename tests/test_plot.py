@@ -65,6 +65,24 @@ def test_legend_names_stage_world_size_and_run_in_numeric_order(tmp_path):
     assert timing.get_xlabel() == "world size (processes)"
 
 
+def test_a_run_resumed_at_another_world_size_is_drawn_at_each(tmp_path):
+    """Stage 05 at 2 ranks, requeued onto 1: labelled "2 processes", its median epoch time (of both sizes) drawn at
+    world size 2 alone."""
+    pytest.importorskip("matplotlib")
+    run = write_metrics(tmp_path / "05_fsdp" / "r", 2, epochs=4)
+    rows = list(csv.DictReader((run / "metrics.csv").read_text().splitlines()))
+    for row in rows[2:]:
+        row.update(world_size=1, epoch_seconds=10)
+    with open(run / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, rows[0].keys())
+        writer.writeheader()
+        writer.writerows(rows)
+    *per_epoch, timing = load_plot().main([str(run), "-o", str(tmp_path / "plot.png")]).axes
+    assert [line.get_label() for line in per_epoch[0].get_lines()] == ["05_fsdp, 2 then 1 processes, r"]
+    points = [(list(line.get_xdata()), list(line.get_ydata())) for line in timing.get_lines()]
+    assert points == [([2], [5.0]), ([1], [10.0])]  # each part's median, at its world size
+
+
 @pytest.fixture(scope="module")
 def runs(uninterrupted, tiny_data, tmp_path_factory):
     """Three runs of stage 01, two epochs each, in folders named as sweeps/ names them: bs16, bs32, bs64. bs32 is a
@@ -94,7 +112,7 @@ def test_plot_draws_one_line_per_run(runs, tmp_path):
     fig = load_plot().main([*map(str, reversed(runs)), "-o", str(tmp_path / "again.png")])  # in any order
     *per_epoch, timing = fig.axes
     written = [metrics(r) for r in runs]
-    names = [f"{r.parent.name}, 1 process, {r.name}" for r in runs]  # bs16, bs32, bs64: by number
+    names = [f"01_single_gpu, 1 process, {r.name}" for r in runs]  # the stage they record; bs16, bs32, bs64: by number
     for ax, column in zip(per_epoch, ["train_loss", "test_loss", "test_accuracy"], strict=True):
         lines = ax.get_lines()
         assert [line.get_label() for line in lines] == names, ax.get_title()

@@ -3,10 +3,11 @@
     python tools/plot.py RUN... [-o plot.png]        # make plot RUNS="runs/batch_size/<array job id>/*"
 
 A RUN is a folder holding the metrics.csv that every stage writes, or that file itself; each run is one
-line per panel, labelled with what tells runs apart: its stage (the folder's parent, as in runs/<stage>/<job
-id>), its world size and its folder's name; the legend lists them by world size, then by that label, numbers
-in it read as numbers (bs8 before bs16). The last panel puts each run's median time per epoch
-(the median, so that the first epoch's warm-up weighs little) against its world size or, when every
+line per panel, labelled with what tells runs apart: its stage (its manifest's, else the folder's parent, as
+in runs/<stage>/<job id>), its world size (each in turn, for a run resumed at another) and its folder's name;
+the legend lists them by world size, then by that label, numbers in it read as numbers (bs8 before bs16). The
+last panel puts each run's median time per epoch (the median, so that the first epoch's warm-up weighs
+little; a point per world size a run ran at) against its world size or, when every
 run has the same world size and every folder is named <word><number> like sweeps/ names them (bs64,
 cpus8), against that number.
 """
@@ -14,6 +15,7 @@ cpus8), against that number.
 import argparse
 import csv
 import io
+import itertools
 import math
 import re
 import statistics
@@ -159,9 +161,12 @@ def labels(folders):
 
 
 def label(folder, rows):
-    """A run's curve label: its stage (the folder's parent), world size and folder name."""
-    folder, n = folder.resolve(), int(rows[0]["world_size"])  # resolved: a RUN of `.` has names too
-    return f"{folder.parent.name}, {n} process{'es' if n != 1 else ''}, {folder.name}"
+    """A run's curve label: its stage (its manifest's, else the folder's parent), world sizes (a run resumed at
+    another: each, in turn) and folder name."""
+    folder = folder.resolve()  # resolved: a RUN of `.` has names too
+    stage = ((ownership.read(folder) or {}).get("record") or {}).get("stage") or folder.parent.name
+    sizes = [int(n) for n, _ in itertools.groupby(r["world_size"] for r in rows)]
+    return f"{stage}, {' then '.join(map(str, sizes))} process{'es' if sizes != [1] else ''}, {folder.name}"
 
 
 def order(run):
@@ -175,7 +180,8 @@ def x_axis(names, runs):
     """The last panel's x values and axis label: see the module's docstring."""
     sizes = [int(rows[0]["world_size"]) for rows in runs]
     matches = [NAMED.fullmatch(name) for name in names]
-    if len(set(sizes)) == 1 and all(matches) and len({m[1] for m in matches}) == 1:
+    alike = len({r["world_size"] for rows in runs for r in rows}) == 1  # every epoch of every run
+    if alike and all(matches) and len({m[1] for m in matches}) == 1:
         return [int(m[2]) for m in matches], f"{matches[0][1]}, from the run names"
     return sizes, "world size (processes)"
 
@@ -194,8 +200,12 @@ def figure(folders, runs):
         panel.set(title=title, xlabel="epoch")
         panel.xaxis.set_major_locator(MaxNLocator(integer=True))
     xs, xlabel = x_axis([folder.resolve().name for folder in folders], runs)
+    sized = xlabel.startswith("world size")  # a run resumed at another world size: a point at each
     for i, (name, x, rows) in enumerate(zip(names, xs, runs, strict=True)):
-        ax.plot([x], [statistics.median(r["epoch_seconds"] for r in rows)], "o", color=f"C{i % 10}", label=name)
+        for n, part in itertools.groupby(rows, key=lambda r: r["world_size"]):
+            at = int(n) if sized else x
+            ax.plot([at], [statistics.median(r["epoch_seconds"] for r in part)], "o", color=f"C{i % 10}", label=name)
+            name, xs = None, [*xs, at]  # one legend entry a run; every point's x a tick
     if min(xs) > 0 and len(set(xs)) > 1:
         ax.set_xscale("log", base=2)  # sweeps double their values
     ax.set_xticks(sorted(set(xs)), [str(x) for x in sorted(set(xs))])
