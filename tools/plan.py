@@ -18,6 +18,7 @@ Per GPU:
     and its --grad-accum holds one micro-batch at a time (DDP's rows, stages 03 and 04, take neither). On fake
     tensors, which have shapes and dtypes but no memory: a model larger than this machine's memory is counted
     too;
+  - --loader device: every split of the data set, as float32 images and labels (a column of its own);
   - an allowance for the CUDA context and the allocator: ALLOWANCE, and 10 % of the rest.
 With --bandwidth GB/s (or the doctor.json of tools/doctor.py), the communication time per step too.
 """
@@ -81,6 +82,20 @@ def sample(args, task):
         spec = data.SETS[args.dataset]
         return torch.zeros(len(spec.mean), spec.size, spec.size), torch.tensor(0)
     return task.datasets(args)[0][0]  # tensors, or dicts, lists and tuples of them
+
+
+SPLITS = {"mnist": (60_000, 10_000), "fashion-mnist": (60_000, 10_000), "cifar10": (50_000, 10_000),
+          "cifar100": (50_000, 10_000), "synthetic": (50_000, 10_000)}  # images in the training and test sets  # fmt: skip
+
+
+def on_device(args):
+    """--loader device: every split of the built-in data set on each GPU, its images normalized to float32 and
+    its labels (common/options/loaders.py OnDevice; a task's own data set it refuses, as the stages do)."""
+    if not builtin(args):
+        sys.exit(f"error: --loader device holds the built-in data sets (common/data.py), not --task {args.task}'s")
+    spec = data.SETS[args.dataset]
+    images = sum(min(n, args.limit or n) for n in SPLITS[args.dataset])
+    return images * (len(spec.mean) * spec.size**2 * 4 + 8)  # float32 pixels, an int64 label
 
 
 def trained_with(args, task, model):
@@ -191,6 +206,8 @@ def per_gpu(args, world_size, measured):
         batch = per_rank if name == "DDP" else micro
         parts = {"weights": weights, "gradients": weights, "optimizer": state,
                  "gathered": gathered if name != "DDP" else 0, "activations": one + (batch - 1) * more}  # fmt: skip
+        if args.loader == "device":  # the data set, on each GPU
+            parts["data"] = on_device(args)
         parts["allowance"] = ALLOWANCE + sum(parts.values()) // 10
         result[name] = parts
     return result
@@ -287,8 +304,10 @@ def main(argv=None):
           f"{', --amp' if args.amp else ''}{', --checkpoint-activations' if args.checkpoint_activations else ''}, "
           f"{kind}; GPUs of {args.gpu_memory:g} GiB, {args.gpus_per_node} per node"
           + (f"; links of {speed:g} GB/s" if speed else ""))  # fmt: skip
-    print("\n| GPUs | strategy | weights | gradients | optimizer | gathered | activations | allowance | total GiB | fits |"
-          + (" comm. ms/step |" if speed else "") + "\n|---|---|---|---|---|---|---|---|---|---|" + ("---|" if speed else ""))  # fmt: skip
+    device = ["data"] if args.loader == "device" else []  # a column of its own: the data set on each GPU
+    columns = ["weights", "gradients", "optimizer", "gathered", "activations", *device, "allowance"]
+    columns += ["total GiB", "fits", *(["comm. ms/step"] if speed else [])]
+    print("\n| GPUs | strategy | " + " | ".join(columns) + " |\n|---|---|" + "---|" * len(columns))
     best = None
     for world_size in range(1, args.max_gpus + 1):
         if args.batch_size % world_size or (world_size > args.gpus_per_node and world_size % args.gpus_per_node):
