@@ -96,7 +96,7 @@ class Log:
         self.path, self.world_size, self.metric = output_dir / "metrics.csv", world_size, metric
         self.fields = [field.replace("accuracy", metric.name) for field in FIELDS]
         self.nodes = max(world_size // ranks_per_node(world_size), 1)
-        self.rows, self.clock, self.carried, self.compiled = [], 0.0, {}, 0.0
+        self.rows, self.clock, self.carried, self.compiled = [], 0.0, {}, 0
         self.unit, self.per_sample = metric.unit  # the speed's, and what a sample counts in it
 
     def state_dict(self):
@@ -128,7 +128,7 @@ class Log:
         if torch.cuda.is_initialized():  # each epoch's own peak
             peak = torch.cuda.max_memory_allocated() / 2**20
             torch.cuda.reset_peak_memory_stats()
-        compiling, self.compiled = self.compiled, 0.0  # inside `seconds`
+        compiling, self.compiled = self.compiled, 0  # inside `seconds`
         row = [epoch, lr, training.loss / training.samples, *self.mean(val), *self.mean(test)]
         row += [seconds, speed, speed / self.world_size, self.world_size, self.nodes, peak]
         self.rows.append(dict(zip(self.fields, [*row, compiling, self.metric.better], strict=True)))
