@@ -84,7 +84,8 @@ lint: $(VENV)  ## ruff (check, format --check); bash -n and shellcheck on the jo
 	$(SHELLCHECK) $(SHELL_SCRIPTS)
 
 clean:  ## deletes runs/ (every run's metrics and checkpoints), the stages' Slurm logs, plot and scaling outputs, decompressed MNIST, caches
-	rm -rf runs .pytest_cache */__pycache__ */*.out */*.gpu.csv plot.png scaling.md scaling.png data/MNIST/raw/*-ubyte
+	rm -rf runs .pytest_cache .ruff_cache */*.out */*.gpu.csv plot.png scaling.md scaling.png data/MNIST/raw/*-ubyte
+	find . -name __pycache__ -not -path './.venv/*' -prune -exec rm -rf {} +
 
 # One GPU, one call, priority first (BUDGET=480 s): what the stages promise on a GPU against its targets; on a CPU it
 # runs QUICK=1, 640 images a run, to check the script (bench/gpu/README.md)

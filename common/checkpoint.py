@@ -12,8 +12,8 @@ common/sharded.py.
 
 A run continues a checkpoint (latest()) when asked to with --resume, and by itself when Slurm
 requeued its job or torchrun restarted its workers: the requeued job runs the same command again,
-and picks up where the last checkpoint left it. restore() loads it: rank 0 reads it and hands it to
-every rank, so that only rank 0's node needs the checkpoint.
+and picks up where the last checkpoint left it. restore() (common/options/resuming.py) loads it:
+rank 0 reads it and hands it to every rank, so that only rank 0's node needs the checkpoint.
 """
 
 import contextlib

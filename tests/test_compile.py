@@ -114,8 +114,8 @@ def graph_of(model, device, args):
 def test_compile_chooses_cuda_graphs_where_they_go(monkeypatch, capsys):
     """The whole step one CUDA graph (a StepGraph to record) for a plain model on a GPU; none on a CPU,
     under --amp, or around what a graph cannot hold: DDP's all-reduce hooks, DataParallel's threads. The
-    choice is said once, with its reason; the model is compiled in place. (Stage 05 compiles each unit itself
-    and records no graph.)"""
+    choice is said once, with its reason; the model is compiled in place. (Stage 05 compiles each unit itself,
+    says so, and records no graph.)"""
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda module, **options: compiled.append(module))
     linear, gpu = torch.nn.Linear(2, 2), torch.device("cuda")  # compiling is lazy: no GPU is touched
@@ -133,6 +133,10 @@ def test_compile_chooses_cuda_graphs_where_they_go(monkeypatch, capsys):
     finally:
         dist.destroy_process_group()
     assert "no CUDA graph: DDP's all-reduce hooks cannot be captured" in capsys.readouterr().out
+    monkeypatch.setattr(compiling, "timed", lambda log, model: None)  # its callbacks: test_jobs.py
+    compiling.units([linear], None)  # stage 05 said nothing of it ("says so", README.md)
+    said = "compile: fused kernels per unit, no CUDA graph: the gathers run between the units\n"
+    assert compiled[-1] is linear and capsys.readouterr().out == said
 
 
 @pytest.mark.parametrize(

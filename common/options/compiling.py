@@ -53,6 +53,7 @@ def compiled(step, log, args):
 def units(units, log):
     """Stage 05's --compile: each FSDP2 unit compiled in place, timed in `log`. No CUDA graph: the
     gathers and reduce-scatters run between the units."""
+    print0("compile: fused kernels per unit, no CUDA graph: the gathers run between the units")
     for unit in units:
         unit.compile()
     timed(log, units[-1])
