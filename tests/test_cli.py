@@ -425,6 +425,19 @@ def test_the_task_is_recorded_by_the_bytes_that_ran(tiny_data, tmp_path, after):
     assert preflight.defining(guard.args)["task"] == f"t.py (sha256 {digest})"
 
 
+def test_a_tasks_own_scheduler_makes_epochs_define_the_run(tmp_path):
+    """The recipe example's per-step cosine decays to 0 over --epochs: resumed with --epochs 3 after 2, its rate went
+    up again (95.31 % where the uninterrupted run reached 98.83 %), accepted without a word. The stage's own
+    schedule is refused so under cosine alone: StepLR goes on by epochs, whatever their number."""
+    args = parse(["--epochs", "2"])
+    for scheduled in (False, True):
+        args.task = preflight.Task.loaded(tmp_path / "t.py", b"source", scheduled=scheduled)
+        assert preflight.defining(args).get("epochs") == (2 if scheduled else None)
+    recorded_run = {"flags": preflight.defining(args)}
+    args.epochs = 3
+    assert "was written with --epochs 2 (now 3)" in recorded.differs(recorded_run, args, None)
+
+
 def test_the_tasks_path_is_made_as_pathlib_makes_the_paths_it_derives(tmp_path):
     """Python 3.12's pathlib passes a Path subclass's every constructor argument to Path, and derives a path
     (`.parent`, `/`) by `type(self)(*segments)`: a task path made of (path, source) refused its own bytes, and every

@@ -209,6 +209,17 @@ def test_a_target_of_accuracy_outside_its_percent_is_one_line(tmp_path):
     assert not holdout.reached(log, 99, 1) and not holdout.reached(Log(tmp_path, 1, Metric("mae", "lower")), 0.5, 1)
 
 
+def test_a_target_is_never_reached_in_an_epoch_resumed_part_way(tmp_path):
+    """Stopped in epoch 2, resumed with --target 50: the stop came at once, "done: 1 epochs", and --save-model
+    exported the weights of 9 steps into epoch 2 (81.17 %) beside epoch 1's row (85.39 %)."""
+    log = Log(tmp_path, 1, Metric())
+    log.rows = [{"epoch": 1, "val_accuracy": "", "test_accuracy": 85.39}]
+    log.carried[2] = (1.5, Sums.zeros(torch.device("cpu")))  # the part of epoch 2 before the stop
+    assert not holdout.reached(log, 50, 1)
+    log.rows.append({"epoch": 2, "val_accuracy": "", "test_accuracy": 90.0})
+    assert holdout.reached(log, 50, 1)  # once the epoch has ended
+
+
 def test_compile_seconds_count_the_compilations_inside_the_epochs_training_alone(tmp_path, capsys):
     """The compiler's seconds while the model trains, its backward's too (compiled with grad off); an evaluation's
     compilation (in eval mode) counts nowhere. Spans clipped at the training's end subtracted an evaluation's start

@@ -34,9 +34,9 @@ class Task(type(Path())):
     alone, as pathlib makes the paths it derives (Python 3.12 passes a constructor's every argument to Path)."""
 
     @classmethod
-    def loaded(cls, path, source):
+    def loaded(cls, path, source, scheduled=False):
         task = cls(path)
-        task.source = source
+        task.source, task.scheduled = source, scheduled  # scheduled: it defines scheduler(), which may read --epochs
         return task
 
 
@@ -61,13 +61,14 @@ def with_own_modules(task):
 def defining(args):
     """{dest: value} of the options that define what a run computes: all but options.FREE and a value the recipe
     never reads (options.used()), the task's own too, as plain values for the run's manifest (JSON). A cosine
-    schedule's --epochs too: it decays to 0 over them."""
+    schedule's --epochs too: it decays to 0 over them; and a task's own scheduler()'s, which may (examples/recipe.py
+    does: resumed with another --epochs, its cosine went up again, 95 % where the run reached 99)."""
     read = options.used(vars(args))
     values = {k: str(v) if isinstance(v, Path) else v for k, v in read.items() if k not in options.FREE}
     # where the file lies may change; which task it is may not: its name and what it holds, as it was loaded
     source = args.task.source if isinstance(args.task, Task) else args.task.read_bytes()
     values["task"] = f"{args.task.name} (sha256 {hashlib.sha256(source).hexdigest()[:16]})"
-    if args.scheduler == "cosine":
+    if args.scheduler == "cosine" or getattr(args.task, "scheduled", False):  # a task's cosine over --epochs too
         values["epochs"] = args.epochs
     return values
 

@@ -97,7 +97,8 @@ class Guard:
     def agree(self, train_set, val_set, test_set, task):
         """Every rank trains the same run on the same data; the run's manifest records what it is trained on, and
         the task by the bytes that were loaded (cli.load_task() keeps them), not by its file read again."""
-        self.args.task = preflight.Task.loaded(self.args.task, preflight.with_own_modules(task))
+        own = preflight.with_own_modules(task)
+        self.args.task = preflight.Task.loaded(self.args.task, own, scheduled=hasattr(task, "scheduler"))
         preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.sizes = (len(train_set), len(val_set), len(test_set))  # what each epoch must count: check_epoch()
         self.default_loss = not hasattr(task, "loss")
