@@ -1,6 +1,8 @@
 """The data sets and input pipelines: the same batches whichever --loader and data set; the split; every
 file checked before it is read (common/guards/datafiles.py); and `make data` (tools/prepare_data.py)."""
 
+import errno
+import io
 import json
 import pickle
 import re
@@ -84,9 +86,44 @@ def test_a_truncated_download_is_named_and_leaves_no_part_file(tmp_path):
         shutil.copy(gz, raw)
     cut = raw / "train-images-idx3-ubyte.gz"
     cut.write_bytes(cut.read_bytes()[:100_000])  # a download cut short
-    with pytest.raises(SystemExit, match=f"{cut} is damaged .*: delete it and run `make data` again"):
-        prepare_data.prepare(tmp_path)
+    with pytest.raises(SystemExit, match=f"{cut} is damaged .*: delete {cut}, then run `python tools/prepare_data.py "):
+        prepare_data.prepare(tmp_path)  # its folder's own command: `make data` writes data/ alone
     assert not list(raw.glob("*.part"))
+
+
+def test_prepare_blames_the_disk_not_the_archive_and_never_the_repositorys_copy(monkeypatch, tmp_path, capsys):
+    """A full disk (or a file-size limit) while unpacking said the .gz "is damaged: delete it", which in data/ is the
+    repository's only offline copy; a .gz of other data looped: its file deleted, the same .gz unpacked it again; and
+    `prepare_data.py cifar10` prepared MNIST into ./cifar10."""
+    for gz in (REPO / "data" / "MNIST" / "raw").glob("*.gz"):
+        (tmp_path / "MNIST" / "raw").mkdir(parents=True, exist_ok=True)
+        shutil.copy(gz, tmp_path / "MNIST" / "raw")
+
+    class Full(io.FileIO):
+        def write(self, chunk):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prepare_data, "open", lambda path, mode: Full(path, mode), raising=False)
+    with pytest.raises(SystemExit, match=r"^error: cannot write .*\.part: No space left on device: free some space"):
+        prepare_data.prepare(tmp_path)
+    monkeypatch.undo()
+    assert len(list((tmp_path / "MNIST" / "raw").glob("*.gz"))) == 4  # nothing to delete: they are whole
+    vendored = REPO / "data" / "MNIST" / "raw"
+    assert "restore the repository's t10k-labels-idx1-ubyte.gz (git checkout -- data/MNIST/raw/)" in (
+        prepare_data.fetch(vendored, "t10k-labels-idx1-ubyte")
+    )
+    raw = tmp_path / "MNIST" / "raw"
+    shutil.copy(raw / "t10k-labels-idx1-ubyte.gz", raw / "train-labels-idx1-ubyte.gz")  # another file's data
+    with pytest.raises(SystemExit, match="not MNIST's") as bad:
+        prepare_data.prepare(tmp_path)
+    for path in (raw / "train-labels-idx1-ubyte", raw / "train-labels-idx1-ubyte.gz"):  # as the line says
+        assert str(path) in str(bad.value.code)
+        path.unlink()
+    prepare_data.prepare(tmp_path)  # copied from the repository again: ready
+    assert "MNIST ready" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as usage:
+        prepare_data.parse(["cifar10"])
+    assert usage.value.code == 2 and "cifar10 is read as DATA_DIR" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("loader", ["batched", "classic", "device"])

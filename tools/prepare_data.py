@@ -36,14 +36,40 @@ VENDORED = Path(__file__).resolve().parent.parent / "data"  # the repository's d
 def download(name, data_dir, train):
     from torchvision import datasets  # here, as in PerSample: only `make data` downloads
 
+    folder = Path(data_dir) / SETS[name].folder
+    present = folder.is_dir() and any(folder.iterdir())  # torchvision reads what is there instead of downloading
     try:
         getattr(datasets, SETS[name].download)(data_dir, train=train, download=True)
-    except (OSError, RuntimeError) as err:  # no network: torchvision's URLError, or its last mirror's RuntimeError
+    except (OSError, RuntimeError, ValueError, AssertionError) as err:  # no network: a URLError, or a mirror's
         why = str(err).splitlines()[0] if str(err).strip() else type(err).__name__  # a mirror's list: its first
+        if present:  # files of another set, cut short or damaged: torchvision downloads none over them
+            raise SystemExit(
+                f"error: {folder} holds files torchvision cannot read as {name} ({why}): delete that folder and run "
+                f"`make data DATASET={name}` on a machine with internet access"
+            ) from err
         raise SystemExit(
             f"error: cannot download {name} ({why}): run `make data DATASET={name}` on a machine with internet "
             f"access, or copy its {SETS[name].folder}/ into {data_dir}"
         ) from err
+
+
+def unpacked(src, folder, file):
+    """The next MiB of the .gz `src`, or one line: a download cut short, or not gzip at all."""
+    try:
+        return src.read(2**20)
+    except (OSError, EOFError, zlib.error) as err:
+        raise SystemExit(f"error: {folder / file}.gz is damaged ({err}): {fetch(folder, file, False)}") from None
+
+
+def fetch(folder, file, unpacked=True):
+    """How to have `file` again: the repository's .gz from git (its only copy offline: never deleted), another
+    folder's .gz deleted and copied again; the file unpacked from it deleted too, else it is read again."""
+    gz, data_dir = folder / f"{file}.gz", folder.parent.parent
+    if folder.resolve() == (VENDORED / SETS["mnist"].folder).resolve():
+        gone = f"delete {folder / file}, " if unpacked else ""
+        return f"{gone}restore the repository's {file}.gz (git checkout -- data/MNIST/raw/), then run `make data`"
+    gone = f"{folder / file} and {gz}" if unpacked else gz
+    return f"delete {gone}, then run `python tools/prepare_data.py {data_dir}`: it copies the repository's"
 
 
 def prepare(data_dir, name="mnist"):
@@ -74,26 +100,30 @@ def prepare(data_dir, name="mnist"):
             part = folder / f"{file}.part"
             try:
                 with gzip.open(folder / f"{file}.gz") as src, open(part, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
+                    while chunk := unpacked(src, folder, file):
+                        dst.write(chunk)
                 part.replace(folder / file)
-            except (OSError, EOFError, zlib.error) as err:  # a download cut short, or not gzip at all
-                raise SystemExit(
-                    f"error: {folder / file}.gz is damaged ({err}): delete it and run `make data` again"
-                ) from None
+            except OSError as err:  # the disk's (full, a quota): the .gz is whole, and is never blamed
+                raise SystemExit(f"error: cannot write {part}: {err.strerror}: free some space, run it again") from None
             finally:  # a stop too: no .part is left behind
                 part.unlink(missing_ok=True)
-        if hashlib.sha256((folder / file).read_bytes()).hexdigest() != sha256:
-            raise SystemExit(
-                f"error: {folder / file} is corrupt (sha256 mismatch): delete it and run `make data` again"
-            )
+        if hashlib.sha256((folder / file).read_bytes()).hexdigest() != sha256:  # unpacked from a .gz of other data
+            raise SystemExit(f"error: {folder / file} is not MNIST's (sha256 mismatch): {fetch(folder, file)}")
     print(f"MNIST ready in {folder}")
 
 
-if __name__ == "__main__":
+def parse(argv=None):
     cli = Parser(description="Prepare a data set in DATA_DIR (make data DATASET=NAME).")  # usage errors: one line
     cli.add_argument("data_dir", nargs="?", type=Path, default=VENDORED, metavar="DATA_DIR",
                      help="the stages' --data-dir (default: the repository's data/)")  # fmt: skip
     cli.add_argument("name", nargs="?", choices=list(SETS), default="mnist", metavar="NAME",
                      help=f"one of {', '.join(SETS)} (default: mnist)")  # fmt: skip
-    args = cli.parse_args()
+    args = cli.parse_args(argv)
+    if str(args.data_dir) in SETS and not args.data_dir.exists():  # `prepare_data.py cifar10`: MNIST into ./cifar10
+        cli.error(f"{args.data_dir} is read as DATA_DIR: give the folder first, `prepare_data.py data {args.data_dir}`")
+    return args
+
+
+if __name__ == "__main__":
+    args = parse()
     prepare(args.data_dir, args.name)
