@@ -110,6 +110,44 @@ def test_the_lessons_refusal_is_reported_as_its_message_and_a_tasks_error_with_i
     assert doctor.data_facts(mine, training)["error"].startswith("ValueError: invalid literal")
 
 
+def test_the_data_row_checks_the_files_as_a_stage_does_and_bandwidth_is_the_slowest_nodes(tmp_path):
+    """A labels file of the test set's 10,000 in the training set's place, or a label 42: the doctor said PASS
+    (`10000-...` alike on every rank), which the stage then refused. busbw within nodes was rank 0's node alone:
+    a node half as fast, or one where rank 0's node had a single rank, was never seen."""
+    sys.path.insert(0, str(DOCTOR.parent))
+    import doctor
+
+    raw = tmp_path / "MNIST" / "raw"
+    shutil.copytree(REPO / "data" / "MNIST" / "raw", raw, ignore=shutil.ignore_patterns("*.gz"))
+    shutil.copy(raw / "t10k-labels-idx1-ubyte", raw / "train-labels-idx1-ubyte")
+    training = SimpleNamespace(data_dir=tmp_path, dataset="mnist", limit=None)
+    facts = doctor.data_facts(cli.load_task(cli.TASK), training)
+    assert facts["fingerprints"] is None and "train-labels-idx1-ubyte: 10000 labels for 60000 images" in facts["error"]
+    sweep = lambda busbw: [[2**20, busbw / 2, busbw / 2], [2**28, busbw, busbw]]  # noqa: E731
+    ranks = [{"rank": 0, "host": "a", "bandwidth": {"within nodes": sweep(40.0)}},
+             {"rank": 2, "host": "b", "bandwidth": {"within nodes": sweep(3.0)}}]  # fmt: skip
+    [(check, status, detail, fix)] = doctor.check_bandwidth(SimpleNamespace(everyone=ranks, gpu=True))
+    assert (check, status) == ("busbw within nodes", "WARN") and "busbw 3 GB/s" in detail and "rank 2 (b)" in detail
+    ranks[0]["bandwidth"] = {}  # rank 0 alone on its node: no within-node figure of its own
+    [(_, status, detail, _)] = doctor.check_bandwidth(SimpleNamespace(everyone=ranks, gpu=True))
+    assert status == "WARN" and "busbw 3 GB/s" in detail
+
+
+def test_a_gpu_per_task_binding_is_a_rank_per_gpu():
+    """Each task sees its own GPU alone (--gpus-per-task=1): one GPU a rank saw, two ranks a node, FAIL, and the fix
+    asked for what the job already did; two ranks that see one and the same GPU still FAIL."""
+    sys.path.insert(0, str(DOCTOR.parent))
+    import doctor
+
+    def row(*gpus):
+        ranks = [{"rank": r, "host": "a", "gpus": 1, "gpu": f"CUDA_VISIBLE_DEVICES {g}"} for r, g in enumerate(gpus)]
+        [(_, status, detail, _)] = doctor.check_ranks_per_node(SimpleNamespace(hosts={"a": ranks}, everyone=ranks))
+        return status, detail
+
+    assert row(0, 1) == ("PASS", "one per GPU")
+    assert row(0, 0) == ("FAIL", "a: 2 ranks, 1 GPUs")
+
+
 @pytest.mark.parametrize("theirs", [pytest.param("the same", marks=pytest.mark.slow), "other"])
 def test_another_tasks_data_is_compared_across_ranks(tmp_path, theirs):
     """--task: two srun-style ranks, each in its own working folder, load the task's own data (no MNIST

@@ -369,3 +369,15 @@ def test_checkpoint_minutes_saves_mid_epoch_in_an_epoch_shorter_than_the_log_int
     resumed = python(S01, *args(tiny_data, cut, "--resume"))
     assert resumed.returncode == 0 and f"resumed at epoch 2, step {step}" in resumed.stdout, resumed.stderr
     assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])
+
+
+def test_a_signal_set_after_the_scripts_first_command_is_none():
+    """sbatch reads #SBATCH lines up to the first command: a --signal after `set -euo pipefail` is one Slurm never
+    sends, and the doctor said PASS ("Requeue=1, --signal=B:USR1@90") to that job."""
+    from common.guards.preemption import script_signal
+
+    head = "#!/bin/bash\n#SBATCH --nodes=1\n\n# the site's block\n"
+    assert script_signal(head + "#SBATCH --signal=B:USR1@90\nset -euo pipefail\n") == "B:USR1@90"
+    assert script_signal(head + "set -euo pipefail\n#SBATCH --signal=B:USR1@90\n") is None
+    for job in sorted(REPO.glob("*/job*.slurm")) + [REPO / "tools" / "doctor.slurm"]:  # the project's own
+        assert script_signal(job.read_text()) == "B:USR1@90", job

@@ -40,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from common import cli, distributed  # noqa: E402
 from common.checkpoint import atomic  # noqa: E402
 from common.environment import cpus_per_rank  # noqa: E402
-from common.guards import check, failure, flightrecorder, options, preemption, preflight, rails, versions  # noqa: E402
+from common.guards import check, datafiles, failure, flightrecorder, options, preemption, preflight, rails, versions  # noqa: E402
 from common.options import flags  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]  # every dtype the stages all-reduce or train in
@@ -151,6 +151,7 @@ def data_facts(task, training):
     """The fingerprints (preflight.fingerprint) of the task's training and test sets as this rank loads
     them, or why it cannot load them."""
     try:
+        datafiles.check(training)  # its files first, as a stage checks them: a short labels file trains on less
         return {"fingerprints": [preflight.fingerprint(s) for s in task.datasets(training)[:2]], "error": None}
     except (Exception, SystemExit) as err:  # the task's own code, or its one-line error: anything can fail
         said = failure.refusal(err) or (str(err) if isinstance(err, SystemExit) else None)  # a line already
@@ -308,7 +309,9 @@ def check_ranks(run):
 
 
 def check_ranks_per_node(run):
-    gpus = {h: fs[0]["gpus"] for h, fs in run.hosts.items()}
+    """A rank per GPU of each node: the GPUs a rank sees, or, where each sees its own alone (--gpus-per-task=1,
+    --gpu-bind=single:1), the distinct ones the node's ranks use (it failed such a binding, which trains well)."""
+    gpus = {h: max(fs[0]["gpus"], len({f["gpu"] for f in fs if f["gpu"]})) for h, fs in run.hosts.items()}
     uneven = [f"{h}: {len(fs)} ranks, {gpus[h]} GPUs" for h, fs in run.hosts.items() if gpus[h] and len(fs) != gpus[h]]
     shared = any(len(fs) > gpus[h] > 0 for h, fs in run.hosts.items())  # more ranks than GPUs share them; fewer idle
     ok = "one per GPU" if run.everyone[0]["gpus"] else "no GPU"
@@ -409,10 +412,14 @@ def check_all_reduce(run):
 
 def check_bandwidth(run):
     fix = "see the transport line; check NCCL_SOCKET_IFNAME and the links (nvidia-smi topo -m)"
-    for scope, sweep in run.everyone[0]["bandwidth"].items():
+    for scope in dict.fromkeys(scope for f in run.everyone for scope in f["bandwidth"]):  # rank 0's alone missed
+        measured = [f for f in run.everyone if scope in f["bandwidth"]]  # a slow node, or every one where it had none
+        slowest = min(measured, key=lambda f: f["bandwidth"][scope][-1][2])  # a collective goes at its pace
+        sweep = slowest["bandwidth"][scope]
         size, algbw, busbw = sweep[-1]
         smaller = ", ".join(f"{b:.3g} at {s / 2**20:g} MiB" for s, _, b in sweep[:-1])
         seen = f"busbw {busbw:.3g} GB/s (algbw {algbw:.3g}) at {size / 2**20:g} MiB, {smaller}"
+        seen += f", {who([slowest])}'s, the slowest" if len(measured) > 1 else ""
         slow = [f"{seen}: below {FLOOR_GBPS[scope]} GB/s"] if run.gpu and busbw < FLOOR_GBPS[scope] else []
         yield verdict(f"busbw {scope}", slow, seen + ("" if run.gpu else " (gloo on CPUs: no floor)"), fix, "WARN")
 

@@ -201,8 +201,18 @@ def job_signal(job):
         ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
-    found = re.search(r"^#SBATCH.*--signal[= ](\S+)", script, re.M)
-    return found and found[1]
+    return script_signal(script)
+
+
+def script_signal(script):
+    """The --signal of a batch script's #SBATCH lines, which sbatch reads up to its first command alone (one after
+    `set -euo pipefail` was read as given: the doctor said PASS to a job Slurm never signals)."""
+    for line in script.splitlines():
+        if line.strip() and not line.startswith("#"):
+            return None
+        if found := re.match(r"#SBATCH.*--signal[= ](\S+)", line):
+            return found[1]
+    return None
 
 
 def lead(spec):
