@@ -104,12 +104,12 @@ def fake_launch(tmp_path, *tools, numa=None):
     return f"{bin_}:/usr/bin:/bin"
 
 
-def launch(script, tmp_path, path, *args):
+def launch(script, tmp_path, path, *args, **exported):
     """Run a job script as sbatch would, in its folder: (srun's arguments, srun's environment)."""
     folder = (REPO / script).parent
     env = {"PATH": path, "SLURM_SUBMIT_DIR": str(folder), "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "t",
            "SLURM_CPUS_PER_TASK": "4", "SLURM_GPUS_ON_NODE": "2", "SLURM_NTASKS_PER_NODE": "2",
-           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"}  # fmt: skip
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[1-2]"} | exported  # fmt: skip
     out = subprocess.run(["bash", str(REPO / script), *map(str, args)], env=env, cwd=folder, capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0 and not out.stderr, out
@@ -136,6 +136,18 @@ def test_every_job_script_switches_on_the_flight_recorder_into_the_runs_folder(t
         srun_starts_ranks = "torchrun" not in args and script.parent.name in ("04_ddp_multi_node", "05_fsdp")
         assert ("--cpu-bind=cores" in args) == srun_starts_ranks, (name, args)
         assert not [a for a in args if a.startswith("--numa-binding")], (name, args)  # no numactl, no GPU here
+
+
+def test_the_torchrun_scripts_keep_an_exported_rendezvous_and_a_thread_per_rank(tmp_path):
+    """MASTER_ADDR and MASTER_PORT exported (the README's fix for a port in use) were replaced by the first node and
+    the job's port; --cpus-per-task=1 for 2 GPUs exported OMP_NUM_THREADS=0, which libgomp refuses (torch then
+    took every core)."""
+    path, torchrun = fake_launch(tmp_path), "04_ddp_multi_node/job_torchrun.slurm"
+    args, env = launch(torchrun, tmp_path, path, MASTER_ADDR="node1-ib", MASTER_PORT="31337", SLURM_CPUS_PER_TASK="1")
+    assert "--rdzv_endpoint=node1-ib:31337" in args and env["OMP_NUM_THREADS"] == "1", (args, env)
+    args, env = launch(torchrun, tmp_path, path)  # none exported: the first node, the job's port
+    assert "--rdzv_endpoint=node1:24242" in args and env["OMP_NUM_THREADS"] == "2", (args, env)
+    assert launch("03_ddp_single_node/job.slurm", tmp_path, path, SLURM_CPUS_PER_TASK="1")[1]["OMP_NUM_THREADS"] == "1"
 
 
 def test_the_flight_recorder_leaves_a_usage_error_to_train_py(tmp_path):
