@@ -150,6 +150,21 @@ def test_the_torchrun_scripts_keep_an_exported_rendezvous_and_a_thread_per_rank(
     assert launch("03_ddp_single_node/job.slurm", tmp_path, path, SLURM_CPUS_PER_TASK="1")[1]["OMP_NUM_THREADS"] == "1"
 
 
+def test_a_torchrun_script_submitted_from_another_folder_is_one_line(tmp_path):
+    """`sbatch 03_ddp_single_node/job.slurm` from the repository: its check passed, then torchrun ran a train.py that
+    is not there, twice (--max-restarts), and ended in a ChildFailedError traceback."""
+    for script in ("03_ddp_single_node/job.slurm", "04_ddp_multi_node/job_torchrun.slurm"):
+        (tmp_path / script).parent.mkdir()
+        env = {"PATH": fake_launch((tmp_path / script).parent), "SLURM_SUBMIT_DIR": str(REPO),
+               "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "t", "SLURM_CPUS_PER_TASK": "4", "SLURM_GPUS_ON_NODE": "2",
+               "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node1"}  # fmt: skip
+        out = subprocess.run(
+            ["bash", str(REPO / script)], env=env, cwd=REPO, capture_output=True, text=True, timeout=HANG
+        )
+        said = f"error: no train.py in {REPO}: submit the job from its stage's folder (cd it; sbatch ...)\n"
+        assert out.returncode == 1 and out.stderr == said, out
+
+
 def test_the_flight_recorder_leaves_a_usage_error_to_train_py(tmp_path):
     """`--output-dir` without its value: the recorder's export goes to the default folder, silently, so that the
     job's log holds the usage error once, from the ranks, not a second time from the job script."""

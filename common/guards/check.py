@@ -210,6 +210,8 @@ def plain(value):
 
 
 if __name__ == "__main__":
+    if not Path("train.py").is_file():  # sbatch 03_ddp_single_node/job.slurm: torchrun ran a train.py not there
+        sys.exit(f"error: no train.py in {Path.cwd()}: submit the job from its stage's folder (cd it; sbatch ...)")
     versions.require(Path("train.py"))  # job scripts run in the stage's folder
     check_launcher()  # before a usage error's rank-0 test reads them
     try:
