@@ -126,6 +126,24 @@ def test_prepare_blames_the_disk_not_the_archive_and_never_the_repositorys_copy(
     assert usage.value.code == 2 and "cifar10 is read as DATA_DIR" in capsys.readouterr().err
 
 
+def test_files_torchvision_cannot_read_are_named_apart_from_a_download_that_failed(monkeypatch, tmp_path):
+    """Fashion-MNIST's folder holding files cut short or of another kind: torchvision reads them instead of
+    downloading, and the line said "cannot download ... run it on a machine with internet access", where the same
+    would happen (or a catch-all AssertionError line naming no file)."""
+    datasets = pytest.importorskip("torchvision.datasets")
+    (tmp_path / "FashionMNIST" / "raw").mkdir(parents=True)
+    for raised, said in ((RuntimeError("Error downloading t10k.gz:"), "cannot download fashion-mnist"),
+                         (AssertionError(), f"{tmp_path / 'FashionMNIST' / 'raw'} holds files torchvision cannot read"),
+                         (RuntimeError("shape '[60000, 28, 28]' is invalid"), "holds files torchvision cannot read")):  # fmt: skip
+        monkeypatch.setattr(
+            datasets, "FashionMNIST", lambda *args, raised=raised, **kwargs: (_ for _ in ()).throw(raised)
+        )
+        if "holds" in said:
+            (tmp_path / "FashionMNIST" / "raw" / "train-images-idx3-ubyte").write_bytes(b"junk")
+        with pytest.raises(SystemExit, match=re.escape(said)):
+            prepare_data.download("fashion-mnist", tmp_path, train=True)
+
+
 @pytest.mark.parametrize("loader", ["batched", "classic", "device"])
 def test_an_empty_validation_set_yields_nothing(loader, tiny_data):
     """Without --val-fraction the validation set is empty ([], as the stages make it), and every pipeline,

@@ -42,7 +42,8 @@ def download(name, data_dir, train):
         getattr(datasets, SETS[name].download)(data_dir, train=train, download=True)
     except (OSError, RuntimeError, ValueError, AssertionError) as err:  # no network: a URLError, or a mirror's
         why = str(err).splitlines()[0] if str(err).strip() else type(err).__name__  # a mirror's list: its first
-        if present:  # files of another set, cut short or damaged: torchvision downloads none over them
+        if present and not isinstance(err, OSError) and "download" not in str(err).lower():  # read, not fetched:
+            # files of another set, cut short or damaged, which torchvision reads instead of downloading
             raise SystemExit(
                 f"error: {folder} holds files torchvision cannot read as {name} ({why}): delete that folder and run "
                 f"`make data DATASET={name}` on a machine with internet access"
