@@ -210,8 +210,9 @@ def plain(value):
 
 
 if __name__ == "__main__":
-    if not Path("train.py").is_file():  # sbatch 03_ddp_single_node/job.slurm: torchrun ran a train.py not there
-        sys.exit(f"error: no train.py in {Path.cwd()}: submit the job from its stage's folder (cd it; sbatch ...)")
+    submitted = Path(os.environ.get("SLURM_SUBMIT_DIR", "."))  # a job's: sbatch 03_ddp_single_node/job.slurm
+    if "SLURM_SUBMIT_DIR" in os.environ and not (submitted / "train.py").is_file():  # torchrun ran no train.py
+        sys.exit(f"error: no train.py in {submitted}: submit the job from its stage's folder (cd it; sbatch ...)")
     versions.require(Path("train.py"))  # job scripts run in the stage's folder
     check_launcher()  # before a usage error's rank-0 test reads them
     try:
