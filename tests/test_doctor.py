@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -131,6 +132,19 @@ def test_the_data_row_checks_the_files_as_a_stage_does_and_bandwidth_is_the_slow
     ranks[0]["bandwidth"] = {}  # rank 0 alone on its node: no within-node figure of its own
     [(_, status, detail, _)] = doctor.check_bandwidth(SimpleNamespace(everyone=ranks, gpu=True))
     assert status == "WARN" and "busbw 3 GB/s" in detail
+
+
+def test_a_probe_a_doctor_that_died_left_is_no_ranks_of_this_one(tmp_path):
+    """Each node's own --output-dir (node-local scratch) holding the probes of a doctor that died before removing
+    them (`.doctor-1` beside rank 0): "shared by every node", PASS, for a folder no other node sees."""
+    sys.path.insert(0, str(DOCTOR.parent))
+    import doctor
+
+    (tmp_path / ".doctor-1").touch()  # the probes of an earlier doctor, as it named them
+    (tmp_path / ".doctor-0a1b2c3d-1").touch()  # and as this one names them: another run's token
+    args, nothing = SimpleNamespace(output_dir=tmp_path), SimpleNamespace(datasets=lambda args: [])
+    facts = doctor.file_facts(args, nothing, None, rank=0, world_size=2)  # rank 1 on a node of its own
+    assert facts["sees"] == [0] and Path(facts["probe"]).exists()
 
 
 def test_a_gpu_per_task_binding_is_a_rank_per_gpu():

@@ -162,19 +162,23 @@ def data_facts(task, training):
 def file_facts(args, task, training, rank, world_size):
     """The task's data as this rank sees it; whether it can write --output-dir, which ranks' files it sees
     there (on a shared folder, all of them), and the free space."""
+    run = [os.urandom(4).hex()]  # this doctor's: a file one that died left is no rank's here (it said "shared")
+    if dist.is_initialized():
+        dist.broadcast_object_list(run)
+    probe = lambda r: args.output_dir / f".doctor-{run[0]}-{r}"  # noqa: E731
     try:
         args.output_dir.mkdir(parents=True, exist_ok=True)
-        probe = os.open(args.output_dir / f".doctor-{rank}", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW)
-        os.close(probe)  # a link there is not followed: "cannot write" it
+        os.close(os.open(probe(rank), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW))  # a link: not followed
         problem, disk = None, os.statvfs(args.output_dir)
     except OSError as err:
         problem = f"cannot write {err.filename} ({err.strerror})"
     if dist.is_initialized():
         dist.barrier()  # every rank has written its file
-    sees = [r for r in range(world_size) if (args.output_dir / f".doctor-{r}").exists()]
+    sees = [r for r in range(world_size) if probe(r).exists()]
     return {
         "data": data_facts(task, training),
         "output": problem,
+        "probe": str(probe(rank)),
         "sees": sees,
         "free_gb": 0 if problem else disk.f_bavail * disk.f_frsize / 1e9,
     }
@@ -543,7 +547,7 @@ def main(guard):
         mine["requeue"] = requeue()
     everyone = gather(mine)
     if not mine["output"]:
-        (args.output_dir / f".doctor-{rank}").unlink()
+        Path(mine["probe"]).unlink()
     rows = judge(args, everyone, device)
     if rank == 0:
         nodes = len(set(hosts))
