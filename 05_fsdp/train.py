@@ -33,14 +33,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._composable import checkpoint as recompute
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data.distributed import DistributedSampler
 
 from common import checkpoint, cli, data, distributed, meta, metrics, optim, sharded
 from common.guards import rails  # guard rails: each `guard` line says what it guards; skip them
 from common.models import blocks, gathered, norms
-from common.options import amp, compiling, export, flags, holdout, hooks, loaders, resuming
+from common.options import amp, export, flags, holdout, hooks, large, loaders, resuming
 
 
 def train_step(step, x, y):
@@ -119,10 +118,8 @@ def main(guard):
     units = getattr(task, "blocks", blocks)(model)  # the task's, else Sequential/ModuleList layers
     mesh = distributed.mesh(args, world_size, device)  # HSDP: shard in a node, replicate across
     optim.memory(model, args, world_size, mesh)
-    for block in units if args.checkpoint_activations else []:  # keep its input; rerun in backward
-        recompute(block)
-    if args.compile:  # option: --compile: kernels fused per unit, in place (no CUDA graph)
-        compiling.units(units, log)
+    if args.checkpoint_activations or args.compile:  # option: recomputed in the backward, compiled
+        large.per_unit(units, args, log)
     block_policy, norm_policy, root_policy = amp.policies(device, args)  # --amp: bf16 over fp32
     if dist.is_initialized():  # a plain `python train.py` has no process group: nothing to wrap
         if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's share

@@ -35,7 +35,6 @@ from helpers import (
 from test_equivalence import ARGS, BATCH, CPU, OPTIONS, RUN, ddp_rank, model_without_dropout, stage, step
 from test_stages import check_run
 from torch import nn
-from torch.distributed._composable import checkpoint as recompute
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -45,7 +44,7 @@ from common import data, meta, models, optim
 from common.environment import Launch
 from common.guards import launching
 from common.metrics import Sums
-from common.options import amp, hooks, loaders
+from common.options import amp, hooks, large, loaders
 from common.tasks import sequences
 
 STEPS = 4
@@ -124,7 +123,7 @@ def ranks(rank, world_size, port, data_dir, result):
         else:
             for block in models.blocks(model):  # as stage 05 does
                 if checkpointed:
-                    recompute(block)
+                    large.recomputed(block)
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
         args = type(ARGS)(**vars(ARGS), grad_accum=accum)
@@ -676,3 +675,20 @@ def test_only_blocks_worth_a_gather_are_units_and_sharded_weights_step_by_foreac
         dist.destroy_process_group()
     assert [f for f, _ in found] == [True, None]
     assert all(torch.equal(a, b) for a, b in zip(found[0][1], found[1][1], strict=True))
+
+
+@pytest.mark.slow
+def test_recomputed_blocks_update_batchnorm_once_a_step(tiny_sets, tmp_path):
+    """--checkpoint-activations runs each block again in the backward: its BatchNorm layers, in training mode, updated
+    their statistics again (num_batches_tracked twice a step, another running mean), and the test loss moved. A
+    block's buffers are as its forward left them: the export is the run's without the flag, bit for bit."""
+    flags = ("--model", "wideresnet", "--dataset", "cifar10", "--depth", 10, "--width", 1, "--batch-size", 8)
+    exported = {}
+    for name, extra in (("plain", ()), ("recomputed", ("--checkpoint-activations",))):
+        out = python(S05, *stage_args(tiny_sets, tmp_path / name, "--epochs", 1, *flags, *extra, "--save-model"))
+        assert out.returncode == 0, out.stderr
+        exported[name] = checkpoint(tmp_path / name, "model.pt")
+    steps = exported["plain"]["features.1.bn1.num_batches_tracked"]
+    assert steps > 1 and exported["recomputed"]["features.1.bn1.num_batches_tracked"] == steps
+    assert all(torch.equal(exported["recomputed"][k], w) for k, w in exported["plain"].items())
+    assert metrics(tmp_path / "plain")[0]["test_loss"] == metrics(tmp_path / "recomputed")[0]["test_loss"]
