@@ -92,11 +92,37 @@ def test_a_checkpoint_copied_away_from_its_run_is_refused_not_resumed_unchecked(
         resume.find(args, path, resume.WHOLE, False, "256-0")
 
 
+@pytest.mark.slow
+def test_another_runs_checkpoint_copied_into_a_runs_folder_is_refused(tiny_data, tmp_path):
+    """Run b's checkpoint.pt copied over run a's: a's --resume trained b's run (its --lr 0.5, which a's manifest did
+    not record) and exited 0. Each checkpoint holds the id and record of the run that wrote it (recorded.Stamp):
+    one line naming both runs, the file's own record where no manifest is beside it."""
+    for name, lr in (("a", 1.0), ("b", 0.5)):
+        assert small(S01, tiny_data, tmp_path / name, "--epochs", 1, "--lr", lr).returncode == 0
+    theirs, ours = (ownership.read(tmp_path / name)["run"] for name in ("b", "a"))
+    assert checkpoint(tmp_path / "b")["run"]["id"] == theirs and theirs != ours
+    shutil.copy(tmp_path / "b" / "checkpoint.pt", tmp_path / "a" / "checkpoint.pt")
+    out = small(S01, tiny_data, tmp_path / "a", "--epochs", 2, "--resume")
+    one_error(
+        out, f"{tmp_path / 'a' / 'checkpoint.pt'} is a checkpoint of run {theirs}, not of run {ours}", "delete it"
+    )
+    (tmp_path / "alone").mkdir()  # copied away alone: what defines it, from the file itself
+    shutil.copy(tmp_path / "b" / "checkpoint.pt", tmp_path / "alone" / "checkpoint.pt")
+    out = small(S01, tiny_data, tmp_path / "c", "--epochs", 2, "--resume", tmp_path / "alone" / "checkpoint.pt")
+    one_error(out, "was written with --lr 0.5 (now 1.0)")
+    out = small(
+        S01, tiny_data, tmp_path / "c", "--epochs", 2, "--lr", 0.5, "--resume", tmp_path / "alone" / "checkpoint.pt"
+    )
+    assert out.returncode == 0 and "resumed after epoch 1" in out.stdout, out.stderr
+
+
 @pytest.mark.slow  # the whole-checkpoint case above runs in make test
 def test_a_damaged_shard_or_missing_metadata_is_named_by_file(uninterrupted, tiny_data, tmp_path):
     """Stage 05 keeps its last two sharded checkpoints (one process: the shards of one rank)."""
     trained(uninterrupted, tmp_path, S05, "--limit", 64, "--epochs", 2)  # small()'s run, shared
     assert [f.name for f in resume.epochs(tmp_path)] == ["epoch-2", "epoch-1"]
+    out = small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume", tmp_path / "epoch-2" / "state.pt")
+    one_error(out, "is one file of a sharded checkpoint: give its folder", str(tmp_path / "epoch-2"))
     shard = next((tmp_path / "epoch-2").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     out = small(S05, tiny_data, tmp_path, "--epochs", 3, "--resume")
@@ -207,7 +233,7 @@ def test_a_checkpoints_own_values_are_checked_before_anything_is_restored(tiny_d
             "holds the optimizer's square_avg of parameter 0 as int64 of shape [3], the parameter being of shape [32, 1",
         ),
         ({"optimizer": {"state": {}, "param_groups": groups[:0]}}, "holds the optimizer state of 0 parameters"),
-        # a hand's edits (hostile pass, round 5): each was restored, then a KeyError, a wrong cause or a wrong number
+        # a hand's edits: each was restored, then a KeyError, a wrong cause or a wrong number
         ({"log": {"rows": []}}, "holds metrics of epochs [] for 2 epochs done"),
         ({"step": 1}, "holds metrics of epochs [1, 2] for 1 epochs done"),  # a part-way checkpoint has one row
         ({"scheduler": state["scheduler"] | {"last_epoch": 3}}, "holds a schedule stepped 3 times for 2 epochs done"),

@@ -75,10 +75,11 @@ def test_bad_value_is_one_line_naming_the_flag(flag, value, capsys):
         (["--momentum", "0.9"], "argument --momentum: adadelta has none (sgd's and rmsprop's)"),
         (["--optimizer", "adam", "--momentum", "0.5"], "argument --momentum: adam has none"),
         (["--scheduler", "cosine", "--step-size", "2"], "argument --step-size: the cosine schedule takes no steps"),
+        (["--scheduler", "cosine", "--gamma", "0.5"], "argument --gamma: the cosine schedule has no decay factor"),
     ],
 )
 def test_a_recipe_flag_the_recipe_never_reads_is_refused(argv, said, capsys):
-    """--momentum with adadelta or adam, --step-size with the cosine schedule: parsed, recorded in the manifest and
+    """--momentum with adadelta or adam, --step-size or --gamma with the cosine schedule: parsed, recorded and
     trained without, a plausible number for a recipe that was not run. One line instead; where the recipe reads it,
     or it is left at its default, it runs."""
     err = refused(argv, capsys)
@@ -241,9 +242,22 @@ def test_defining_values_and_the_cosine_rule():
     large, _ = check.parse_args(["--grad-accum", "2"], [flags.large])  # stage 05's: its slices draw their own dropout
     assert preflight.defining(large)["grad_accum"] == 2 and set(preflight.defining(large)) == set(step) | {"grad_accum"}
     cosine = preflight.defining(parse(["--epochs", "3", "--scheduler", "cosine"]))
-    assert cosine == {k: v for k, v in step.items() if k != "step_size"} | {"scheduler": "cosine", "epochs": 3}
+    assert cosine == {k: v for k, v in step.items() if k not in ("step_size", "gamma")} | {
+        "scheduler": "cosine",
+        "epochs": 3,
+    }
     assert preflight.defining(parse(["--optimizer", "sgd", "--lr", "0.01", "--momentum", "0.9"]))["momentum"] == 0.9
     assert all(type(value) in (str, int, float, bool, type(None)) for value in cosine.values())  # weights_only loads
+
+
+def test_a_resume_names_the_options_that_changed_and_none_that_did_not():
+    """A run under the cosine schedule resumed under --scheduler step: it named `--epochs 2 (now None)` beside the
+    scheduler, --epochs being defining under cosine alone; an option no longer defining is shown by its value."""
+    run = {"flags": preflight.defining(parse(["--epochs", "2", "--scheduler", "cosine"]))}
+    said = recorded.differs(run, parse(["--epochs", "2"]), None)
+    assert said.startswith("was written with --scheduler cosine (now step): resume with the same options"), said
+    said = recorded.differs(run, parse(["--epochs", "3"]), None)
+    assert said.startswith("was written with --scheduler cosine (now step), --epochs 2 (now 3):"), said
 
 
 def test_a_resume_compares_grad_accum_and_the_task_by_what_it_holds(tmp_path, capsys):
@@ -322,7 +336,7 @@ def test_resume_needs_a_regular_file(tmp_path, monkeypatch, capsys):
 )  # fmt: skip
 def test_an_empty_path_is_refused_not_made_the_folder_the_run_starts_in(argv, flag):
     """`--output-dir "$OUT"` with OUT unset: the parser made it the current folder, and a run wrote its checkpoints
-    there (hostile pass, round 5); so did `--output ""`, argparse's prefix of --output-dir. The job scripts' check
+    there; so did `--output ""`, argparse's prefix of --output-dir. The job scripts' check
     and the stages (test_a_stage_given_an_empty_output_dir_writes_nothing_where_it_starts) refuse it in one line."""
     out = run([sys.executable, "-m", "common.guards.check", *argv], timeout=HANG)
     said = f"error: argument {flag}: an empty path (an unset variable?): give the path itself (see --help)\n"
@@ -341,7 +355,7 @@ def test_a_stage_given_an_empty_output_dir_writes_nothing_where_it_starts(tiny_d
 
 def test_a_task_is_recorded_with_the_modules_of_its_own_it_imports(tmp_path, monkeypatch):
     """A helper file the task imports, changed between a run and its resume, was resumed silently: the task was
-    recorded by its own file alone (hostile pass, round 5). Its author's modules count; Python's, an installed
+    recorded by its own file alone. Its author's modules count; Python's, an installed
     package's and common/'s do not."""
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "helper_cfg_a1.py").write_text("ACT = 'relu'\n")

@@ -113,6 +113,9 @@ def test_the_models_size_is_the_one_the_run_records(tmp_path, capsys):
     assert "1,000,000 fp32 gradients (4.0 MB) at 1 GB/s" in report(capsys, one, two, "--bandwidth", 1)
     assert "3,000,000 fp32 gradients" in report(capsys, two, "--bandwidth", 1)
     assert "250,000 fp32 gradients (1.0 MB)" in report(capsys, one, two, "--bandwidth", 1, "--params", 250_000)
+    stamped = {"id": "f00d", "record": {"flags": named, "parameters": 2_000_000}}  # with its run's id (Stamp)
+    torch.save({"run": stamped}, two / "checkpoint.pt")
+    assert "2,000,000 fp32 gradients" in report(capsys, two, "--bandwidth", 1)
 
 
 def test_runs_are_told_apart_by_the_stage_their_manifest_records_not_their_folder(tmp_path, capsys):
@@ -295,7 +298,7 @@ def test_an_output_it_cannot_write_is_one_line_before_any_work(tmp_path, capsys,
 
 
 def test_one_run_named_twice_is_one_line(tmp_path, capsys):
-    """A run's folder and its metrics.csv, both named: two identical rows without a word (hostile pass, round 5)."""
+    """A run's folder and its metrics.csv, both named: two identical rows without a word."""
     run = write_run(tmp_path / "a", 1, [100, 100], [90, 99], seconds=(1, 1))
     with pytest.raises(SystemExit) as stop:
         scaling.main([str(run), str(run / "metrics.csv")])

@@ -58,6 +58,7 @@ def recorded(folder):
                     warnings.simplefilter("ignore")  # torch's, on pickle protocols: the line below says enough
                     state = torch.load(saved, map_location="cpu", weights_only=True)  # refuses code: runs nothing
                 run = state.get("run") if isinstance(state, dict) else None  # what the guard rails keep of the run
+                run = run.get("record", run) if isinstance(run, dict) else None  # with its id (an older one: alone)
                 flags = run.get("flags") if isinstance(run, dict) else None
                 cause = None if isinstance(flags, dict) else "no flags"
             except Refused as err:

@@ -51,7 +51,7 @@ FREE = (
     "data_dir",
     "num_workers",
     "loader",
-    "test_batch_size",  # per-sample sums do not depend on how they are batched (a task's batch loss may)
+    "test_batch_size",  # the same sums in another order: rounding alone, 1e-7 (a task's batch loss may differ)
     # where it runs and how long a collective waits: checkpoints load on any device
     "no_cuda",
     "dist_timeout",
@@ -124,13 +124,14 @@ def out_of_range(args):
 
 def used(flags):
     """`flags` ({dest: value}: a run's options, or a manifest's record of them) without the values the recipe they
-    select never reads (recipes.py): --momentum but with sgd and rmsprop, --step-size with the cosine schedule. Not
-    part of what the run computes, they are neither recorded nor compared (a run that recorded one resumes)."""
+    select never reads (recipes.py): --momentum but with sgd and rmsprop, --step-size and --gamma with the cosine
+    schedule. Not part of what the run computes, they are neither recorded nor compared (a run that recorded one
+    resumes)."""
     never = set()
     if flags.get("optimizer", "sgd") not in ("sgd", "rmsprop"):
         never.add("momentum")
     if flags.get("scheduler") == "cosine":
-        never.add("step_size")
+        never |= {"step_size", "gamma"}
     return {k: v for k, v in flags.items() if k not in never}
 
 
@@ -143,7 +144,18 @@ def unread(args, argv):
         return f"argument --momentum: {args.optimizer} has none (sgd's and rmsprop's): drop it, or --optimizer sgd"
     if "step_size" in dropped and args.step_size != 1 and given(argv, "--step-size"):
         return "argument --step-size: the cosine schedule takes no steps (--scheduler step's): drop it"
+    if "gamma" in dropped and given(argv, "--gamma"):  # typed: its default is no one's choice
+        return "argument --gamma: the cosine schedule has no decay factor (--scheduler step's): drop it"
     return None
+
+
+def replaced(unused, argv):
+    """A flag typed in `argv` that the task's own optimizer() or scheduler() replaces and never reads (hooks.recipe()'s
+    `unused`), as a usage error's words; else None: --lr-scaling linear was recorded as applied, and changed nothing.
+    Typed in full: --lr is no prefix of --lr-scaling here."""
+    flags = {f"--{flag.replace('_', '-')}" for flag in unused}
+    typed = [word.partition("=")[0] for word in argv if word.partition("=")[0] in flags]
+    return f"argument {typed[0]}: the task's optimizer() and scheduler() never read it: drop it" if typed else None
 
 
 # the lesson's --lr (common/cli.py): Adadelta's rate in pytorch/examples' recipe, not another optimizer's; and the

@@ -35,6 +35,8 @@ from common.guards import (
     launching,
     lock,
     logits,
+    options,
+    ownership,
     preflight,
     pretrained,
     randomness,
@@ -129,11 +131,14 @@ class Guard:
         if hasattr(states["scheduler"], "recipe"):  # a task's optimizer() or scheduler(), not --optimizer's
             record["recipe"] = states["scheduler"].recipe()
             unused = getattr(states["scheduler"], "unused", ())  # its flags: recorded as none, never compared
+            if problem := options.replaced(unused, sys.argv[1:]):
+                check.usage(problem)
             record["flags"] = {k: v for k, v in record["flags"].items() if k not in unused}
         # what its checkpoint must hold: its parts, the model's dtypes and shapes, the steps of an epoch
         declared = recorded.declared(states, sharded, self.sizes and self.sizes[0], self.args)
         state = resume.state_to_resume(self.args, path, sharded, record, declared)
         self.claimed = True
+        states["run"] = recorded.Stamp(is_rank0() and ownership.read(self.args.output_dir))  # in each checkpoint
         resume.same_columns(state, states["log"].fields)  # the task's metric renamed since: its rows do not fit
         if state is not None and state["folder"]:  # a failure while every rank reads its shards names the folder
             self.saving.doing = f"read {state['folder']}"

@@ -20,12 +20,28 @@ from common.guards.preflight import defining, same
 ANOTHER = "resume from another checkpoint, or with the model and --optimizer it was trained with"
 
 
+class Stamp:
+    """Whose a checkpoint is, one of the states it holds ("run"): the id and the record of the run that wrote it,
+    from its folder's manifest (rank 0's, which alone saves). A checkpoint copied into another run's folder says
+    that it is another run's, and one copied away alone what defines it (resume.find())."""
+
+    def __init__(self, manifest):
+        self.saved = manifest and {"id": manifest["run"], "record": manifest["record"]}
+
+    def state_dict(self):
+        return self.saved
+
+    def load_state_dict(self, saved):  # compared before anything is restored: nothing to put back
+        pass
+
+
 def differs(run, args, fingerprint, verb="resume"):
     """Why the options, task or data this run was given are not those the manifest's `run` records, or None."""
     now, flags = defining(args), options.used(run.get("flags", {}))  # recorded before an unread value was dropped
     if "(sha256 " not in str(flags.get("task", "(sha256 ")):  # recorded before the task's content was: its name
         now["task"] = args.task.name
-    differ = [f"--{k.replace('_', '-')} {v} (now {now.get(k)})" for k, v in flags.items() if not same(now.get(k), v)]
+    now |= {k: getattr(args, k, None) for k in flags.keys() - now.keys()}  # not defining now: its value (--epochs)
+    differ = [f"--{k.replace('_', '-')} {v} (now {now[k]})" for k, v in flags.items() if not same(now[k], v)]
     if differ:
         return f"was written with {', '.join(differ)}: {verb} with the same options, or use another --output-dir"
     if run.get("data", fingerprint) != fingerprint:  # <samples>-<hash> (preflight.fingerprint)

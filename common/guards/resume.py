@@ -168,7 +168,14 @@ def find(args, path, name, restarted, fingerprint, declared=None):
         )
     source = path.resolve().parent  # the run folder of a checkpoint.pt, or of a sharded epoch-N folder
     theirs = manifest if source == args.output_dir.resolve() else ownership.read(source)
-    if not (run := (theirs or {}).get("record") or state.get("run")):  # a checkpoint.pt copied away alone
+    stamp = state.get("run") if isinstance(state.get("run"), dict) else {}  # recorded.Stamp's; none before it
+    if theirs and stamp.get("id", theirs["run"]) != theirs["run"]:  # another run's, copied in
+        own = source == args.output_dir.resolve()  # the run's own file may go; a user's is never named for it
+        advice = f"delete it{fallback(args.output_dir, path.resolve())}" if own else "resume from another checkpoint"
+        raise Refusal(f"error: {path} is a checkpoint of run {stamp['id']}, not of {ownership.whose(theirs)}: {advice}")
+    stamped = stamp.get("record", stamp if "flags" in stamp else None)  # an older version's: the record alone
+    stamped = stamped if isinstance(stamped, dict) else None  # what defines it, by its own word
+    if not (run := stamped or (theirs or {}).get("record")):  # a checkpoint.pt copied away alone
         raise Refusal(
             f"error: {path} has no {ownership.MANIFEST} beside it to say what run it is (its options, "
             "its data): resume it in its run's folder, or copy that folder whole"
@@ -209,9 +216,12 @@ def load(path):
     except Exception as err:  # a truncated file
         raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged ({type(err).__name__})") from None
     if not (isinstance(state, dict) and "epoch" in state and ("model" in state or folder)):
+        shards = file.parent / ".metadata"  # stage 05's state.pt lies beside its shards' index
+        if isinstance(state, dict) and "epoch" in state and shards.is_file():
+            raise Unusable(f"{path} is one file of a sharded checkpoint: give its folder, {file.parent}")
         raise Unusable(
             f"{path} is not a training checkpoint (a --save-model file holds weights only): give "
-            "<output-dir>/checkpoint.pt"
+            "<output-dir>/checkpoint.pt (stage 05: the folder <output-dir>/checkpoint)"
         )
     if folder and (problem := damage(folder)):
         raise Unusable(f"{path} is damaged: {problem}")

@@ -123,17 +123,20 @@ def recipe(step, states, task, args):
         step = large.accumulating(step, args.grad_accum)
     if not (args.clip_grad or {"optimizer", "scheduler"} & vars(task).keys()):
         return step, states["scheduler"]
-    optimizer = task.optimizer(args, unwrap(step.model)) if hasattr(task, "optimizer") else None
+    noted, read = recipes.noting(args)  # the flags the task's optimizer() and scheduler() read
+    optimizer = task.optimizer(noted, unwrap(step.model)) if hasattr(task, "optimizer") else None
     optimizer = owned(optimizer, step.model) if optimizer else step.optimizer
     if hasattr(task, "scheduler"):
-        inner, per_step = task.scheduler(args, optimizer), True
+        inner, per_step = task.scheduler(noted, optimizer), True
     elif optimizer is not step.optimizer:
         inner, per_step = recipes.scheduler(args, optimizer), False  # the flags', per epoch
     else:
         inner, per_step = states["scheduler"], False
-    # the stage's flags the task's optimizer or scheduler leaves unused: its manifest records none
-    unused = ["optimizer"] if optimizer is not step.optimizer else []
-    unused += ["scheduler", "gamma", "step_size"] if per_step else []
+    # the stage's flags the task's recipe replaces and never reads: its manifest records none
+    unused = [*recipes.OPTIMIZER] if optimizer is not step.optimizer else []
+    unused += [*recipes.SCHEDULER] if per_step else []
+    read = read if "__dict__" not in read else set(unused)  # vars(args): it may read any of them
+    unused = [flag for flag in unused if flag not in read]
     schedule = Schedule(optimizer, inner, per_step, args.clip_grad, unused)
     states.update(optimizer=optimizer, scheduler=schedule)
     return step._replace(optimizer=optimizer), schedule

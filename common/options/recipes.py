@@ -36,3 +36,23 @@ def scheduler(args, optimizer):
     if args.scheduler == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.step_size, gamma=args.gamma)
+
+
+# the flags a task's own optimizer() or scheduler() replaces (hooks.recipe()), but those it reads
+OPTIMIZER = ("optimizer", "lr", "lr_scaling", "momentum", "weight_decay")
+SCHEDULER = ("scheduler", "gamma", "step_size")
+
+
+def noting(args):
+    """(`args`, noting each name a task's code reads of it, the names read): a --lr-scaling that a
+    task's optimizer() never read was recorded as applied."""
+    read = set()
+
+    class Noted(type(args)):
+        def __getattribute__(self, name):
+            read.add(name)
+            return super().__getattribute__(name)
+
+    noted = Noted()
+    noted.__dict__ = vars(args)  # the same values: what a task's code sets there, the run has too
+    return noted, read

@@ -50,7 +50,7 @@ def restore_rest(state, states, sampler):
     for name, thing in states.items():
         if name == "log":  # metrics.Log: a resume alone loads rows into one
             rewrite(thing, state[name]["rows"])
-        elif name not in SPLIT:
+        elif name not in SPLIT and name in state:  # the guard rails' "run": none in an older one
             thing.load_state_dict(state[name])
     if state["step"]:  # saved part-way: the epoch's time and each rank's sums go on from its cut
         states["log"].carried[state["epoch"]] = carried(state["log"]["cut"], states["model"])
