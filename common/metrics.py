@@ -133,7 +133,7 @@ class Log:
         row += [seconds, speed, speed / self.world_size, self.world_size, self.nodes, peak]
         self.rows.append(dict(zip(self.fields, [*row, compiling, self.metric.better], strict=True)))
         self.write()
-        self.say(self.rows[-1], f"{int(test.score[0])}/{int(test.samples)}")
+        self.say(self.rows[-1], f"{round(float(test.score[0]), 3):.10g}/{int(test.samples)}")
 
     def mean(self, sums):
         """(loss, metric) of an evaluation's sums; blank for no samples (no --val-fraction)."""
@@ -148,7 +148,7 @@ class Log:
         if row["val_loss"] != "":
             line.append(f"val loss {row['val_loss']:.4f} ({self.shown(row, 'val')})")
         tested = self.shown(row, "test")
-        if self.metric.name == "accuracy":  # as pytorch/examples prints it
+        if self.metric.name == "accuracy":  # as pytorch/examples prints it; pixels: shares, summed
             tested = f"accuracy {correct} ({tested})"
         speed = row["images_per_s"] * self.per_sample
         line += [f"test loss {row['test_loss']:.4f}", tested, f"{row['epoch_seconds']:.2f} s"]

@@ -34,10 +34,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
-from common import data, optim
+from common import cli, data, optim
 from common.guards import preflight, pretrained, samples
 from common.metrics import Epoch, Log, Metric
-from common.options import hooks
+from common.options import flags, hooks
 
 EXAMPLES = REPO / "common" / "tasks" / "examples"
 
@@ -81,6 +81,20 @@ def test_labels_of_minus_100_count_in_no_samples_accuracy():
     wider, padded = torch.cat([output, torch.zeros(2, 3, 3)], 2), torch.cat([target, torch.full((2, 3), -100)], 1)
     assert Metric().score(wider, padded) == Metric().score(output, target)  # the padding's width: none of it
     assert Metric().score(output[:1], torch.full((1, 4), -100)).isnan()  # none labelled: no accuracy, not 0 or 1
+
+
+def test_the_epoch_lines_count_of_per_pixel_accuracy_is_its_sum_of_shares(tmp_path):
+    """Per-pixel labels through the default accuracy: each image scores its share of pixels right, and the line
+    printed "accuracy 101/120 (84.96%)", the sum of shares cut to a whole number, which counts nothing (101/120 is
+    84.17 %). It prints the sum as it is, whole where each sample is right or wrong (MNIST's 9840/10000)."""
+    log = Log(tmp_path, 1, Metric())
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # the sums all-reduced, read as the stages read them
+        for epoch, right in ((1, 101.957), (2, 98.0)):
+            totals = torch.tensor([[12.0, 0.0, 120.0], [0.0, 0.0, 0.0], [6.0, right, 120.0]])
+            log.epoch(epoch, 1.0, 2.0, Epoch.read(totals))
+    first, second = printed.getvalue().splitlines()
+    assert "| accuracy 101.957/120 (84.96%) |" in first and "| accuracy 98/120 (81.67%) |" in second, printed
 
 
 def right_and_all(output, target):
@@ -459,11 +473,47 @@ def test_a_tasks_optimizer_and_scheduler_step_per_optimizer_step_and_clip():
     same.load_state_dict(saved)
     assert same.get_last_lr() == scheduler.get_last_lr() and same.inner.last_epoch == 3
     _, elsewise = hooks.recipe(*other[:2], task(scheduler=warm_up), other[2])  # SGD, not AdamW
-    # the flags each recipe leaves unused, which the run's manifest records not (--optimizer's value was there)
-    assert scheduler.unused == ["optimizer", "scheduler", "gamma", "step_size"]
+    # the flags each recipe replaces and never reads, which the run's manifest records not (--optimizer's value was
+    # there, and --lr-scaling's, as if applied): adamw reads --lr alone, warm_up nothing
+    assert scheduler.unused == [
+        "optimizer",
+        "lr_scaling",
+        "momentum",
+        "weight_decay",
+        "scheduler",
+        "gamma",
+        "step_size",
+    ]
     assert elsewise.unused == ["scheduler", "gamma", "step_size"]
     with pytest.raises(ValueError, match="the checkpoint was trained with AdamW .* this run defines SGD"):
         elsewise.load_state_dict(saved)
+
+
+def test_a_flag_a_tasks_optimizer_replaces_and_never_reads_is_one_line(tmp_path):
+    """--lr-scaling linear with the recipe example's AdamW (at --lr, unscaled): the run trained as without it, and
+    its manifest recorded it as applied. What the task's optimizer() reads (flags.learning_rate(): --lr and
+    --lr-scaling) is the run's; a flag it replaces and never reads, typed, is one line before the first step."""
+    scaled = "def optimizer(args, model):\n    return torch.optim.AdamW(model.parameters(), lr=learning_rate(args))\n"
+    step, states, args = recipe_step(nn.Linear(3, 1))
+    own = types.SimpleNamespace(optimizer=lambda args, model: torch.optim.AdamW(model.parameters(), lr=args.lr))
+    assert "lr_scaling" in hooks.recipe(step, states, own, args)[1].unused
+    step, states, args = recipe_step(nn.Linear(3, 1))
+    reading = types.SimpleNamespace(
+        optimizer=lambda args, model: torch.optim.AdamW(model.parameters(), lr=flags.learning_rate(args))
+    )
+    assert hooks.recipe(step, states, reading, args)[1].unused == ["optimizer", "momentum", "weight_decay"]
+    recipe = ("--task", EXAMPLES / "recipe.py", "--samples", 64, "--epochs", 1, "--output-dir", tmp_path / "out")
+    out = python(S01, *recipe, "--lr-scaling", "linear")
+    said = "error: argument --lr-scaling: the task's optimizer() and scheduler() never read it: drop it (see --help)"
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == said, out.stderr[-2000:]
+    task = tmp_path / "scaled.py"
+    task.write_text(
+        f"import torch\nfrom common.options.flags import learning_rate\nfrom common.tasks.examples.recipe import *\n\n\n{scaled}"
+    )
+    out = python(
+        S01, *recipe[2:], "--task", task, "--lr-scaling", "linear", "--batch-size", 128, "--lr", 0.01, "--warmup", 1
+    )
+    assert out.returncode == 0 and "lr 0.0200" in out.stdout, out.stderr[-2000:]
 
 
 # The examples, as a user brings them: each through stage 01, 03 and 05 at two ranks (make test-all)
@@ -543,6 +593,24 @@ def folder_of_photos(root):
                 Image.fromarray(pixels).save(root / split / f"c{c}" / f"{i}.png")
     torch.save(resnet18(num_classes=10).state_dict(), root / "pretrained.pt")
     return ["--folder", root, "--weights-file", root / "pretrained.pt"]
+
+
+def test_the_examples_limit_spans_every_class_and_their_schedule_the_steps_that_run(tmp_path):
+    """finetune.py: an ImageFolder lists its samples class by class, and --limit 20 kept the first class alone (the
+    run scored 100 %). recipe.py: its cosine counted the steps of the whole training set, --val-fraction's held-out
+    part too, and ended at 81 % of its peak rate, not 0."""
+    folder_of_photos(tmp_path)
+    finetune = cli.load_task(EXAMPLES / "finetune.py")
+    train, test = finetune.datasets(argparse.Namespace(folder=tmp_path, limit=6))
+    assert len(train) == len(test) == 6 and {y for _, y in train} == {y for _, y in test} == {0, 1, 2}
+    recipe = cli.load_task(EXAMPLES / "recipe.py")
+    args = argparse.Namespace(samples=256, limit=None, val_fraction=0.5, batch_size=32, epochs=1, warmup=1)
+    optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1.0)
+    schedule = recipe.scheduler(args, optimizer)
+    for _ in range(4):  # the 4 steps of 128 samples left
+        optimizer.step()
+        schedule.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0)
 
 
 @pytest.mark.slow

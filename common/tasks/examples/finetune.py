@@ -32,7 +32,14 @@ def datasets(args):
 
     pipeline = v2.Compose([v2.ToImage(), v2.Resize((SIZE, SIZE)), v2.ToDtype(torch.float32, True)])
     sets = [torchvision.datasets.ImageFolder(args.folder / s, pipeline) for s in ("train", "test")]
-    return tuple(Subset(s, range(min(len(s), args.limit or len(s)))) for s in sets)  # --limit
+    return tuple(spread(s, args.limit) for s in sets)
+
+
+def spread(dataset, limit):
+    """--limit's `limit` samples, spread evenly over `dataset`: an ImageFolder lists its samples
+    class by class, and its first N were the first class alone (a run on them scored 100 %)."""
+    n = min(len(dataset), limit or len(dataset))
+    return Subset(dataset, [i * len(dataset) // n for i in range(n)])
 
 
 def model(args):

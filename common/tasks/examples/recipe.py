@@ -31,7 +31,9 @@ def optimizer(args, net):
 
 def scheduler(args, optimizer):
     """Stepped after every optimizer step: warm-up, then cosine to 0 at the last step."""
-    steps = args.epochs * math.ceil(min(args.samples, args.limit or args.samples) / args.batch_size)
+    samples = min(args.samples, args.limit or args.samples)
+    samples -= round(samples * (args.val_fraction or 0))  # held out: common/options/holdout.py
+    steps = args.epochs * math.ceil(samples / args.batch_size)
 
     def factor(step):
         if step < args.warmup:
