@@ -98,8 +98,8 @@ def test_a_signal_after_the_verdict_ends_the_run_with_its_status(tmp_path):
 
 @pytest.mark.slow
 def test_an_exit_function_that_raises_is_one_line_and_fails_the_run(tmp_path):
-    """A task's atexit function that raised: Python's "Exception ignored" traceback, and status 0 (hostile pass,
-    round 5). One line naming it and its place, status 1."""
+    """A task's atexit function that raised: Python's "Exception ignored" traceback, and status 0. One
+    line naming it and its place, status 1."""
     args = stage_args(REPO / "data", tmp_path / "out", "--task", task(tmp_path, FAILING_EXIT), "--epochs", 1)
     out = python(S01, *args, timeout=HANG)
     assert out.returncode == 1 and "Traceback" not in out.stderr and "done: 1 epochs" in out.stdout, out.stderr
@@ -438,7 +438,7 @@ def test_ten_torchrun_restarts_in_a_row_each_form_the_process_group(tmp_path):
 def test_a_master_addr_rank_0_cannot_serve_at_is_one_line_naming_why(addr, said, tmp_path):
     """MASTER_ADDR=::1 was a ValueError out of torch ("Port could not be cast"): tcp://::1:29500 holds no port; an
     address with a port in it was called IPv6; an address of another host had rank 0 blame "another program" on its
-    port (hostile pass, round 5): its own client of the store met another host, or none."""
+    port: its own client of the store met another host, or none."""
     args = stage_args(REPO / "data", tmp_path / "out", "--task", "common/tasks/sequences.py", "--dist-timeout", 10)
     out = python(S03, *args, RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR=addr, MASTER_PORT=free_port())
     one_error(out, *said)

@@ -371,6 +371,17 @@ def test_checkpoint_minutes_saves_mid_epoch_in_an_epoch_shorter_than_the_log_int
     assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])
 
 
+@pytest.mark.slow
+def test_checkpoint_minutes_says_saved_only_for_a_save_it_writes(tmp_path):
+    """An evaluation longer than --checkpoint-minutes: the save at the epoch's last step stands, and each later
+    evaluation batch skipped it, yet said "saved at epoch 1, step 31" again at each: 26 lines for 11 checkpoints."""
+    often = ("--checkpoint-minutes", 0.003, "--limit", 1024, "--test-batch-size", 32, "--epochs", 1)
+    out = python(S01, *args(REPO / "data", tmp_path, *often))
+    assert out.returncode == 0, out.stderr
+    said = re.findall(r"saved at epoch 1, step (\d+) \(--checkpoint-minutes", out.stdout)
+    assert said and len(said) == len(set(said)), out.stdout  # each step once: each line a checkpoint written
+
+
 def test_a_signal_set_after_the_scripts_first_command_is_none():
     """sbatch reads #SBATCH lines up to the first command: a --signal after `set -euo pipefail` is one Slurm never
     sends, and the doctor said PASS ("Requeue=1, --signal=B:USR1@90") to that job."""

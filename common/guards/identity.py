@@ -44,7 +44,8 @@ def lost(hold):
         what = "is gone" if place is None else "is another folder now"
         return (
             f"error: --output-dir {hold.folder} {what}: the folder this run wrote in was moved, renamed or replaced "
-            "while it trained; it stops without saving (its last checkpoint is where the folder went): resume it there"
+            "while it trained; it stops without saving: its checkpoints, if it saved any, went with the folder: "
+            "resume it there"
         )
     try:
         lock = where(os.lstat(hold.folder / ".lock"))

@@ -43,7 +43,7 @@ class Task(type(Path())):
 def with_own_modules(task):
     """The task's bytes, then each of the modules it imported that are its author's own (neither Python's, an
     installed package's nor common/'s), by name and bytes: a helper file changed between a run and its resume makes
-    another task, as a change to the task's file does (it was resumed silently, hostile pass round 5)."""
+    another task, as a change to the task's file does (it was resumed silently)."""
     roots = (sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib"), str(COMMON))
     named = {
         v.__name__ if isinstance(v, types.ModuleType) else getattr(v, "__module__", "") for v in vars(task).values()

@@ -85,17 +85,18 @@ class Saving:
                 f"saved at epoch {at.epoch}, step {at.step}: resume with --resume ({self.preemption.signal})"
             )
             raise signals.SavedStop(self.preemption.exit_code())
-        if minutes and self.preemption.due(minutes, at.count):
-            self.save(at.epoch, at.step, at.sums)
+        if minutes and self.preemption.due(minutes, at.count) and self.save(at.epoch, at.step, at.sums):
             distributed.print0(f"saved at epoch {at.epoch}, step {at.step} (--checkpoint-minutes {minutes})")
 
     def save(self, epoch, step, sums):
         """A checkpoint `step` steps into `epoch`: the sums and time so far go with it (its "cut"),
         so that the resumed run's row in metrics.csv counts the whole epoch. One there already (a stop in the
         evaluation a resumed run runs again, a second --checkpoint-minutes in one evaluation) stands as it is:
-        the same step, and writing it again would replace the checkpoint a resume needs while it is written."""
+        the same step, and writing it again would replace the checkpoint a resume needs while it is written.
+        Returns whether it wrote one."""
         if (epoch, step) in (self.progress.start_at, self.saved_at):
-            return
+            self.preemption.saved_at = time.monotonic()  # what is saved is the state now: the minutes count anew
+            return False
         started, log, mine = time.monotonic(), self.states["log"], sums.tensor()
         parts = [mine.clone() for _ in range(dist.get_world_size() if dist.is_initialized() else 1)]
         if dist.is_initialized():  # each rank's own sums (the epoch's part before a resume included): carried()
@@ -114,6 +115,7 @@ class Saving:
         (sharded.save if self.sharded else checkpoint.save)(self.args.output_dir, epoch, states, step)
         self.preemption.saved(time.monotonic() - started)
         self.saved_at = (epoch, step)
+        return True
 
     def so_far(self, epoch):
         """The training sums of `epoch` the checkpoint this run resumed holds (the log carries them)."""
