@@ -330,6 +330,46 @@ def test_a_stop_just_after_the_stages_first_line_is_the_same_one_line(tmp_path):
     assert out.stderr.startswith("stopped by SIGINT during start-up, before the first step"), out.stderr
 
 
+# a finalizer (a __del__, as the collector runs them anywhere) that is running as the signal comes
+DROPPED = """
+import os, signal
+
+class Dropped:
+    def __del__(self):
+        os.kill(os.getpid(), signal.{0})
+        sum(range(10_000))  # the handler runs in here: what it raises, Python prints and drops
+"""
+
+
+def test_a_stop_that_comes_in_a_finalizer_still_ends_the_run(tiny_data, tmp_path):
+    """SIGTERM while a finalizer ran at start-up (here in the task's model()): the handler's Stopped was dropped
+    by Python ("Exception ignored", a traceback), and the run trained to its end, status 0, the stop lost. The
+    stop is kept and ends the run at the next phase: its line, 143, no epoch trained."""
+    task = tmp_path / "task.py"
+    task.write_text(
+        DROPPED.format("SIGTERM")
+        + """
+from common.tasks.images import add_arguments, check, datasets, model as build
+
+def model(args):
+    Dropped()
+    return build(args)
+"""
+    )
+    out = python(S01, *args(tiny_data, tmp_path / "out", "--task", task, "--epochs", 1))
+    assert out.returncode == 143 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("stopped by SIGTERM during start-up, before the first step"), out.stderr
+    assert "epoch   1" not in out.stdout and not (tmp_path / "out" / "checkpoint.pt").exists(), out.stdout
+
+
+def test_a_stop_that_comes_in_a_finalizer_during_the_imports_ends_the_run(tiny_data, tmp_path):
+    """Likewise while the stage imports: the exit its handler raised was dropped, and every later stop ignored."""
+    trip = DROPPED.format("SIGINT") + TRIP.replace("os.kill(os.getpid(), signal.SIGINT)", "Dropped()")
+    out = run([sys.executable, "-c", trip, str(S01), *args(tiny_data, tmp_path / "out", "--epochs", 1)])
+    assert out.returncode == 130 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("stopped by SIGINT during start-up, before the first step"), out.stderr
+
+
 @pytest.mark.slow
 def test_stage03_under_torchrun_stopped_by_sighup_saves_and_resumes(tiny_data, tmp_path):
     """A closed ssh session: SIGHUP to torchrun, which passes it on to its workers' groups. Before, the run ended

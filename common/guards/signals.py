@@ -47,10 +47,35 @@ class SavedStop(BaseException):
         self.code = code
 
 
+class AtOnce:
+    """The stops' handler until resume(): `end(signum)` ends the run where it is. It keeps the first signal: what a
+    handler raises while Python runs a finalizer (a __del__, a weakref callback: wherever the collector runs) is
+    printed as "Exception ignored" and dropped, and the run trained on to its end, the stop lost, status 0. The
+    next phase's handler takes it from there (install()) and ends the run then."""
+
+    def __init__(self, end):
+        self.end, self.signum = end, None
+
+    def __call__(self, signum, frame):
+        first = self.signum is None
+        self.signum = self.signum or signum
+        if first or self.end is raise_stopped:  # a later exit_stopped: the first's exit is under way
+            self.end(self.signum)
+
+
+def install(handler):
+    """`handler` for every stop; returns the stop the start-up handler it replaces took, or None. Read after, as
+    one that came in between found the old handler; the run still here to read it, that handler's end was dropped."""
+    before = signal.getsignal(STOPS[0])
+    for signum in STOPS:
+        signal.signal(signum, handler)
+    return before.signum if isinstance(before, AtOnce) else None
+
+
 def stop_at_once():
     """Until resume() catches them (Preemption.catch()): a stop ends the run wherever it is, in one line."""
-    for signum in STOPS:
-        signal.signal(signum, raise_stopped)
+    if signum := install(AtOnce(raise_stopped)):  # an import's stop, its exit dropped: its line was said
+        sys.exit(128 + signum)
 
 
 def failure(call):
@@ -84,21 +109,32 @@ def noted(signum, frame):
     """A stop during the verdict on a failure: the failure's line and status stand."""
 
 
-def raise_stopped(signum, frame):
+def raise_stopped(signum):
     raise Stopped(signum)
 
 
 def end_at_once():
     """From a stage's first line (early.start()) until run() takes over with stop_at_once(): the imports, where no
     one could catch a Stopped. A stop exits with the same line and status, not a traceback out of an import."""
-    for signum in STOPS:
-        signal.signal(signum, exit_stopped)
+    install(AtOnce(exit_stopped))  # the first stop counts: a second Ctrl-C does not say it again
+    sys.unraisablehook = dropped(sys.unraisablehook)
 
 
-def exit_stopped(signum, frame):
-    for later in STOPS:  # the first stop counts: a second Ctrl-C does not say it again
-        signal.signal(later, signal.SIG_IGN)
+def exit_stopped(signum):
     sys.exit(say(Stopped(signum)))
+
+
+def dropped(hook):
+    """`hook` for what Python drops, but a stop AtOnce raised in a finalizer: no traceback, AtOnce kept it."""
+
+    def unless_a_stop(unraisable):
+        tb = unraisable.exc_traceback
+        while tb and tb.tb_frame.f_code is not AtOnce.__call__.__code__:
+            tb = tb.tb_next
+        if tb is None:
+            hook(unraisable)
+
+    return unless_a_stop
 
 
 def end_tool():
