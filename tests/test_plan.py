@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import cli, data, models, optim
 from common.metrics import Sums
-from common.options import loaders
+from common.options import amp, loaders
 
 sys.path.insert(0, str(REPO / "tools"))
 import plan  # noqa: E402
@@ -166,13 +166,16 @@ def test_another_tasks_model_data_loss_and_blocks_are_planned(tmp_path, capsys):
     task = cli.load_task(path)
     assert sum(p.numel() for p in measured[0].parameters()) == 12 * 64 + 64 + 64 * 64 + 64 + 64 * 3 + 3
     assert measured[3] == 64 * 64 + 64 + 64 * 3 + 3
+    assert measured.next_unit == 12 * 64 + 64  # prefetched while the largest runs: not a second largest (2x overstated)
+    gathered = plan.per_gpu(args, 2, measured)["FSDP"]["gathered"]
+    assert gathered == 4 * (measured.unit + measured.next_unit) < 4 * 2 * measured.unit
     model = plan.build(args)
     x, y = (t.clone() for t in task.datasets(args)[0][:8])  # a batch of its own, as a DataLoader collates it
     real = saved_bytes(model, lambda: task.loss(model(x), y).backward())
     assert plan.per_gpu(args, 1, measured)["DDP"]["activations"] == real > 0
     plan.main(["--task", str(path), "--batch-size", "8", "--max-gpus", "2"])
     out = capsys.readouterr().out
-    assert out.startswith(f"{path} (0.0 M parameters), global batch 8, adadelta") and "| 2 | FSDP |" in out
+    assert out.startswith(f"{path} (5,187 parameters), global batch 8, adadelta") and "| 2 | FSDP |" in out  # not 0.0 M
 
 
 KINDS = [  # each kind of STATE with the settings that change its state: (class, settings)
@@ -268,6 +271,7 @@ def test_micro_batches_are_planned_for_stage_05_alone_and_its_mesh_across_nodes(
     assert accumulated["FSDP"]["activations"] == rows[16]["FSDP"]["activations"] < rows[64]["FSDP"]["activations"]
     assert accumulated["DDP"]["activations"] == rows[64]["DDP"]["activations"]  # stages 03, 04: the whole batch
     big = ["--model", "wideresnet", "--depth", "28", "--width", "10", "--dataset", "cifar10", "--batch-size", "8"]
+    big += ["--test-batch-size", "8"]  # training's memory decides, not the evaluation's
     fits = [*big, "--optimizer", "adam", "--lr", "0.001", "--gpus-per-node", "2", "--max-gpus", "8"]
     for extra, said in ((["--gpu-memory", "1.3"], "4 GPUs, FSDP (05_fsdp/job.slurm with --full-shard)"),
                         (["--gpu-memory", "1.42"], "4 GPUs, HSDP (05_fsdp/job.slurm)"),
@@ -281,7 +285,95 @@ def test_micro_batches_are_planned_for_stage_05_alone_and_its_mesh_across_nodes(
     assert said in capsys.readouterr().out
 
 
-def test_the_data_set_on_each_gpu_is_planned_under_loader_device(tmp_path):
+def accumulated(rank, world_size, port, result):
+    """Stage 05's step of four micro-batches under --amp at 2 ranks (its policies, large.accumulating()): the bytes
+    of gradients rank 0 holds after the first micro-batch, and the bytes of every all-gather's and reduce-scatter's
+    whole tensor in the step (a ring sends (n - 1)/n of them)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    args = plan.parse([*SMALL, "--amp", "--grad-accum", "4"])
+    model = plan.build(args)
+    block_policy, norm_policy, root_policy = amp.policies(torch.device("cpu"), args)
+    for norm in models.norms(model):
+        fully_shard(norm, mp_policy=norm_policy)
+    for block in models.blocks(model):
+        fully_shard(block, mp_policy=block_policy)
+    fully_shard(model, mp_policy=root_policy)
+    sent = [0]
+
+    def counted(collective, whole):  # whole: the index of its whole tensor among the arguments
+        def call(*a, **k):
+            sent[0] += (list(a) + list(k.values()))[whole].nbytes
+            return collective(*a, **k)
+
+        return call
+
+    # FSDP2's calls, by this torch's name (all_gather_single from 2.12) or an older one's
+    for name, whole in (("all_gather_single", 0), ("all_gather_into_tensor", 0)):
+        if hasattr(dist, name):
+            setattr(dist, name, counted(getattr(dist, name), whole))
+    for name, whole in (("reduce_scatter_single", 1), ("reduce_scatter_tensor", 1)):
+        if hasattr(dist, name):
+            setattr(dist, name, counted(getattr(dist, name), whole))
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(10, (8,))
+    held = []
+    for i, (xm, ym) in enumerate(zip(x.chunk(4), y.chunk(4), strict=True)):
+        model.set_requires_gradient_sync(i == 3)
+        F.cross_entropy(model(xm), ym).backward()
+        if i == 0:  # FSDP2's gradients kept unsharded until the reduction (its own attributes: none is public)
+            for state in (m._get_fsdp_state() for m in model.modules() if hasattr(m, "_get_fsdp_state")):
+                for param in state._fsdp_param_group.fsdp_params if state._fsdp_param_group else []:
+                    grads = [getattr(param, "unsharded_accumulated_grad", None), param.unsharded_param.grad]
+                    held += [g.to_local() if hasattr(g, "to_local") else g for g in grads if g is not None]
+    if rank == 0:
+        torch.save({"held": sum(g.nbytes for g in held), "sent": sent[0]}, result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_stage_05s_micro_batches_are_planned_with_their_unsharded_gradients_and_their_traffic(tmp_path):
+    """--grad-accum 4 at 2 ranks: the FSDP row counted half the gradients, sharded, where every rank holds the whole
+    model's until the last micro-batch reduces them; and its traffic as one micro-batch's all-gathers in fp32, where
+    each micro-batch gathers the weights twice, in bf16 under --amp."""
+    result = tmp_path / "accumulated.pt"
+    spawn(accumulated, (2, free_port(), result), nprocs=2)
+    found = torch.load(result, weights_only=True)
+    args = plan.parse([*SMALL, "--amp", "--grad-accum", "4"])
+    measured = plan.measure(args)
+    whole = plan.shard_bytes(measured.model.parameters(), 1)
+    assert found["held"] == whole == plan.per_gpu(args, 2, measured)["FSDP"]["gradients"]
+    sent = plan.traffic(args, whole, "FSDP", 2)[0] / (1 / 2)  # the whole tensors: a ring of 2 sends half
+    assert abs(found["sent"] - sent) <= 0.02 * sent, (found["sent"], sent)
+
+
+def test_an_evaluation_is_planned_as_the_stage_evaluates():
+    """Stage 01's evaluate() at a per-rank test batch of 200 (2 ranks, 600 test images): the plan's figure, the tensors
+    alive at once in its forward. Before, the plan had no evaluation: a transformer whose evaluation batch of 1000
+    needed 20 GiB was planned as fitting in 16; now the total counts the larger of it and training's activations."""
+    args = plan.parse(["--test-batch-size", "200", "--limit", "600"])
+    planned = plan.per_gpu(args, 2, plan.measure(args))
+    model = plan.build(args)
+    test_set = data.dataset(REPO / "data", "mnist", False, 600)
+    loader = data.loader(test_set, data.shard(600, 0, 2).indices, 200, torch.device("cpu"))
+    with Live() as live:
+        live.seen |= {p.untyped_storage().data_ptr() for p in model.parameters()}  # the weights: their own column
+        stage("01_single_gpu").evaluate(step(model), loader, 300, RUN)
+    assert planned["DDP"]["evaluation"] <= live.peak <= planned["DDP"]["evaluation"] + 64, live.peak  # its sums
+    parts = planned["DDP"]
+    assert parts["evaluation"] > parts["activations"]
+    assert plan.total(parts) == sum(parts.values()) - parts["activations"]
+    # stage 05 under --amp evaluates in bf16 (its policy casts every forward): a WRN-10-2's peak is no line through
+    # batches 2 and 3 (the weights' casts decide there): counted at its batch, 64, it was 8.3 MiB for 18.8
+    args = plan.parse(["--amp", "--test-batch-size", "64", *SMALL[:5], "2", *SMALL[6:]])
+    model, x, y = plan.build(args).eval(), torch.randn(64, 3, 32, 32), torch.randint(10, (64,))
+    with torch.no_grad(), Live() as live, torch.autocast("cpu", dtype=torch.bfloat16):
+        live.seen |= {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        F.cross_entropy(model(x), y)
+    assert plan.per_gpu(args, 2, plan.measure(args))["FSDP"]["evaluation"] == live.peak + x.nbytes + y.nbytes
+
+
+def test_the_data_set_on_each_gpu_is_planned_under_loader_device(tmp_path, capsys):
     """--loader device holds every split on each GPU, normalized to float32 (704 MiB for CIFAR-10): the plan left
     it out, a third of what a WRN-16-4 at batch 256 needs."""
     args = plan.parse(["--loader", "device", "--limit", "100", "--max-gpus", "1"])
@@ -294,6 +386,18 @@ def test_the_data_set_on_each_gpu_is_planned_under_loader_device(tmp_path):
     (tmp_path / "own.py").write_text(MLP)
     with pytest.raises(SystemExit, match=r"^error: --loader device holds the built-in data sets"):
         plan.main(["--task", str(tmp_path / "own.py"), "--loader", "device"])
+    assert capsys.readouterr().out == ""  # its one line alone: it came after the model's line and the table's head
+
+
+def test_a_tasks_samples_are_planned_at_the_longest(capsys):
+    """A text task's batch is padded to its longest text: the plan shaped it as the first training sample, and its
+    activations went with --seed (4, 8, 9 MiB for first texts of 177, 1775, 2058 tokens of at most 4096)."""
+    args = plan.parse(["--task", "common/tasks/text.py", "--max-len", "4096", "--seed", "1"])
+    task = cli.load_task(args.task)
+    train = task.datasets(args)[0]
+    longest = max(len(train[i][0]) for i in range(0, len(train), max(len(train) // plan.SPREAD, 1)))
+    planned, tests = plan.sample(args, task)
+    assert len(planned[0]) == longest > 2 * len(train[0][0]) and tests == len(task.datasets(args)[1])
 
 
 def test_the_plan_answers_with_sbatch_lines_in_seconds():
@@ -308,7 +412,8 @@ def test_the_plan_answers_with_sbatch_lines_in_seconds():
         for line in lines
         if line[:3] == "| " + line[2:3] and line[2].isdigit()
     ]
-    fitting = sorted(int(row[0]) for row in rows if row[9] == "yes")
+    fits = next(line for line in lines if line.startswith("| GPUs")).split("|")[1:-1].index(" fits ")
+    fitting = sorted(int(row[0]) for row in rows if row[fits] == "yes")
     nodes, tasks, gres = (int(line.split("=")[1].split(":")[-1]) for line in lines if line.startswith("#SBATCH"))
     assert fitting and nodes * tasks == fitting[0] and gres == tasks  # the smallest that fits, nothing smaller
 
@@ -345,9 +450,10 @@ def test_a_model_the_lesson_refuses_is_its_line_and_a_tasks_own_error_is_not(tmp
 def test_every_allocation_of_part_of_a_node_or_whole_nodes_is_tried(capsys):
     """Three GPUs per node: 3 fit where 2 do not, and 3 is the answer (1, 2, 4, 8, 16 alone: nothing fits)."""
     argv = SMALL[:-1] + ["36", "--gpus-per-node", "3", "--max-gpus", "12"]  # 36 images: every world size divides it
+    argv += ["--test-batch-size", "4"]  # training's memory decides, not the evaluation's
     args = plan.parse(argv)
     measured = plan.measure(args)
-    two, three = (sum(plan.per_gpu(args, n, measured)["FSDP"].values()) for n in (2, 3))
+    two, three = (plan.total(plan.per_gpu(args, n, measured)["FSDP"]) for n in (2, 3))
     plan.main(argv + ["--gpu-memory", str((two + three) / 2 / 2**30)])
     out = capsys.readouterr().out
     sizes = [int(line.split("|")[1]) for line in out.splitlines() if line[:2] == "| " and line[2].isdigit()]
@@ -419,6 +525,8 @@ def test_the_host_memory_each_rank_needs(capsys):
         f"host memory per rank for the weights: DDP {whole:.1f} MiB (the whole model, built on the CPU); "
         f"FSDP and HSDP {fc1:.1f} MiB (its largest layer), rank 0 {whole:.1f} MiB with --save-model"
     ) in capsys.readouterr().out
+    model = plan.build(plan.parse([]))  # a task's META = False: stage 05 builds it whole on each rank's CPU
+    assert f"FSDP and HSDP {whole:.1f} MiB (META = False: whole)" in plan.host(model, on_meta=False)
 
 
 @pytest.mark.parametrize("world_size, name, stage", [

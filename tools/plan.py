@@ -11,13 +11,19 @@ Per GPU:
   - weights, gradients and optimizer state: exact, from the model and the optimizer the stage trains it with
     (the task's optimizer(), else --optimizer's: the state each of torch's keeps, STATE); FSDP and HSDP keep
     each parameter's first-dimension chunk of this rank (the largest, rank 0's), as fully_shard splits it;
-  - FSDP and HSDP gather one block's whole weights at a time, and prefetch the next: two of the largest;
+  - FSDP and HSDP gather one block's whole weights at a time, and prefetch the next: the two largest; under
+    --grad-accum N > 1 they hold the whole model's fp32 gradients, unsharded, until the last micro-batch reduces
+    them (set_requires_gradient_sync(False) on the others);
   - activations saved for backward: counted by saved-tensor hooks in one forward at per-rank batches of 2
     and 3, extrapolated (they grow linearly with the batch), with --amp as the stage applies it; stage 05's
     --checkpoint-activations keeps each block's inputs and runs the largest block again in its backward,
     and its --grad-accum holds one micro-batch at a time (DDP's rows, stages 03 and 04, take neither). On fake
     tensors, which have shapes and dtypes but no memory: a model larger than this machine's memory is counted
     too;
+  - the evaluation: the tensors alive at once in a forward without gradients (each layer's input freed as the
+    next is made) at the per-rank --test-batch-size, in fp32 (stages 03, 04; stage 05 as --amp casts it),
+    counted on fake tensors at that batch; a column of its own, since training's activations are gone by
+    then: the total counts the larger;
   - --loader device: every split of the data set, as float32 images and labels (a column of its own);
   - an allowance for the CUDA context and the allocator: ALLOWANCE, and 10 % of the rest.
 With --bandwidth GB/s (or the doctor.json of tools/doctor.py), the communication time per step too.
@@ -26,7 +32,9 @@ With --bandwidth GB/s (or the doctor.json of tools/doctor.py), the communication
 import json
 import math
 import sys
+import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common/ sits beside tools/
 from common.guards import early  # noqa: E402
@@ -39,6 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.distributed._composable import checkpoint as recompute  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.data import default_collate  # noqa: E402
 
 from common import cli, data, meta, models  # noqa: E402
@@ -75,13 +84,22 @@ def build(args):
     return cli.load_task(args.task).model(args)
 
 
+SPREAD = 1000  # the samples of a task's training set looked at for the largest
+
+
 def sample(args, task):
-    """(input, label) shaped as one of the task's training samples: for the built-in task, from the
-    description of its data set (its files need not be here); for another, the first of its training set."""
+    """((input, label) shaped as the largest of the task's training samples, the test set's size): for the built-in
+    task, from the description of its data set (its files need not be here); for another, the one of most elements
+    among SPREAD samples spread over its training set: a batch is padded to its longest sample (a text task's
+    collate()), and the first one may be short."""
     if builtin(args):
         spec = data.SETS[args.dataset]
-        return torch.zeros(len(spec.mean), spec.size, spec.size), torch.tensor(0)
-    return task.datasets(args)[0][0]  # tensors, or dicts, lists and tuples of them
+        tests = min(SPLITS[args.dataset][1], args.limit or SPLITS[args.dataset][1])
+        return (torch.zeros(len(spec.mean), spec.size, spec.size), torch.tensor(0)), tests
+    train, test = task.datasets(args)
+    spread = sorted({i * len(train) // min(len(train), SPREAD) for i in range(min(len(train), SPREAD))})
+    size = lambda s: sum(t.numel() for t in pytree.tree_leaves(s) if torch.is_tensor(t))  # noqa: E731
+    return max((train[i] for i in spread), key=size), len(test)  # tensors, or dicts, lists and tuples of them
 
 
 SPLITS = {"mnist": (60_000, 10_000), "fashion-mnist": (60_000, 10_000), "cifar10": (50_000, 10_000),
@@ -150,6 +168,61 @@ def activation_bytes(args, model, loss_fn, batch, blocks):
     return sum(saved.values()), max((sum(v.values()) for b, v in within.items() if b is not None), default=0)
 
 
+class Live(TorchDispatchMode):
+    """The most bytes of tensors alive at once while it is on, the storages of `kept` aside (the weights, the
+    batch): a storage counts from the operation that makes it until the last tensor on it is freed; fake tensors
+    too (their storages' Python objects are not kept alive: the tensors are followed)."""
+
+    def __init__(self, kept):
+        super().__init__()
+        self.live = self.peak = 0
+        self.kept, self.tensors = set(kept), {}  # storage -> [its bytes, tensors alive on it]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            key = t.untyped_storage()._cdata if isinstance(t, torch.Tensor) else None
+            if key is None or key in self.kept:
+                continue
+            if key not in self.tensors:
+                self.tensors[key] = [t.untyped_storage().nbytes(), 0]
+                self.live += self.tensors[key][0]
+                self.peak = max(self.peak, self.live)
+            self.tensors[key][1] += 1
+            weakref.finalize(t, self.freed, key)
+        return out
+
+    def freed(self, key):
+        self.tensors[key][1] -= 1
+        if not self.tensors[key][1]:
+            self.live -= self.tensors.pop(key)[0]
+
+
+def evaluation_bytes(model, loss_fn, batch, amp):
+    """Bytes alive at once in an evaluation's forward and loss of the (fake) `batch`, the batch included: no
+    gradient, BatchNorm in eval mode, under bf16 autocast where `amp` (stage 05's policy; 01-04 evaluate in fp32)."""
+    x, y = batch
+    tensors = [t for t in pytree.tree_leaves(batch) if torch.is_tensor(t)]
+    kept = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers(), *tensors]}
+    model.eval()
+    with torch.no_grad(), Live(kept) as live, torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        loss_fn(model(x), y)
+    model.train()
+    return live.peak + sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+class Measured(NamedTuple):
+    model: torch.nn.Module
+    plain: tuple  # activations saved for backward: (bytes at a per-rank batch of 1, bytes per further sample)
+    kept: tuple  # the same, as stage 05 keeps them (--checkpoint-activations)
+    unit: int  # parameters of the largest unit FSDP gathers
+    next_unit: int  # of the next largest, prefetched while it runs
+    evaluated: dict  # {(amp, a rank's test batch): bytes} of an evaluation, at each batch of 1 to --max-gpus
+    tests: int  # samples in the test set
+    on_meta: bool  # stage 05 builds it on the meta device (else whole on each rank's CPU: the task's META = False)
+    optimizer: torch.optim.Optimizer
+
+
 def measure(args):
     """What does not depend on the number of GPUs: the model, its activations at per-rank batches 1 and 2 (from
     2 and 3: BatchNorm refuses to train on one sample), batched by the task's collate() as the stages do,
@@ -158,9 +231,10 @@ def measure(args):
     under --amp they keep BatchNorm's per-channel statistics in bf16 where the CPU keeps fp32: a few bytes.
     The task's parts as the stages take them: its loss, else cross-entropy; its blocks, else models.blocks()."""
     task = cli.load_task(args.task)
-    example = sample(args, task)  # real data, read before the fake mode
+    example, tests = sample(args, task)  # real data, read before the fake mode
     loss_fn, blocks = getattr(task, "loss", F.cross_entropy), getattr(task, "blocks", models.blocks)
-    batches = [getattr(task, "collate", default_collate)([example] * size) for size in (2, 3)]
+    collate = getattr(task, "collate", default_collate)
+    batches = [collate([example] * size) for size in (2, 3)]
     with FakeTensorMode() as fake:
         model = build(args)
         units = [sum(p.numel() for p in block.parameters()) for block in models.gathered(blocks(model))]
@@ -173,8 +247,26 @@ def measure(args):
                 recompute(block)
             again = zip(fakes, plain, strict=True)
             kept = [activation_bytes(args, model, loss_fn, batch, [])[0] + largest for batch, (_, largest) in again]
-        unit, optimizer = max(units), trained_with(args, task, model)
-        return model, line(total for total, _ in plain), line(kept), unit, optimizer
+        # an evaluation's peak is the largest of its tensors alive at once: not linear in the batch, so counted at
+        # each batch it runs at (fake tensors cost nothing), its samples collated as fakes: no memory either
+        fake_example = pytree.tree_map(lambda t: fake.from_tensor(t) if torch.is_tensor(t) else t, example)
+        sizes = {tested(args, tests, n) for n in range(1, args.max_gpus + 1)}
+        evaluated = {
+            (amp, size): evaluation_bytes(model, loss_fn, collate([fake_example] * size), amp)
+            for amp in {False, args.amp}
+            for size in sizes
+        }
+        unit, next_unit = sorted(units, reverse=True)[:2] if len(units) > 1 else (units[0], 0)
+        plain = line(total for total, _ in plain)
+        on_meta = getattr(task, "META", True)
+        return Measured(
+            model, plain, line(kept), unit, next_unit, evaluated, tests, on_meta, trained_with(args, task, model)
+        )
+
+
+def tested(args, tests, world_size):
+    """A rank's evaluation batch: --test-batch-size, or its share of the test set where that is fewer."""
+    return min(args.test_batch_size, math.ceil(tests / world_size))
 
 
 def line(at_2_and_3):
@@ -188,10 +280,11 @@ def per_gpu(args, world_size, measured):
     """{strategy: {component: bytes}} for DDP (stages 03, 04: the whole batch of a rank at once, no block
     recomputed), FSDP and, on several nodes, HSDP (stage 05's there without --full-shard), at `world_size`
     GPUs. Stage 05 holds one micro-batch's activations at a time (--grad-accum: the first, the largest)."""
-    model, plain, kept, unit, optimizer = measured
+    model, plain, kept, optimizer = measured.model, measured.plain, measured.kept, measured.optimizer
     per_rank = args.batch_size // world_size
     micro = math.ceil(per_rank / args.grad_accum)  # torch.chunk's first
-    gathered = 2 * unit * (2 if args.amp else 4)  # the block in use and the next, prefetched; bf16 under --amp
+    # the block in use and the next, prefetched; bf16 under --amp
+    gathered = (measured.unit + measured.next_unit) * (2 if args.amp else 4)
     plans = {"DDP": 1, "FSDP": world_size}
     per_node = min(args.gpus_per_node, world_size)
     if world_size > per_node and not args.full_shard:
@@ -199,35 +292,46 @@ def per_gpu(args, world_size, measured):
     result = {}
     for name, ranks in plans.items():
         weights = shard_bytes(model.parameters(), ranks)
+        accumulated = name != "DDP" and args.grad_accum > 1  # every micro-batch's but the last: unsharded
         state = sum(
             STATE[type(optimizer).__name__](g) * shard_bytes(g["params"], ranks) for g in optimizer.param_groups
         )
         one, more = plain if name == "DDP" else kept
         batch = per_rank if name == "DDP" else micro
-        parts = {"weights": weights, "gradients": weights, "optimizer": state,
-                 "gathered": gathered if name != "DDP" else 0, "activations": one + (batch - 1) * more}  # fmt: skip
+        evaluation = measured.evaluated[args.amp and name != "DDP", tested(args, measured.tests, world_size)]
+        parts = {"weights": weights, "gradients": shard_bytes(model.parameters(), 1) if accumulated else weights,
+                 "optimizer": state, "gathered": gathered if name != "DDP" else 0,
+                 "activations": one + (batch - 1) * more, "evaluation": evaluation}  # fmt: skip
         if args.loader == "device":  # the data set, on each GPU
             parts["data"] = on_device(args)
-        parts["allowance"] = ALLOWANCE + sum(parts.values()) // 10
+        parts["allowance"] = ALLOWANCE + total(parts) // 10
         result[name] = parts
     return result
+
+
+def total(parts):
+    """The bytes of a row: its parts, but the smaller of training's activations and the evaluation's, which are
+    never held at once."""
+    return sum(parts.values()) - min(parts["activations"], parts["evaluation"])
 
 
 def traffic(args, model_bytes, name, world_size):
     """(bytes a GPU sends per step within its node, across nodes), ring collectives as BENCHMARKS.md counts
     them: DDP's all-reduce of the gradients (hierarchical: within the node, then its 1/G across nodes);
-    FSDP's two all-gathers of the weights and one reduce-scatter of the gradients, over every rank; HSDP's
-    three within the node and an all-reduce of its 1/G shard across nodes."""
+    FSDP's two all-gathers of the weights for each micro-batch (--grad-accum; in bf16 under --amp) and one
+    reduce-scatter of the fp32 gradients, over every rank; HSDP's the same within the node and an all-reduce of
+    its 1/G shard across nodes."""
     per_node = min(args.gpus_per_node, world_size)
     nodes = world_size // per_node
     ring = lambda n: (n - 1) / n  # noqa: E731
     across = 2 * ring(nodes) * model_bytes / per_node
     if name == "DDP":
         return 2 * ring(per_node) * model_bytes, across
+    sent = 2 * args.grad_accum * model_bytes / (2 if args.amp else 1) + model_bytes
     if name == "FSDP":
-        flat = 3 * ring(world_size) * model_bytes
+        flat = ring(world_size) * sent
         return (flat, 0.0) if nodes == 1 else (0.0, flat)  # on several nodes, every collective crosses them
-    return 3 * ring(per_node) * model_bytes, across
+    return ring(per_node) * sent, across
 
 
 def bandwidth(args):
@@ -286,6 +390,8 @@ def parse(argv=None):
 def main(argv=None):
     args = parse(argv)
     limit, speed = args.gpu_memory * 2**30, bandwidth(args)
+    if args.loader == "device":
+        on_device(args)  # a task's own data set: its line before any other
     try:
         measured = measure(args)
     except RuntimeError as err:  # a tensor of more than 2^63 bytes, even fake: --width 1000000000
@@ -295,17 +401,18 @@ def main(argv=None):
         if not failure.refusal(err):  # the task's own error: one line with its place (early.tool())
             raise
         sys.exit(failure.refusal(err))  # the lesson's (--depth 15): a line that names the fix
-    model_bytes, optimizer = shard_bytes(measured[0].parameters(), 1), measured[-1]
+    model_bytes, optimizer = shard_bytes(measured.model.parameters(), 1), measured.optimizer
     own = type(optimizer) is not recipes.OPTIMIZERS[args.optimizer]
     kind = f"the task's {type(optimizer).__name__}" if own else args.optimizer
-    count = f"{model_bytes / 4 / 1e6:.1f} M parameters"
+    parameters = sum(p.numel() for p in measured.model.parameters())
+    count = f"{parameters / 1e6:.1f} M parameters" if parameters >= 1e5 else f"{parameters:,} parameters"
     name = f"{args.model} ({count}) on {args.dataset}" if builtin(args) else f"{args.task} ({count})"
     print(f"{name}, global batch {args.batch_size}"
           f"{', --amp' if args.amp else ''}{', --checkpoint-activations' if args.checkpoint_activations else ''}, "
           f"{kind}; GPUs of {args.gpu_memory:g} GiB, {args.gpus_per_node} per node"
           + (f"; links of {speed:g} GB/s" if speed else ""))  # fmt: skip
     device = ["data"] if args.loader == "device" else []  # a column of its own: the data set on each GPU
-    columns = ["weights", "gradients", "optimizer", "gathered", "activations", *device, "allowance"]
+    columns = ["weights", "gradients", "optimizer", "gathered", "activations", "evaluation", *device, "allowance"]
     columns += ["total GiB", "fits", *(["comm. ms/step"] if speed else [])]
     print("\n| GPUs | strategy | " + " | ".join(columns) + " |\n|---|---|" + "---|" * len(columns))
     best = None
@@ -314,30 +421,32 @@ def main(argv=None):
             continue  # the global batch splits evenly; part of one node, or whole nodes
         fitting = []
         for name, parts in per_gpu(args, world_size, measured).items():
-            total = sum(parts.values())
+            row = total(parts)
             cells = " | ".join(f"{parts[k] / MiB:.0f} MiB" for k in parts)
             comm = ""
             if speed:  # one bandwidth for the traffic within and across nodes: an upper bound
                 comm = f" {1e3 * sum(traffic(args, model_bytes, name, world_size)) / (speed * 1e9):.2f} |"
-            print(
-                f"| {world_size} | {name} | {cells} | {total / 2**30:.2f} | {'yes' if total <= limit else 'no'} |{comm}"
-            )
-            fitting += [name] if total <= limit else []
+            print(f"| {world_size} | {name} | {cells} | {row / 2**30:.2f} | {'yes' if row <= limit else 'no'} |{comm}")
+            fitting += [name] if row <= limit else []
         if best is None and fitting:  # DDP, the simplest; else HSDP, stage 05's across nodes; else FSDP
             best = (world_size, min(fitting, key=["DDP", "HSDP", "FSDP"].index))
-    print(host(measured[0]))
+    print(host(measured.model, measured.on_meta))
     recommend(args, best)
 
 
-def host(model):
+def host(model, on_meta=True):
     """The host memory each rank needs for the weights, beside its process and data: stages 03-04 build the
     whole model on the CPU before moving it; stage 05 builds it on the meta device and fills one layer at a
-    time on the CPU (meta.materialise); its --save-model gathers the whole weights on rank 0's CPU."""
+    time on the CPU (meta.materialise), or whole on the CPU for a task's META = False; its --save-model gathers
+    the whole weights on rank 0's CPU."""
     layers = [m for m in model.modules() if meta.reset_of(m)] or [model]
     layer = max(sum(t.numel() * t.element_size() for *_, t in meta.held(m, True)) for m in layers)
     whole = sum(t.numel() * t.element_size() for *_, t in meta.held(model, True))
+    sharded = (
+        f"{layer / MiB:.1f} MiB (its largest layer)" if on_meta else f"{whole / MiB:.1f} MiB (META = False: whole)"
+    )
     return (f"\nhost memory per rank for the weights: DDP {whole / MiB:.1f} MiB (the whole model, built on the CPU); "
-            f"FSDP and HSDP {layer / MiB:.1f} MiB (its largest layer), rank 0 {whole / MiB:.1f} MiB with --save-model")  # fmt: skip
+            f"FSDP and HSDP {sharded}, rank 0 {whole / MiB:.1f} MiB with --save-model")  # fmt: skip
 
 
 def recommend(args, best):
