@@ -371,6 +371,37 @@ def test_checkpoint_minutes_saves_mid_epoch_in_an_epoch_shorter_than_the_log_int
     assert_same_state(checkpoint(cut)["model"], checkpoint(whole)["model"])
 
 
+# dropout over the tokens of a batch of texts of many lengths: each rank draws as many numbers as its batch holds
+DROPPED_TEXT = """
+import torch.nn.functional as F
+from common.tasks.text import add_arguments, check, collate, datasets, model as bag
+
+def model(args):
+    net = bag(args)
+    net.embed.register_forward_hook(lambda layer, inputs, out: F.dropout(out, 0.1, layer.training))
+    return net
+"""
+
+
+@pytest.mark.slow
+def test_each_rank_resumes_with_its_own_random_generators(tmp_path):
+    """Two ranks whose draws differ (dropout over their own batches' tokens): the checkpoint held rank 0's
+    generators alone, each rank got them back, and the resumed run's weights were another run's (0.01 apart)."""
+    task, whole, cut = tmp_path / "task.py", tmp_path / "whole", tmp_path / "cut"
+    task.write_text(DROPPED_TEXT)
+
+    def options(out, epochs, *more):
+        return ["--task", task, "--epochs", epochs, "--samples", 512, "--batch-size", 64, "--output-dir", out, *more]
+
+    for argv in (options(whole, 2), options(cut, 1), options(cut, 2, "--resume")):
+        ran = torchrun(2, S03, *argv, timeout=600)
+        assert ran.returncode == 0, ran.stderr[-2000:]
+    for part in ("model", "optimizer", "rng"):
+        assert_same_state(checkpoint(cut)[part], checkpoint(whole)[part], part)
+    ranks = checkpoint(cut)["rng"]["ranks"]
+    assert len(ranks) == 2 and not torch.equal(ranks[0]["cpu"], ranks[1]["cpu"])  # the ranks drew unlike
+
+
 @pytest.mark.slow
 def test_checkpoint_minutes_says_saved_only_for_a_save_it_writes(tmp_path):
     """An evaluation longer than --checkpoint-minutes: the save at the epoch's last step stands, and each later

@@ -9,6 +9,7 @@ os.urandom).
 import random
 
 import torch
+import torch.distributed as dist
 
 try:  # numpy comes with torch's stack; where it does not, no task can draw from it
     import numpy
@@ -48,10 +49,11 @@ def unfit(saved):
     each kind first, so that a part missing or malformed is a line before anything of the checkpoint is restored."""
     scratch = (torch.Generator(), random.Random(), numpy and numpy.random.RandomState())
     try:
-        if "python" in saved:
-            set_generators(saved, scratch)
-        else:  # a checkpoint of an older version: torch's alone
-            scratch[0].set_state(saved["cpu"])
+        for each in [saved, *(saved.get("ranks") or [])]:  # and every rank's
+            if "python" in each:
+                set_generators(each, scratch)
+            else:  # a checkpoint of an older version: torch's alone
+                scratch[0].set_state(each["cpu"])
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as err:
         return f"{type(err).__name__}: {err}"
     return None
@@ -59,12 +61,32 @@ def unfit(saved):
 
 class Generators:
     """Every generator a step may draw from, as one of the states a checkpoint holds ("rng"): a run
-    resumed part-way draws the dropout masks and augmentations the uninterrupted run would have."""
+    resumed part-way draws the dropout masks and augmentations the uninterrupted run would have. Every rank's: the
+    ranks start alike (--seed), but each draws as its own batches ask (dropout over texts of their own lengths), and
+    each got rank 0's back, its weights another run's. At another world size, rank 0's for all (tests/FAILURES.md)."""
 
-    def state_dict(self):
+    def __init__(self):
+        self.ranks = None  # every rank's, gathered for the checkpoint written next (gather())
+
+    def own(self):
         return generators() | {"cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
+    def gather(self):
+        """Every rank, before a checkpoint is written (saving.Saving.writing()): each rank's generators, on rank 0."""
+        if dist.is_initialized():
+            self.ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(self.ranks, self.own())
+
+    def state_dict(self):
+        mine, ranks, self.ranks = self.own(), self.ranks, None  # rank 0's, which writes: one checkpoint's
+        if ranks is not None and not torch.equal(ranks[0]["cpu"], mine["cpu"]):  # never: nothing draws in between
+            raise RuntimeError("the generators were drawn from between their gathering and the checkpoint")
+        return mine | ({"ranks": ranks} if ranks is not None else {})
+
     def load_state_dict(self, saved):
+        ranks = saved.get("ranks") or []  # none: one process, or a checkpoint of an older version
+        if dist.is_initialized() and len(ranks) == dist.get_world_size():
+            saved = ranks[dist.get_rank()]
         if "python" in saved:  # a checkpoint of an older version holds torch's alone
             set_generators(saved)
         torch.set_rng_state(saved["cpu"])
