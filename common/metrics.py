@@ -109,10 +109,10 @@ class Log:
         return sums or Sums.zeros(device)
 
     def seconds(self, device):
-        """The time of the epoch in progress."""
         if device.type == "cuda":  # else a timer measures kernel launches
             torch.cuda.synchronize(device)
-        return time.perf_counter() - self.clock
+        self.took = time.perf_counter() - self.clock  # the epoch's; in evaluate(), its training's
+        return self.took
 
     def write(self):
         if is_rank0():

@@ -126,6 +126,7 @@ def test_stage01_stopped_during_evaluation_saves_at_once_and_resumes_bit_identic
     assert resumed.returncode == 0 and "resumed at epoch 1, step 8" in resumed.stdout, resumed.stdout + resumed.stderr
     assert resumed.stderr == "", resumed.stderr  # torch's warning of a scheduler stepped before its optimizer
     same_run(cut, whole)
+    assert float(metrics(cut)[0]["epoch_seconds"]) < EVAL_SLEEP  # its training's time: the evaluation's 5 s were in it
 
 
 @pytest.mark.slow

@@ -160,7 +160,7 @@ class Guard:
         """After each batch of evaluate(), as after a step: a stop or --checkpoint-minutes saves the epoch's
         training, all of it (the resumed run evaluates the epoch again); they count on from its last step."""
         if at := self.progress.evaluated(self.saving.so_far):  # None before this run's first step: nothing to save
-            self.saving.stop_or_save(at)
+            self.saving.stop_or_save(at, evaluating=True)
 
     def check_epoch(self, epoch, sums):
         """Before the epoch's row and checkpoint: its all-reduced losses (metrics.Epoch) and the weights finite, and

@@ -75,24 +75,25 @@ class Saving:
         if self.watchdog:
             self.watchdog.saving.clear()
 
-    def stop_or_save(self, at):
+    def stop_or_save(self, at, evaluating=False):
         """At `at` (a progress.Position): on a stop, save at the step all ranks agreed on and end the run; with
-        --checkpoint-minutes, save when they have passed."""
+        --checkpoint-minutes, save when they have passed. `evaluating`: in evaluate(), after the epoch's training."""
         minutes = self.args.checkpoint_minutes
         if self.preemption.check(at.count):
-            self.save(at.epoch, at.step, at.sums)
+            self.save(at.epoch, at.step, at.sums, evaluating)
             distributed.print0(
                 f"saved at epoch {at.epoch}, step {at.step}: resume with --resume ({self.preemption.signal})"
             )
             raise signals.SavedStop(self.preemption.exit_code())
-        if minutes and self.preemption.due(minutes, at.count) and self.save(at.epoch, at.step, at.sums):
+        if minutes and self.preemption.due(minutes, at.count) and self.save(at.epoch, at.step, at.sums, evaluating):
             distributed.print0(f"saved at epoch {at.epoch}, step {at.step} (--checkpoint-minutes {minutes})")
 
-    def save(self, epoch, step, sums):
+    def save(self, epoch, step, sums, evaluating=False):
         """A checkpoint `step` steps into `epoch`: the sums and time so far go with it (its "cut"),
         so that the resumed run's row in metrics.csv counts the whole epoch. One there already (a stop in the
         evaluation a resumed run runs again, a second --checkpoint-minutes in one evaluation) stands as it is:
         the same step, and writing it again would replace the checkpoint a resume needs while it is written.
+        In an evaluation, the time is the training's: the stage's log.seconds() after train(), as its row counts it.
         Returns whether it wrote one."""
         if (epoch, step) in (self.progress.start_at, self.saved_at):
             self.preemption.saved_at = time.monotonic()  # what is saved is the state now: the minutes count anew
@@ -103,7 +104,8 @@ class Saving:
             dist.all_gather(parts, mine)
         total = asdict(Sums(*torch.stack(parts).sum(0).tolist()))
         ranks = [asdict(Sums(*part.tolist())) for part in parts]
-        cut = {"epoch": epoch, "seconds": log.seconds(mine.device), "training": total, "ranks": ranks}
+        seconds = log.took if evaluating else log.seconds(mine.device)  # not the evaluation's too
+        cut = {"epoch": epoch, "seconds": seconds, "training": total, "ranks": ranks}
         self.check_weights(f"epoch {epoch} left weights that are")
         identity.check_held(self.hold)  # the folder the run took, still at its path: else it writes nowhere
         if not self.sharded:
