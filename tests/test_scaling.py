@@ -318,3 +318,20 @@ def test_a_metrics_csv_whose_rows_repeat_is_one_line_naming_it(tmp_path, capsys)
     assert str(refused.value).startswith(
         f"error: {run / 'metrics.csv'}, line 6: epoch 1 follows epoch 4, rows repeated"
     )
+
+
+def test_several_runs_at_the_smallest_world_size_have_no_baseline_picked_by_their_order(tmp_path, capsys, monkeypatch):
+    """Two runs of one process (a sweep's batch sizes) and one of two: the first named was the baseline, the other
+    one-process run had a speed-up and an efficiency of 2.00 at its own size, and naming them in another order gave
+    other numbers. Now "?" and a note naming them; one of them named alone is the baseline."""
+    small = write_run(tmp_path / "bs32", 1, [50, 100, 100], [90, 95, 99], seconds=(1, 1, 1))
+    large = write_run(tmp_path / "bs128", 1, [100, 200, 200], [90, 95, 99], seconds=(1, 1, 1))
+    two = write_run(tmp_path / "two", 2, [100, 300, 300], [90, 95, 99], seconds=(1, 1, 1))
+    outs = [report(capsys, *order) for order in ([small, large, two], [two, large, small])]
+    assert outs[0] == outs[1], outs  # the order they are named in changes nothing
+    assert "Speed-up and efficiency: ?, as 2 runs share the smallest world size, 1 (bs128, bs32)" in outs[0], outs[0]
+    assert [(row["speed-up"], row["efficiency"]) for row in table(outs[0])] == [("?", "?")] * 3
+    rows = table(report(capsys, large, two))
+    assert [(row["speed-up"], row["efficiency"]) for row in rows] == [("1.00", "1.00"), ("1.50", "0.75")]
+    monkeypatch.chdir(two)  # a run named `.`: its row's run cell was empty
+    assert [row["run"] for row in table(report(capsys, large, "."))] == ["bs128", "two"]

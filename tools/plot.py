@@ -156,6 +156,7 @@ def one_metric(folders, runs):
 
 def labels(folders):
     """Folder names; with their parent's name as well where two are alike (runs/<stage>/<job id>)."""
+    folders = [f.resolve() for f in folders]  # a RUN of `.` has a name too
     names = [f.name for f in folders]
     return names if len(set(names)) == len(names) else [f"{f.parent.name}/{f.name}" for f in folders]
 

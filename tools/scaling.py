@@ -7,7 +7,8 @@ RUNs as for tools/plot.py. The global batch and the model's size are read from t
 before the size was recorded: the size of the built-in task's model its options name); the nodes from metrics.csv (runs from before it was recorded: 1 for one
 process, else "?"). A run resumed at another world size (stage 05 after a requeue onto fewer nodes) gives one
 row per world size. Runs of different stages, or whose manifests record different options (beside the
-batch and the learning rate, which scaling studies change), are named in a note above the table.
+batch and the learning rate, which scaling studies change), are named in a note above the table. Speed-up and
+efficiency compare with the one run of the smallest world size; where several share it, they are "?" (name one).
 --bandwidth adds rows on paper.
 """
 
@@ -34,6 +35,10 @@ NOTE = (
     "images/s: the median of the epochs after the first, which includes warm-up (a one-epoch run: that epoch)."
     " Efficiency: speed-up / (world size"
     " / smallest world size). Time to {0}: training seconds until the validation (else test) {1} reached it.\n"
+)
+AMBIGUOUS = (
+    "Speed-up and efficiency: ?, as {} runs share the smallest world size, {:g} ({}): name one of them alone "
+    "with the others to compare with it.\n"
 )
 PAPER = "On paper: {:,} fp32 gradients ({:.1f} MB) at {:g} GB/s, without latency or overlap with backward().\n"
 HEADER = (
@@ -142,20 +147,31 @@ def parameters(run, given):
 
 
 def row(base, run, rate, to_target, name):
-    """A table row; speed-up and efficiency against `base`, the run of the smallest world size."""
-    n, speedup = run["world"], rate / base["rate"]
+    """A table row; speed-up and efficiency against `base`, the run of the smallest world size (None: "?")."""
+    n = run["world"]
     known = ["?" if v is None else f"{v:g}" for v in (run["nodes"], run["batch"])]
     name = name.replace("|", "\\|")  # a folder's name may hold the table's separator
-    cells = [n, *known, f"{rate:.0f}", f"{speedup:.2f}", f"{speedup * base['world'] / n:.2f}", to_target, name]
+    speedup = [f"{rate / base['rate']:.2f}", f"{rate / base['rate'] * base['world'] / n:.2f}"] if base else ["?"] * 2
+    cells = [n, *known, f"{rate:.0f}", *speedup, to_target, name]
     return f"| {' | '.join(map(str, cells))} |"
+
+
+def baseline(names, runs):
+    """The run of the smallest world size, which speed-up and efficiency compare with; None where several share it:
+    whichever was named first was the baseline (a sweep's bs128 beside its bs32, a part of a resumed run), and each
+    other run of that size had a speed-up of its own at its own size (7.47, "efficiency 7.47")."""
+    return runs[0] if sum(r["world"] == runs[0]["world"] for r in runs) == 1 else None
 
 
 def report(names, runs, args):
     """The Markdown text, and the (world size, images/s) points on paper."""
     goal = f"{args.target:g}%" if args.metric == "accuracy" else f"{args.metric} {args.target:g}"
-    base, paper, lines = runs[0], [], [NOTE.format(goal, args.metric), *differences(names, runs)]
+    base, paper, lines = baseline(names, runs), [], [NOTE.format(goal, args.metric), *differences(names, runs)]
+    if base is None:
+        alike = [name for name, r in zip(names, runs, strict=True) if r["world"] == runs[0]["world"]]
+        lines.append(AMBIGUOUS.format(len(alike), runs[0]["world"], ", ".join(alike)))
     if args.bandwidth is not None:
-        params = parameters(base, args.params)
+        params = parameters(runs[0], args.params)
         lines.append(PAPER.format(params, 4 * params / 1e6, args.bandwidth))
     lines.append(HEADER.format(goal))
     for name, r in zip(names, runs, strict=True):
@@ -163,7 +179,7 @@ def report(names, runs, args):
         if isinstance(to_target, float):  # a part of a run resumed at another world size: the run's seconds
             to_target = f"{to_target:.1f} s" + (f" (from {r['began']:g})" if r["began"] is not None else "")
         lines.append(row(base, r, r["rate"], to_target, name))
-        if args.bandwidth is not None and r["batch"]:
+        if args.bandwidth is not None and r["batch"] and base:
             compute = base["world"] / base["rate"] * r["batch"] / r["world"]  # its batch share, the smallest run's pace
             comm = 2 * (r["world"] - 1) / r["world"] * 4 * params / (args.bandwidth * 1e9)  # ring: 2(N-1)/N per rank
             paper.append((r["world"], r["batch"] / (compute + comm)))
@@ -176,7 +192,8 @@ def figure(runs, paper):
     """images/s against world size: measured, ideal (the smallest run's rate per process times N), on paper."""
     ax = Figure(figsize=(6, 4.5), layout="constrained").subplots()
     sizes = [r["world"] for r in runs]
-    ax.plot(sizes, [runs[0]["rate"] / runs[0]["world"] * n for n in sizes], "--", color="grey", label="ideal")
+    if sum(n == sizes[0] for n in sizes) == 1:  # one run at the smallest size: the ideal's base
+        ax.plot(sizes, [runs[0]["rate"] / runs[0]["world"] * n for n in sizes], "--", color="grey", label="ideal")
     ax.plot(sizes, [r["rate"] for r in runs], "o-", color="C0", label="measured")
     if paper:
         ax.plot(*zip(*paper, strict=True), "s:", color="C1", label="on paper")
@@ -213,7 +230,8 @@ def main(argv=None):
     if args.plot and Figure is None:
         sys.exit("error: --plot needs matplotlib: pip install matplotlib")
     parts = [part for path in args.runs for part in by_world_size(*load(path))]
-    loaded = sorted(parts, key=lambda run: run[1][0]["world_size"])  # as numbers: 2 before 16
+    # as numbers (2 before 16), then by folder and epoch: the order they are named in changes nothing
+    loaded = sorted(parts, key=lambda run: (run[1][0]["world_size"], str(run[0]), run[1][0]["epoch"]))
     one_metric(*zip(*[(folder, rows) for folder, rows, _ in loaded], strict=True))
     args.metric = loaded[0][1][0]["metric"]
     if args.target is None and args.metric != "accuracy":
