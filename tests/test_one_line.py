@@ -388,6 +388,23 @@ def test_an_error_no_check_of_a_tool_names_is_one_line(tmp_path):
     assert "Traceback (most recent call last)" in kept.read_text() and "csv.DictReader" in kept.read_text()
 
 
+def test_a_tool_whose_reader_goes_ends_as_after_sigpipe_with_no_line(tmp_path):
+    """`make plan ... | head -3`: the write after head ended was "error: BrokenPipeError ... plan met what none of
+    its checks knows" and a traceback file; stage_diff.py's was a traceback, and its --help printed the diffs."""
+    piped = (
+        "from common.guards import early\ndef main():\n    raise BrokenPipeError(32, 'Broken pipe')\nearly.run(main)"
+    )
+    out = run([sys.executable, "-c", piped], cwd=REPO, env=clean_env(TMPDIR=tmp_path))
+    assert out.returncode == 128 + signal.SIGPIPE and out.stderr == "" and not list(tmp_path.iterdir()), out.stderr
+    proc = subprocess.Popen(
+        [sys.executable, REPO / "tools/stage_diff.py"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()  # its reader gone before it writes: the first write meets the broken pipe
+    assert proc.wait(timeout=60) == 128 + signal.SIGPIPE and proc.stderr.read() == b""
+    helped = run([sys.executable, REPO / "tools/stage_diff.py", "--help"])
+    assert helped.returncode == 0 and helped.stdout.startswith("What each stage adds") and "====" not in helped.stdout
+
+
 @pytest.mark.slow
 def test_a_failure_every_rank_meets_is_said_once(tmp_path):
     """A task's file missing on every rank printed one line per rank: at 512 ranks, 512 copies to scroll through.

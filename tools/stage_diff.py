@@ -8,6 +8,7 @@ change, it says so: the lesson is in the job script. Needs the standard library 
 
 import ast
 import difflib
+import os
 import re
 import sys
 from itertools import pairwise
@@ -64,4 +65,12 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] in (["-h"], ["--help"]):  # it takes no arguments: its help is its docstring
+        sys.exit(print(__doc__))
+    if sys.argv[1:]:
+        sys.exit(f"error: tools/stage_diff.py takes no arguments: {' '.join(sys.argv[1:])}")
+    try:
+        main()
+    except BrokenPipeError:  # its reader went (`| head`): the rest unread, as after SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit fails no more
+        sys.exit(128 + 13)

@@ -56,6 +56,9 @@ def run(main):
         code = 0
     except SystemExit as done:
         code = done.code
+    except BrokenPipeError:  # its reader went (`| head`): the rest unread, as after SIGPIPE, with no line
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit fails no more
+        code = 128 + 13
     except BaseException as err:
         one_line(type(err), err, err.__traceback__)
         code = 1
