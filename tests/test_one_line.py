@@ -400,7 +400,7 @@ def test_a_tool_whose_reader_goes_ends_as_after_sigpipe_with_no_line(tmp_path):
         [sys.executable, REPO / "tools/stage_diff.py"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     proc.stdout.close()  # its reader gone before it writes: the first write meets the broken pipe
-    assert proc.wait(timeout=60) == 128 + signal.SIGPIPE and proc.stderr.read() == b""
+    assert proc.wait(timeout=HANG) == 128 + signal.SIGPIPE and proc.stderr.read() == b""
     helped = run([sys.executable, REPO / "tools/stage_diff.py", "--help"])
     assert helped.returncode == 0 and helped.stdout.startswith("What each stage adds") and "====" not in helped.stdout
 
