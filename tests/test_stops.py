@@ -371,6 +371,37 @@ def test_a_stop_that_comes_in_a_finalizer_during_the_imports_ends_the_run(tiny_d
     assert out.stderr.startswith("stopped by SIGINT during start-up, before the first step"), out.stderr
 
 
+# the first training step spends seconds in one C call (a matmul), where signals are only noted by the C handler
+LONG_C_CALL = """
+import os, torch
+from common.tasks.images import add_arguments, check, datasets, model as build
+
+def model(args):
+    net = build(args)
+    net.register_forward_pre_hook(long_call)
+    return net
+
+def long_call(module, inputs):
+    if module.training and not os.path.exists(os.environ["C_MARK"]):
+        open(os.environ["C_MARK"], "a").close()
+        torch.ones(5000, 5000) @ torch.ones(5000, 5000)
+"""
+
+
+def test_the_first_of_two_stops_that_come_in_one_c_call_counts(tiny_data, tmp_path):
+    """SIGTERM, then SIGHUP, while the step is in one C call: Python ran their handlers by number, SIGHUP's first,
+    and the run said "(SIGHUP)" and ended with 129. The first that came counts: "(SIGTERM)", 143."""
+    task, mark = tmp_path / "task.py", tmp_path / "in-c"
+    task.write_text(LONG_C_CALL)
+    proc = start(S01, *args(tiny_data, tmp_path / "out", "--task", task, "--epochs", 1), env=clean_env(C_MARK=mark))
+    wait_for(mark.exists, 120, proc)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        time.sleep(0.2)
+        proc.send_signal(signum)
+    output = proc.communicate(timeout=HANG)[0]
+    assert proc.returncode == 128 + signal.SIGTERM and "resume with --resume (SIGTERM)" in output, output
+
+
 @pytest.mark.slow
 def test_stage03_under_torchrun_stopped_by_sighup_saves_and_resumes(tiny_data, tmp_path):
     """A closed ssh session: SIGHUP to torchrun, which passes it on to its workers' groups. Before, the run ended

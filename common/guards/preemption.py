@@ -28,7 +28,7 @@ import torch.distributed as dist
 from common.distributed import print0
 from common.environment import is_rank0
 from common.guards.ending import stop
-from common.guards.signals import Stopped, install, shield_worker
+from common.guards.signals import Arrivals, Stopped, install, shield_worker
 from common.guards.waits import fail
 
 MARGIN = 30  # seconds beyond a save: the step in flight, the requeue, a save slower than the last
@@ -51,13 +51,14 @@ class Preemption:
     def catch(self):
         """From here on, a stop (SIGTERM, SIGUSR1, SIGINT, SIGHUP) ends the run at a step boundary, or between two
         evaluation batches, that every rank agrees on (signals.py says where else)."""
+        self.arrivals = Arrivals()  # before the handlers: the first that comes is known
         if signum := install(self.received):  # a stop at start-up, dropped in a finalizer: still nothing saved
             raise Stopped(signum)
         os.register_at_fork(after_in_child=shield_worker)  # the DataLoader workers this process forks from now on
 
     def received(self, signum, frame):
         """The signal handler: note the first signal and propose a step; a second one changes nothing."""
-        self.note(signal.Signals(signum).name)
+        self.note(signal.Signals(self.arrivals.first(signum)).name)
 
     def note(self, name):
         """Note the signal that stops the run and propose this rank's step, once: the handler (main thread) and

@@ -15,6 +15,7 @@ sends to every process of its launch) and SIGHUP (a closed ssh session) are one 
 status is 128 + its number. DataLoader workers leave them to their rank, and the programs those start get the
 default handling back (shield_worker()). The tests that prove each: tests/FAILURES.md, "Signals"."""
 
+import os
 import signal
 import sys
 
@@ -76,6 +77,29 @@ def stop_at_once():
     """Until resume() catches them (Preemption.catch()): a stop ends the run wherever it is, in one line."""
     if signum := install(AtOnce(raise_stopped)):  # an import's stop, its exit dropped: its line was said
         sys.exit(128 + signum)
+
+
+class Arrivals:
+    """The order the stops came in. Python runs the handlers of signals that came while it was in C (a matmul, a
+    collective, a save) by their numbers, not in the order they came: SIGHUP's before SIGTERM's, and the run said
+    "(SIGHUP)" and ended with 129 for a scancel's SIGTERM. The C handler writes each signal's number to a wakeup
+    pipe as it comes (signal.set_wakeup_fd), which first() reads."""
+
+    def __init__(self):
+        self.read, write = os.pipe()
+        for fd in (self.read, write):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+
+    def first(self, signum):
+        """The first stop that came since the last call (the handler of `signum` runs), else `signum`."""
+        came = b""
+        try:
+            while chunk := os.read(self.read, 4096):  # all of it: SIGCHLD's bytes too, a worker's end
+                came += chunk
+        except BlockingIOError:  # read to its end
+            pass
+        return next((n for n in came if n in STOPS), signum)
 
 
 def failure(call):
@@ -168,6 +192,7 @@ def shield_worker():
     worker still ends with its rank: by the end of its queue, or when torch's watchdog finds the rank gone."""
     for signum in STOPS:
         signal.signal(signum, let_pass)
+    signal.set_wakeup_fd(-1)  # its rank's pipe: this process's signals are not the rank's
     handling = sys.modules.get("torch.utils.data._utils.signal_handling")
     install = getattr(handling, "_set_worker_signal_handlers", None)
     if install is None:  # no DataLoader in this process
