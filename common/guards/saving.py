@@ -138,10 +138,10 @@ class Saving:
         save of it killed half-way left there goes. Until the next step, torchrun's end (a third Ctrl-C ends it at
         once) waits for the save (watchdog.heartbeat())."""
         self.doing = f"write {self.args.output_dir / name}"
-        if "rng" in self.states:  # each rank's generators, for rank 0 to write
-            self.states["rng"].gather()
         if self.watchdog:
             self.watchdog.saving.set()
+        if "rng" in self.states:  # each rank's generators, for rank 0 to write
+            self.states["rng"].gather()
         if self.sharded and is_rank0():
             ownership.writes(self.args.output_dir, name)
             shutil.rmtree(self.args.output_dir / name, ignore_errors=True)
