@@ -53,6 +53,7 @@ BAD = [
     ("--target", "nan"), ("--target", "inf"), ("--target", "-inf"),
     ("--val-fraction", "1"), ("--val-fraction", "-0.1"), ("--val-fraction", "nan"),
     ("--epochs", "0"), ("--epochs", "1e3"), ("--batch-size", "-64"), ("--test-batch-size", "0"),
+    ("--batch-size", str(2**63)), ("--test-batch-size", str(10**20)),  # past islice()'s: a late ValueError
     ("--log-interval", "0"), ("--patience", "0"), ("--step-size", "0"), ("--depth", "0"), ("--width", "0"),
     ("--dist-timeout", "0"), ("--dist-timeout", "86401"), ("--num-workers", "-1"), ("--num-workers", "two"),
 ]  # fmt: skip

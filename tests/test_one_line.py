@@ -406,6 +406,18 @@ def test_a_tool_whose_reader_goes_ends_as_after_sigpipe_with_no_line(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", ["01_single_gpu", "02_dataparallel"])
+def test_a_stage_of_one_process_launched_as_two_ranks_is_one_line(stage, tiny_data, tmp_path):
+    """Stages 01 and 02 under srun with two tasks (or torchrun with two): each rank trained the whole data set alone,
+    and the lines and metrics.csv said world size 2, at half the speed per process. Refused before the first step."""
+    codes, outputs = srun_like(2, REPO / stage / "train.py", *stage_args(tiny_data, tmp_path / "out", "--epochs", 1))
+    said = [line for out in outputs for line in out.splitlines() if line.startswith("error:")]
+    assert codes == [1, 1] and len(said) == 1, outputs
+    assert said[0].startswith("error: this stage trains one copy of the model in one process, and 2 ranks were")
+    assert "stage 03 for 2" in said[0] and not any("epoch   1" in out for out in outputs), outputs
+
+
+@pytest.mark.slow
 def test_a_failure_every_rank_meets_is_said_once(tmp_path):
     """A task's file missing on every rank printed one line per rank: at 512 ranks, 512 copies to scroll through.
     Rank 0 says it once, "on every rank"; the others say nothing and end as failed."""

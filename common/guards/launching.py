@@ -121,3 +121,20 @@ def check_interfaces(backend):
             f"error: {name}={wanted} but {socket.gethostname()} has no interface {', '.join(missing)} (it has "
             f"{', '.join(here)}): set it to the interface of the network the nodes share, or unset it"
         )
+
+
+def check_split(model, sharded):
+    """A launch of several ranks whose stage trains one whole copy of the model per process (01, 02: no DDP, no
+    FSDP): each rank trained the whole data set alone, and the lines and metrics.csv said world size N, at 1/N of
+    the speed per process. One line before the first step: each stage is launched as its job script does."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    if n > 1 and not sharded and not isinstance(model, DistributedDataParallel):
+        raise Refusal(  # every rank's verdict: rank 0 says it
+            f"error: this stage trains one copy of the model in one process, and {n} ranks were launched: each "
+            f"would train the whole data set alone: run it as one process (python, or srun with one task), or "
+            f"stage 03 for {n}",
+            once=True,
+        )

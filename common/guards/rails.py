@@ -115,6 +115,7 @@ class Guard:
         with its reason in one line where not. From here on SIGTERM and SIGUSR1 stop the run at a step all ranks
         agree on, and end_of_step() saves it. `states`: the lesson's, watched, for the saves on a stop, and with the
         random generators added, which every checkpoint holds from here."""
+        launching.check_split(states["model"], sharded)  # DDP's or FSDP's, where several ranks were launched
         early.started()
         states["rng"] = randomness.Generators()  # a resumed run draws as the uninterrupted one would have
         identity.check_held(self.hold)  # the folder taken at start(), before its manifest is written
