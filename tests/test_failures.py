@@ -381,6 +381,18 @@ def test_ranks_with_different_output_folders_stop_naming_both(tiny_data, tmp_pat
     assert rank1.returncode != 0 and rank0.seconds < 20
 
 
+def test_ranks_given_other_options_that_define_nothing_stop_naming_them(tiny_data, tmp_path):
+    """--epochs (or --target, --test-batch-size, --resume on one node alone) defines no run, so no rank compared
+    it: node 0 trained one epoch, said "done:" and waited in a collective node 1 never reached, until --dist-timeout,
+    naming no option. What a node may have its own of (its data's path, workers, --dist-timeout) may still differ."""
+    args = stage_args(tiny_data, tmp_path / "out", "--dist-timeout", 20, "--epochs", 1)
+    other = [*stage_args(tmp_path / "elsewhere", tmp_path / "out", "--dist-timeout", 10, "--epochs", 2)]
+    (tmp_path / "elsewhere").symlink_to(tiny_data)  # another path to the same data: a node's own copy
+    rank0, rank1 = finish(ranks(S03, [args, other]))
+    one_error(rank0, "the ranks differ in --epochs: rank 0: 1, rank 1: 2: give every rank the same options")
+    assert rank1.returncode != 0 and "done:" not in rank0.stdout  # said before any collective could wait
+
+
 def test_ranks_reading_different_data_stop_naming_the_data(tiny_data, tmp_path):
     other = tmp_path / "other"
     (other / "MNIST" / "raw").mkdir(parents=True)

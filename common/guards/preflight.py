@@ -174,14 +174,24 @@ def check_datasets(args, task, *datasets):
         )
 
 
+NODE_LOCAL = ("num_workers", "loader", "dist_timeout", "log_interval", "checkpoint_minutes")  # each node's own
+
+
 def agree(args, task, *datasets):
     """Before the first step: every rank must train the same run on the same data. A difference in the options that
     define it, or in its data sets' fingerprints, ends every rank with the option and the ranks that differ."""
     check_datasets(args, task, *datasets)
     if not dist.is_initialized():
         return
-    # the output folder too: a default one follows SLURM_STEP_ID, which a rank started by hand may set otherwise
-    mine = {f"--{k.replace('_', '-')}": v for k, v in defining(args).items()} | {"--output-dir": str(args.output_dir)}
+    # every option, not only those that define the run: another --epochs, --target or --test-batch-size on one node
+    # ran other collectives, a hang until --dist-timeout naming none; but what a node may have its own of
+    # (NODE_LOCAL; paths: a node's copy of the data, whose fingerprint is compared below), and --resume by whether it
+    # is given (rank 0 alone reads the checkpoint). The output folder too: a default one follows SLURM_STEP_ID,
+    # which a rank started by hand may set otherwise
+    own = [k for k, v in vars(args).items() if k in NODE_LOCAL or isinstance(v, Path)]
+    shared = {k: str(v) for k, v in vars(args).items() if k not in own} | defining(args)
+    shared |= {"resume": args.resume is not None, "output_dir": str(args.output_dir)}
+    mine = {f"--{k.replace('_', '-')}": v for k, v in shared.items()}
     for name, dataset in zip(("training", "test"), datasets, strict=False):
         mine[f"the {name} data set ({len(dataset)} samples here)"] = fingerprint(dataset)
     everyone = [None] * dist.get_world_size()
@@ -189,9 +199,10 @@ def agree(args, task, *datasets):
     for key, value in everyone[0].items():
         differ = [f"rank {r}: {got}" for r, got in enumerate(t.get(key) for t in everyone) if not same(got, value)]
         if differ:  # the same verdict on every rank; rank 0 says it
+            own = " (the default --output-dir: with no job id nor torchrun's --rdzv-id, each rank names its own)"
             stop(
                 f"error: the ranks differ in {key}: rank 0: {value}, {', '.join(differ)}: give every rank the same "
-                "options and data"
+                f"options and data{own if key == '--output-dir' else ''}"
             )
 
 
