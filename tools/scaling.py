@@ -156,7 +156,7 @@ def row(base, run, rate, to_target, name):
     return f"| {' | '.join(map(str, cells))} |"
 
 
-def baseline(names, runs):
+def baseline(runs):
     """The run of the smallest world size, which speed-up and efficiency compare with; None where several share it:
     whichever was named first was the baseline (a sweep's bs128 beside its bs32, a part of a resumed run), and each
     other run of that size had a speed-up of its own at its own size (7.47, "efficiency 7.47")."""
@@ -166,7 +166,7 @@ def baseline(names, runs):
 def report(names, runs, args):
     """The Markdown text, and the (world size, images/s) points on paper."""
     goal = f"{args.target:g}%" if args.metric == "accuracy" else f"{args.metric} {args.target:g}"
-    base, paper, lines = baseline(names, runs), [], [NOTE.format(goal, args.metric), *differences(names, runs)]
+    base, paper, lines = baseline(runs), [], [NOTE.format(goal, args.metric), *differences(names, runs)]
     if base is None:
         alike = [name for name, r in zip(names, runs, strict=True) if r["world"] == runs[0]["world"]]
         lines.append(AMBIGUOUS.format(len(alike), runs[0]["world"], ", ".join(alike)))
@@ -192,7 +192,7 @@ def figure(runs, paper):
     """images/s against world size: measured, ideal (the smallest run's rate per process times N), on paper."""
     ax = Figure(figsize=(6, 4.5), layout="constrained").subplots()
     sizes = [r["world"] for r in runs]
-    if sum(n == sizes[0] for n in sizes) == 1:  # one run at the smallest size: the ideal's base
+    if baseline(runs):  # one run at the smallest size: the ideal's base
         ax.plot(sizes, [runs[0]["rate"] / runs[0]["world"] * n for n in sizes], "--", color="grey", label="ideal")
     ax.plot(sizes, [r["rate"] for r in runs], "o-", color="C0", label="measured")
     if paper:

@@ -9,6 +9,8 @@ import socket
 import sys
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from common.guards.ending import Refusal
 from common.options import amp
@@ -127,9 +129,6 @@ def check_split(model, sharded):
     """A launch of several ranks whose stage trains one whole copy of the model per process (01, 02: no DDP, no
     FSDP): each rank trained the whole data set alone, and the lines and metrics.csv said world size N, at 1/N of
     the speed per process. One line before the first step: each stage is launched as its job script does."""
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
     n = dist.get_world_size() if dist.is_initialized() else 1
     if n > 1 and not sharded and not isinstance(model, DistributedDataParallel):
         raise Refusal(  # every rank's verdict: rank 0 says it
