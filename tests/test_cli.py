@@ -14,7 +14,7 @@ import torch
 from helpers import HANG, S01, S03, S05, clean_env, run
 
 from common import cli
-from common.guards import check, options, preflight, rails, recorded
+from common.guards import check, options, preflight, rails, recorded, sources
 from common.options import flags
 
 LAUNCHER = ("RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_JOB_ID")
@@ -111,8 +111,8 @@ def test_a_recipe_value_a_task_sets_and_its_optimizer_never_reads_runs_and_is_no
         assert err.startswith("error: argument --momentum: adam has none"), (typed, err)
     older = {"flags": preflight.defining(parse([])) | {"momentum": 0.9}}  # an adadelta run that recorded it
     state = {"epoch": 1, "step": 0}
-    assert recorded.mismatch(older, state, parse([]), None) is None
-    assert "--lr 1.0 (now 0.5)" in recorded.mismatch(older, state, parse(["--lr", "0.5"]), None)  # the rest compared
+    assert recorded.mismatch(older, state, parse([]), {}) is None
+    assert "--lr 1.0 (now 0.5)" in recorded.mismatch(older, state, parse(["--lr", "0.5"]), {})  # the rest compared
 
 
 RATE_BY_THE_TASK = """
@@ -239,9 +239,10 @@ def test_defining_values_and_the_cosine_rule():
     held = hashlib.sha256(cli.TASK.read_bytes()).hexdigest()[:16]  # the task by what it holds, not its name alone
     assert step["lr"] == 1.0 and step["dataset"] == "mnist" and step["task"] == f"images.py (sha256 {held})"
     # the built-in task's options among them; adadelta reads no --momentum (options.used())
-    assert set(step) == set(options.DEFINING) - {"grad_accum", "momentum"}
+    # --grad-accum: stage 05's alone, recorded by every stage as it runs without it (one micro-batch)
+    assert set(step) == set(options.DEFINING) - {"momentum"} and step["grad_accum"] == 1
     large, _ = check.parse_args(["--grad-accum", "2"], [flags.large])  # stage 05's: its slices draw their own dropout
-    assert preflight.defining(large)["grad_accum"] == 2 and set(preflight.defining(large)) == set(step) | {"grad_accum"}
+    assert preflight.defining(large)["grad_accum"] == 2 and set(preflight.defining(large)) == set(step)
     cosine = preflight.defining(parse(["--epochs", "3", "--scheduler", "cosine"]))
     assert cosine == {k: v for k, v in step.items() if k not in ("step_size", "gamma")} | {
         "scheduler": "cosine",
@@ -255,9 +256,9 @@ def test_a_resume_names_the_options_that_changed_and_none_that_did_not():
     """A run under the cosine schedule resumed under --scheduler step: it named `--epochs 2 (now None)` beside the
     scheduler, --epochs being defining under cosine alone; an option no longer defining is shown by its value."""
     run = {"flags": preflight.defining(parse(["--epochs", "2", "--scheduler", "cosine"]))}
-    said = recorded.differs(run, parse(["--epochs", "2"]), None)
+    said = recorded.differs(run, parse(["--epochs", "2"]), {})
     assert said.startswith("was written with --scheduler cosine (now step): resume with the same options"), said
-    said = recorded.differs(run, parse(["--epochs", "3"]), None)
+    said = recorded.differs(run, parse(["--epochs", "3"]), {})
     assert said.startswith("was written with --scheduler cosine (now step), --epochs 2 (now 3):"), said
 
 
@@ -272,14 +273,14 @@ def test_a_resume_compares_grad_accum_and_the_task_by_what_it_holds(tmp_path, ca
     (tmp_path / "b" / "t.py").write_text(task.replace("def datasets", "# label smoothing\ndef datasets"))
     was, _ = check.parse_args(["--task", str(tmp_path / "a" / "t.py"), "--grad-accum", "2"], [flags.large])
     run, state = {"flags": preflight.defining(was)}, {"epoch": 1, "step": 0}
-    assert recorded.mismatch(run, state, was, None) is None
+    assert recorded.mismatch(run, state, was, {}) is None
     now, _ = check.parse_args(["--task", str(tmp_path / "a" / "t.py"), "--grad-accum", "4"], [flags.large])
-    assert "was written with --grad-accum 2 (now 4)" in recorded.mismatch(run, state, now, None)
+    assert "was written with --grad-accum 2 (now 4)" in recorded.mismatch(run, state, now, {})
     other, _ = check.parse_args(["--task", str(tmp_path / "b" / "t.py"), "--grad-accum", "2"], [flags.large])
-    differs = recorded.mismatch(run, state, other, None)
+    differs = recorded.mismatch(run, state, other, {})
     assert differs.startswith("was written with --task t.py (sha256 ") and "(now t.py (sha256 " in differs
     older = {"flags": preflight.defining(was) | {"task": "t.py"}}  # recorded by its name alone
-    assert recorded.mismatch(older, state, other, None) is None
+    assert recorded.mismatch(older, state, other, {}) is None
     recorded.say_world(2, 1)
     recorded.say_world(2, 2)
     assert capsys.readouterr().out == "resumed at world size 1 from 2: the same samples, not bit-identical\n"
@@ -363,12 +364,46 @@ def test_a_task_is_recorded_with_the_modules_of_its_own_it_imports(tmp_path, mon
     (tmp_path / "t.py").write_text("import numpy, json\nimport helper_cfg_a1\nfrom common.tasks.images import *\n")
     try:
         task = cli.load_task(tmp_path / "t.py")
-        first = preflight.with_own_modules(task)
+        first = sources.with_own_modules(task)
         assert first == task.__source__ + b"helper_cfg_a1.py" + b"ACT = 'relu'\n"
         (tmp_path / "helper_cfg_a1.py").write_text("ACT = 'tanh'\n")
-        assert preflight.with_own_modules(task) != first
+        assert sources.with_own_modules(task) != first
     finally:
         sys.modules.pop("helper_cfg_a1", None)
+
+
+def test_a_task_is_recorded_with_its_own_modules_however_it_imports_them(tmp_path, monkeypatch):
+    """Only helpers the task held as modules or classes counted: a value imported from a helper (`from cfg import
+    SMOOTH`, a label smoothing), an import inside loss(), a helper's own imports and `import pkg.sub` (which binds
+    pkg alone) were left out, and a run resumed silently with other numbers after any of them changed."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "pkg_b2").mkdir()
+    files = {
+        "cfg_b2.py": "import deep_b2\nSMOOTH = 0.0\n",  # a value; and a helper's own import
+        "deep_b2.py": "SCALE = 1\n",
+        "later_b2.py": "WIDTH = 8\n",  # imported in a function that has not run yet
+        "pkg_b2/__init__.py": "",
+        "pkg_b2/sub.py": "DEPTH = 2\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    task_file = tmp_path / "t.py"
+    task_file.write_text(
+        "import json\nimport numpy\nimport pkg_b2.sub\nfrom cfg_b2 import SMOOTH\nfrom common.tasks.images import *\n"
+        "def loss(output, target):\n    import later_b2\n    return later_b2.WIDTH\n"
+    )
+    try:
+        task = cli.load_task(task_file)
+        first = sources.with_own_modules(task)
+        assert b"numpy" not in first.replace(task.__source__, b"") and b"images.py" not in first
+        for name, text in files.items():
+            (tmp_path / name).write_text(text + "# changed\n")
+            assert sources.with_own_modules(task) != first, name
+            (tmp_path / name).write_text(text)
+        assert sources.with_own_modules(task) == first
+    finally:
+        for name in ("cfg_b2", "deep_b2", "later_b2", "pkg_b2", "pkg_b2.sub"):
+            sys.modules.pop(name, None)
 
 
 def test_module_checks_arguments_fast_without_torch():
@@ -440,6 +475,18 @@ def test_the_task_is_recorded_by_the_bytes_that_ran(tiny_data, tmp_path, after):
     assert preflight.defining(guard.args)["task"] == f"t.py (sha256 {digest})"
 
 
+def test_a_flag_of_stage_05_alone_is_recorded_as_the_other_stages_run_without_it():
+    """--grad-accum is stage 05's alone: stages 01-04 recorded nothing of it, and a stage 01 run resumed in stage 05
+    with --grad-accum 2 went on without a word, to other numbers (65.82 % where the run reached 67.38 %)."""
+    one, _ = check.parse_args([])
+    five, _ = check.parse_args(["--grad-accum", "2"], [flags.large])
+    said = recorded.differs({"flags": preflight.defining(one)}, five, {})
+    assert said == "was written with --grad-accum 1 (now 2): resume with the same options, or use another --output-dir"
+    assert recorded.differs({"flags": preflight.defining(one)}, check.parse_args([], [flags.large])[0], {}) is None
+    said = recorded.differs({"flags": preflight.defining(five)}, one, {})  # and back in stage 03: one micro-batch
+    assert said.startswith("was written with --grad-accum 2 (now 1):"), said
+
+
 def test_a_tasks_own_scheduler_makes_epochs_define_the_run(tmp_path):
     """The recipe example's per-step cosine decays to 0 over --epochs: resumed with --epochs 3 after 2, its rate went
     up again (95.31 % where the uninterrupted run reached 98.83 %), accepted without a word. The stage's own
@@ -450,7 +497,7 @@ def test_a_tasks_own_scheduler_makes_epochs_define_the_run(tmp_path):
         assert preflight.defining(args).get("epochs") == (2 if scheduled else None)
     recorded_run = {"flags": preflight.defining(args)}
     args.epochs = 3
-    assert "was written with --epochs 2 (now 3)" in recorded.differs(recorded_run, args, None)
+    assert "was written with --epochs 2 (now 3)" in recorded.differs(recorded_run, args, {})
 
 
 def test_the_tasks_path_is_made_as_pathlib_makes_the_paths_it_derives(tmp_path):

@@ -301,25 +301,34 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tiny_data, tmp_p
 
 @pytest.mark.slow
 def test_a_resume_on_other_data_is_refused_naming_both_fingerprints(uninterrupted, tiny_data, tmp_path):
-    """The run's manifest records what it was trained on (preflight.fingerprint()): a resume on more images, or
-    on shifted labels, ran to the end without a word. A checkpoint from before it was recorded resumes."""
-    out, more, shifted = tmp_path / "out", tmp_path / "more", tmp_path / "shifted"
+    """The run's manifest records what it was trained and tested on (preflight.fingerprint()): a resume on more
+    images, or on shifted labels, ran to the end without a word; on another test set too (its rows mixed two test
+    sets' numbers: 53 % then 0 %). A checkpoint from before they were recorded resumes."""
+    out, more, shifted, tested = tmp_path / "out", tmp_path / "more", tmp_path / "shifted", tmp_path / "tested"
     trained(uninterrupted, out, S01, "--epochs", 1)  # the run of one epoch, shared (on the same images)
-    for folder in (more, shifted):
+    for folder in (more, shifted, tested):
         shutil.copytree(tiny_data / "MNIST", folder / "MNIST")
     for kind in ("images-idx3", "labels-idx1"):  # 32 images more
         write_idx_subset(REPO / "data" / "MNIST" / "raw" / f"train-{kind}-ubyte.gz",
                          more / "MNIST" / "raw" / f"train-{kind}-ubyte", TRAIN_SIZE + 32)  # fmt: skip
-    labels = shifted / "MNIST" / "raw" / "train-labels-idx1-ubyte"
-    labels.write_bytes(labels.read_bytes()[:8] + bytes((y + 1) % 10 for y in labels.read_bytes()[8:]))
-    recorded = json.loads((out / "run-manifest.json").read_text())["record"]["data"]
+    for labels in (
+        shifted / "MNIST" / "raw" / "train-labels-idx1-ubyte",
+        tested / "MNIST" / "raw" / "t10k-labels-idx1-ubyte",
+    ):
+        labels.write_bytes(labels.read_bytes()[:8] + bytes((y + 1) % 10 for y in labels.read_bytes()[8:]))
+    record = json.loads((out / "run-manifest.json").read_text())["record"]
+    recorded = record["data"]
     assert recorded == preflight.fingerprint(data.dataset(tiny_data, "mnist", train=True))
+    assert record["test"] == preflight.fingerprint(data.dataset(tiny_data, "mnist", train=False))
     resumed = python(S01, *stage_args(more, out, "--epochs", 2, "--resume"))
     one_error(resumed, "was trained on other data", f"training set was {recorded}, here {TRAIN_SIZE + 32}-")
+    resumed = python(S01, *stage_args(tested, out, "--epochs", 2, "--resume"))
+    now = preflight.fingerprint(data.dataset(tested, "mnist", train=False))
+    one_error(resumed, "was trained on other data", f"test set was {record['test']}, here {now} in --data-dir")
     # rank 0's verdict, in this process: the same number of images, other labels
     args, _ = cli.parse_args(stage_args(shifted, out, "--epochs", 2, "--resume"), [flags.add])
-    now = preflight.fingerprint(data.dataset(shifted, "mnist", train=True))
-    with pytest.raises(SystemExit, match=f"training set was {recorded}, here {now} in --data-dir {shifted}"):
+    now = {"data": preflight.fingerprint(data.dataset(shifted, "mnist", train=True)), "test": record["test"]}
+    with pytest.raises(SystemExit, match=f"training set was {recorded}, here {now['data']} in --data-dir {shifted}"):
         resume.find(args, out / resume.WHOLE, resume.WHOLE, False, now)
     manifest = json.loads((out / "run-manifest.json").read_text())
     del manifest["record"]["data"]  # as written before the data was recorded: nothing to compare

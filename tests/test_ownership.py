@@ -4,6 +4,7 @@ files are never touched."""
 
 import json
 import os
+import shutil
 import sys
 from types import SimpleNamespace
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import (
+    INJECT,
+    REPO,
     S01,
     S03,
     S05,
@@ -169,6 +172,28 @@ def test_a_resume_into_another_runs_folder_is_refused(uninterrupted, tiny_data, 
     requeued = small(S01, tiny_data, c, "--epochs", 3, "--resume", a / "checkpoint.pt", SLURM_JOB_ID=43,
                      SLURM_RESTART_COUNT=1)  # fmt: skip
     assert requeued.returncode == 0 and "resumed after epoch 2" in requeued.stdout, requeued.stderr
+
+
+@pytest.mark.slow
+def test_a_checkpoint_copied_alone_or_without_its_manifest_stays_its_runs_across_resumes(
+    uninterrupted, tiny_data, tmp_path
+):
+    """A checkpoint copied alone into a new folder, or whose folder lost its manifest, resumed as a new run: after one
+    failure before its next save, every resume called the folder's only checkpoint another run's and said to delete
+    it. The folder takes the run the checkpoint names."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    trained(uninterrupted, a, S01, "--limit", 64, "--epochs", 1)  # small()'s run, shared
+    b.mkdir()
+    shutil.copy(a / "checkpoint.pt", b)  # copied alone
+    (a / ownership.MANIFEST).unlink()  # its manifest lost
+    ran = checkpoint(a)["run"]["id"]
+    for folder in (a, b):
+        crashed = small(S01, tiny_data, folder, "--epochs", 2, "--resume", PYTHONPATH=f"{INJECT}:{REPO}",
+                        FAULT_RANK=0, FAULT_STEP=1)  # fmt: skip
+        assert crashed.returncode == 1 and "injected fault" in crashed.stderr, crashed.stderr[-2000:]
+        assert json.loads((folder / ownership.MANIFEST).read_text())["run"] == ran
+        again = small(S01, tiny_data, folder, "--epochs", 2, "--resume")
+        assert again.returncode == 0 and "resumed after epoch 1" in again.stdout, again.stderr[-2000:]
 
 
 @pytest.mark.slow

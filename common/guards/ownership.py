@@ -98,6 +98,7 @@ def well_formed(manifest):
         and isinstance(record, dict)
         and isinstance(record.get("flags", {}), dict)
         and isinstance(record.get("data", ""), str)
+        and isinstance(record.get("test", ""), str)
         and isinstance(record.get("parameters", 0), int)
         and isinstance(record.get("world", 1), int)
         and isinstance(record.get("stage", ""), str)
@@ -141,14 +142,17 @@ def check_fresh(folder, manifest):
         raise Refusal(f"error: {folder / found[0]} is not this run's, and a run writes that name: {ADVICE}")
 
 
-def check_resume(folder, manifest, path):
+def check_resume(folder, manifest, path, named=None):
     """--resume PATH, or a restart: the folder is that of the run PATH's folder holds, or free. Returns the
-    run's id, None where no manifest names it (a run of an older version, a copied checkpoint)."""
+    run's id: its manifest's; where none names it, the one the checkpoint names (`named`, its stamp: a new id
+    would make the checkpoint another run's at the next resume, before this one saved its own), else None (a
+    checkpoint of an older version)."""
     source = path.resolve().parent
     theirs = manifest if source == folder.resolve() else read(source)
+    named = named if isinstance(named, str) else None
     if theirs is None and source == folder.resolve():
-        return None  # this folder's own checkpoint, written before manifests: the folder's run is adopted
-    run = theirs and theirs["run"]
+        return named  # the folder's own checkpoint, no manifest beside it (copied alone, or it was lost): adopted
+    run = theirs["run"] if theirs else named
     if manifest is None or not output(folder):  # free, or what a run that saved nothing left
         check_fresh(folder, None)
         return run
@@ -181,7 +185,9 @@ def claim(folder, run, sharded, record, export=False, env=os.environ):
             "then no longer resume: choose a folder beside it"
         )
     if manifest is None or manifest["run"] != run:  # a fresh run, a resume into a new folder, or an adopted one
-        kept = [n for n in entries(folder) if named(n) and not TEMPORARY.fullmatch(n)] if run is None else []
+        # what the folder holds is this run's where no manifest said whose: adopted (its checkpoint's run, or a new one)
+        adopted = run is None or manifest is None
+        kept = [n for n in entries(folder) if named(n) and not TEMPORARY.fullmatch(n)] if adopted else []
         manifest = {"run": run or uuid.uuid4().hex, "since": time.ctime(), "writes": kept}
     if export and "model.pt" not in manifest["writes"] and os.path.lexists(folder / "model.pt"):
         raise Refusal(

@@ -7,9 +7,6 @@ import hashlib
 import math
 import os
 import socket
-import sys
-import sysconfig
-import types
 from pathlib import Path
 
 import torch
@@ -20,11 +17,9 @@ from torch.utils.data import IterableDataset
 from common import data
 from common.environment import is_rank0
 from common.guards import options, samples
-from common.guards.bounded import regular_file
 from common.guards.ending import stop
 from common.options import loaders
-
-COMMON = Path(data.__file__).resolve().parent  # the project's own modules: a task's imports of them are not its own
+from common.options.flags import LARGE
 
 
 class Task(type(Path())):
@@ -40,30 +35,14 @@ class Task(type(Path())):
         return task
 
 
-def with_own_modules(task):
-    """The task's bytes, then each of the modules it imported that are its author's own (neither Python's, an
-    installed package's nor common/'s), by name and bytes: a helper file changed between a run and its resume makes
-    another task, as a change to the task's file does (it was resumed silently)."""
-    roots = (sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib"), str(COMMON))
-    named = {
-        v.__name__ if isinstance(v, types.ModuleType) else getattr(v, "__module__", "") for v in vars(task).values()
-    }
-    files = {getattr(sys.modules.get(n), "__file__", "") for n in named if isinstance(n, str) and n != task.__name__}
-    installed = ("site-packages", "dist-packages")  # a package's, pip's or the system's
-    own = sorted(
-        Path(f)
-        for f in files
-        if f and f.endswith(".py") and not f.startswith(roots) and not set(installed) & set(Path(f).parts)
-    )
-    return task.__source__ + b"".join(f.name.encode() + regular_file(f).read_bytes() for f in own if f.is_file())
-
-
 def defining(args):
     """{dest: value} of the options that define what a run computes: all but options.FREE and a value the recipe
     never reads (options.used()), the task's own too, as plain values for the run's manifest (JSON). A cosine
     schedule's --epochs too: it decays to 0 over them; and a task's own scheduler()'s, which may (examples/recipe.py
     does: resumed with another --epochs, its cosine went up again, 95 % where the run reached 99)."""
-    read = options.used(vars(args))
+    # a flag of stage 05's alone, as the other stages run without it (flags.LARGE: one micro-batch): another
+    # --grad-accum, resumed across stages, is another run
+    read = options.used(LARGE | vars(args))
     values = {k: str(v) if isinstance(v, Path) else v for k, v in read.items() if k not in options.FREE}
     # where the file lies may change; which task it is may not: its name and what it holds, as it was loaded
     source = args.task.source if isinstance(args.task, Task) else args.task.read_bytes()

@@ -45,6 +45,7 @@ from common.guards import (
     resume,
     samples,
     signals,
+    sources,
 )
 from common.guards.ending import Refusal, end
 from common.guards.progress import Progress
@@ -64,7 +65,7 @@ class Guard:
         self.args, self.lock, self.watchdog, self.saving, self.progress = None, None, None, None, Progress()
         self.hold = None  # the folder rank 0 took and its lock, by identity (identity.py)
         self.claimed = False  # the folder is this run's (resume()): a failure keeps its traceback there
-        self.data, self.sizes = None, None  # the training set's fingerprint, the sets' sizes
+        self.data, self.sizes = None, None  # the training and test sets' fingerprints, the sets' sizes
         self.default_loss = False  # the task has no loss() of its own: cross-entropy on the model's output
 
     @property
@@ -99,7 +100,7 @@ class Guard:
     def agree(self, train_set, val_set, test_set, task):
         """Every rank trains the same run on the same data; the run's manifest records what it is trained on, and
         the task by the bytes that were loaded (cli.load_task() keeps them), not by its file read again."""
-        own = preflight.with_own_modules(task)
+        own = sources.with_own_modules(task)
         self.args.task = preflight.Task.loaded(self.args.task, own, scheduled=hasattr(task, "scheduler"))
         preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.sizes = (len(train_set), len(val_set), len(test_set))  # what each epoch must count: check_epoch()
@@ -107,7 +108,7 @@ class Guard:
         samples.check_totals(self.args, task, self.sizes[1:])  # a task's totals: a row on every rank
         pretrained.check_weights(self.args, task)  # the task's file of whole weights, before it is trusted
         pretrained.check_meta_load(self.args, task)  # stage 05: weights model(args) loads itself are lost on meta
-        self.data = preflight.fingerprint(train_set)
+        self.data = {"data": preflight.fingerprint(train_set), "test": preflight.fingerprint(test_set)}
 
     def resume(self, path, states, sharded=False):
         """Before the lesson loads the checkpoint at `path` it chose (checkpoint.latest(); None: afresh): rank 0
@@ -127,7 +128,7 @@ class Guard:
             logits.watch(states["model"], self.args.task)  # probabilities out (a softmax, a sigmoid): its first step
         parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
         world = dist.get_world_size() if dist.is_initialized() else 1  # changes the numbers, not the samples
-        record = {"flags": preflight.defining(self.args), "data": self.data, "parameters": parameters, "world": world}
+        record = {"flags": preflight.defining(self.args), **self.data, "parameters": parameters, "world": world}
         record["stage"] = Path(sys.argv[0]).resolve().parent.name  # the tools compare runs of any --output-dir
         if hasattr(states["scheduler"], "recipe"):  # a task's optimizer() or scheduler(), not --optimizer's
             record["recipe"] = states["scheduler"].recipe()

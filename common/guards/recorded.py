@@ -1,7 +1,7 @@
 """Guard rail: a resume is the same run only if everything that defines it is what the run recorded, and its
 checkpoint holds what this run declares. Recorded in the run's manifest and compared (mismatch()): the options that
 change the numbers (options.DEFINING, --grad-accum among them), the task file by what it holds (its hash,
-preflight.defining()), the training data (its fingerprint); the world size, which changes the numbers but not the
+preflight.defining()), the training and test data (their fingerprints); the world size, which changes the numbers but not the
 samples, is said in one line before the first step (say_world()). A checkpoint's own values are checked against what
 the model and the options declare (check_values()) before anything of it is restored: its parts present, each tensor
 of the model of the model's dtype and shape (stage 05's as its .metadata lists them: DCP casts what it loads), an
@@ -35,8 +35,9 @@ class Stamp:
         pass
 
 
-def differs(run, args, fingerprint, verb="resume"):
-    """Why the options, task or data this run was given are not those the manifest's `run` records, or None."""
+def differs(run, args, fingerprints, verb="resume"):
+    """Why the options, task or data this run was given are not those the manifest's `run` records, or None.
+    `fingerprints`: {"data": the training set's, "test": the test set's} (preflight.fingerprint()), as recorded."""
     now, flags = defining(args), options.used(run.get("flags", {}))  # recorded before an unread value was dropped
     if "(sha256 " not in str(flags.get("task", "(sha256 ")):  # recorded before the task's content was: its name
         now["task"] = args.task.name
@@ -44,19 +45,20 @@ def differs(run, args, fingerprint, verb="resume"):
     differ = [f"--{k.replace('_', '-')} {v} (now {now[k]})" for k, v in flags.items() if not same(now[k], v)]
     if differ:
         return f"was written with {', '.join(differ)}: {verb} with the same options, or use another --output-dir"
-    if run.get("data", fingerprint) != fingerprint:  # <samples>-<hash> (preflight.fingerprint)
-        return (
-            f"was trained on other data: its training set was {run['data']}, here {fingerprint} in --data-dir "
-            f"{args.data_dir}: {verb} on the data it was trained on, or use another --output-dir"
-        )
+    for key, split in (("data", "training"), ("test", "test")):  # <samples>-<hash>; a --val-fraction: of training
+        if key in fingerprints and run.get(key, fingerprints[key]) != fingerprints[key]:  # none recorded: before it was
+            return (
+                f"was trained on other data: its {split} set was {run[key]}, here {fingerprints[key]} in --data-dir "
+                f"{args.data_dir}: {verb} on the data it was trained on, or use another --output-dir"
+            )
     return None
 
 
-def mismatch(run, state, args, fingerprint, verb="resume"):
+def mismatch(run, state, args, fingerprints, verb="resume"):
     """Why this run cannot continue the one a checkpoint's `state` holds, or None. `run`: what the manifest of
     its folder records of it (a checkpoint of an older version: what it holds itself). A run from before an
     option (or the data's fingerprint) was recorded does not record it: what it records must match."""
-    if problem := differs(run, args, fingerprint, verb):
+    if problem := differs(run, args, fingerprints, verb):
         return problem
     epoch, step = state["epoch"], state["step"]
     if args.epochs < epoch:  # "done", and --save-model would export more epochs than asked for, or a part of one

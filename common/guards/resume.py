@@ -41,12 +41,12 @@ def epochs(output_dir):
     return sorted(output_dir.glob("epoch-*"), key=position, reverse=True)
 
 
-def again(args, manifest, fingerprint):
+def again(args, manifest, fingerprints):
     """A fresh run into the folder of a run that saved no checkpoint (stopped or killed before its first, or in
     its first write) but logged rows: with the options and data it recorded, it is that run started again, and
     writes its rows anew (returns its id); else one line, as for another run's output."""
     who = ownership.whose(manifest)
-    if problem := mismatch(manifest["record"], {"epoch": 1, "step": 0}, args, fingerprint, "run it again"):
+    if problem := mismatch(manifest["record"], {"epoch": 1, "step": 0}, args, fingerprints, "run it again"):
         raise Refusal(f"error: {args.output_dir} holds the metrics of {who}, which saved no checkpoint and {problem}")
     print0(f"{who} saved no checkpoint: it starts again from epoch 1")
     return manifest["run"]
@@ -90,13 +90,13 @@ def state_to_resume(args, path, sharded, record, declared=None):
     """Every rank: whether this run may continue the checkpoint at `path` the lesson chose (checkpoint.latest();
     None: start afresh in its folder); where it may not, every rank ends with rank 0's reason. Returns the state
     rank 0 checked (None afresh), handed to all. Rank 0 has made the folder this run's (ownership.claim()), its
-    manifest recording `record` (the options that define the run, its data's fingerprint, the model's size), before
+    manifest recording `record` (the options that define the run, its data's fingerprints, the model's size), before
     anyone writes there."""
     restarted = checkpoint.restarted()  # on every rank alike
     box = [None, None]
     if is_rank0():
         try:
-            box[0], run = find(args, path, SHARDED if sharded else WHOLE, restarted, record["data"], declared)
+            box[0], run = find(args, path, SHARDED if sharded else WHOLE, restarted, record, declared)
             ownership.claim(args.output_dir, run, sharded, record, args.save_model)
         except Refusal as verdict:  # for every rank: they end together, rank 0 says why
             box[1] = verdict.code
@@ -126,11 +126,11 @@ def same_columns(state, fields):
         )
 
 
-def find(args, path, name, restarted, fingerprint, declared=None):
+def find(args, path, name, restarted, fingerprints, declared=None):
     """Rank 0: the state of the checkpoint at `path` (a stage 05 folder: its state.pt, with "folder" added), or
     None to start afresh, and the id of the run it continues (None: a new one); a Refusal saying why where
-    this run may not. `name`: the stage's own checkpoint in --output-dir; `fingerprint`: that of the training
-    set this run reads (preflight.fingerprint()); `declared`: what this run's states declare (recorded.declared()).
+    this run may not. `name`: the stage's own checkpoint in --output-dir; `fingerprints`: those of the training
+    and test sets this run reads, as its record holds them (recorded.differs()); `declared`: what this run's states declare (recorded.declared()).
     A restart is this run's only where the folder's manifest names this launch (ownership.continues()): else the
     run starts afresh, in a folder that must be free."""
     manifest = ownership.read(args.output_dir)
@@ -139,7 +139,7 @@ def find(args, path, name, restarted, fingerprint, declared=None):
         return None, manifest["run"]
     if args.resume is None and not restarted:  # afresh, whatever the folder holds
         if manifest and manifest.get("record") and ownership.output(args.output_dir) and not saved(args.output_dir):
-            return None, again(args, manifest, fingerprint)
+            return None, again(args, manifest, fingerprints)
         ownership.check_fresh(args.output_dir, manifest)
         return None, None
     own = args.output_dir / name
@@ -181,11 +181,11 @@ def find(args, path, name, restarted, fingerprint, declared=None):
             "its data): resume it in its run's folder, or copy that folder whole"
         )
     # what the run was given first (its options, task and data: the cause), then what its checkpoint holds
-    if problem := recorded.differs(run, args, fingerprint) or recorded.check_values(state, declared):
+    if problem := recorded.differs(run, args, fingerprints) or recorded.check_values(state, declared):
         raise Refusal(f"error: {path} {problem}")
-    if problem := mismatch(run, state, args, fingerprint):  # its epoch, against --epochs
+    if problem := mismatch(run, state, args, fingerprints):  # its epoch, against --epochs
         raise Refusal(f"error: {path} {problem}")
-    return state | {"world": run.get("world")}, ownership.check_resume(args.output_dir, manifest, path)
+    return state | {"world": run.get("world")}, ownership.check_resume(args.output_dir, manifest, path, stamp.get("id"))
 
 
 def load(path):
