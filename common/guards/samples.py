@@ -11,6 +11,8 @@ from torch.utils.data import default_collate
 
 from common.data import count
 from common.guards.ending import stop
+from common.guards.randomness import generators, set_generators
+from common.options.loaders import seed
 
 
 def shapes(batch):
@@ -77,6 +79,31 @@ def check_collate(args, task, name, samples):
             f"shapes {shapes(batch[1])}: the stages count a batch's samples by its labels' first dimension (each "
             "test sample once, images/s): keep it the batch's, and flatten in loss() and score()"
         )
+    if name == "test" and hasattr(task, "collate") and draws(task.collate, samples):  # a random masking
+        stop(
+            f"error: --task {args.task}: its collate() draws random numbers (on the same samples it returns other "
+            "batches): a test batch's draws follow its first sample, so the test numbers would change with "
+            "--test-batch-size and the world size; draw in the data set's __getitem__, which is seeded per sample"
+        )
+
+
+def draws(collate, samples):
+    """Does `collate` draw: does it batch the same samples otherwise under other seeds? The run's generators are
+    put back after."""
+    before, batches = generators(), []
+    try:
+        for key in ("one", "other"):
+            seed("collate", key)
+            batches.append(pytree.tree_leaves(collate(samples)))
+    finally:
+        set_generators(before)
+    one, other = batches
+    if len(one) != len(other):
+        return True
+    return not all(
+        torch.equal(a, b) if torch.is_tensor(a) and torch.is_tensor(b) else repr(a) == repr(b)
+        for a, b in zip(one, other, strict=True)
+    )
 
 
 def check_counts(epoch, sums, sizes, dry_run):

@@ -130,8 +130,9 @@ class Tagged:
 class Seeded(Dataset):
     """A task's data set, read a batch at a time (Tagged's items, in a BatchSampler): each sample
     drawn with torch's CPU generator, numpy's and random's seeded from (seed, epoch, index), the
-    batch's `collate` (padding, a random masking) from its first sample's: alike in a worker or not,
-    resumed or not. The training process's are put back: its draws (dropout) do not follow these."""
+    batch's `collate` (padding; one that draws is refused: guards/samples.py) from its first
+    sample's: alike in a worker or not, resumed or not. The training process's are put back: its
+    draws (dropout) do not follow these."""
 
     def __init__(self, dataset, seed, collate):
         self.dataset, self.seed, self.collate = dataset, seed, collate
