@@ -89,7 +89,7 @@ def test_a_checkpoint_copied_away_from_its_run_is_refused_not_resumed_unchecked(
     )
     path = tmp_path / "copied" / "checkpoint.pt"
     with pytest.raises(SystemExit, match=f"^error: {path} has no run-manifest.json beside it"):
-        resume.find(args, path, resume.WHOLE, False, "256-0")
+        resume.find(args, path, resume.WHOLE, False, {"data": "256-0"})
 
 
 @pytest.mark.slow
@@ -192,9 +192,9 @@ def test_a_resume_past_its_epochs_is_refused(uninterrupted, tiny_data, tmp_path)
     torch.save(state, tmp_path / "checkpoint.pt")  # the end of epoch 2: rank 0's verdict, in this process
     args, _ = cli.parse_args(stage_args(tiny_data, tmp_path, "--limit", 64, "--epochs", 1, "--resume"), [flags.add])
     with pytest.raises(SystemExit, match="holds epoch 2, past --epochs 1: nothing to do; give --epochs 3 or more"):
-        resume.find(args, tmp_path / resume.WHOLE, resume.WHOLE, False, data_of(tmp_path))
+        resume.find(args, tmp_path / resume.WHOLE, resume.WHOLE, False, {"data": data_of(tmp_path)})
     args.epochs = 2  # the run is done: it says so, and --save-model exports it
-    assert resume.find(args, tmp_path / resume.WHOLE, resume.WHOLE, False, data_of(tmp_path))[0]["epoch"] == 2
+    assert resume.find(args, tmp_path / resume.WHOLE, resume.WHOLE, False, {"data": data_of(tmp_path)})[0]["epoch"] == 2
 
 
 def test_a_checkpoints_own_values_are_checked_before_anything_is_restored(tiny_data, tmp_path):
@@ -253,13 +253,13 @@ def test_a_checkpoints_own_values_are_checked_before_anything_is_restored(tiny_d
     ]:
         torch.save(state | changed, path)
         with pytest.raises(SystemExit, match=f"^error: {re.escape(str(path))} {re.escape(said)}"):
-            resume.find(args, path, resume.WHOLE, False, "64-0", declared)
+            resume.find(args, path, resume.WHOLE, False, {"data": "64-0"}, declared)
     missing = {k: v for k, v in state.items() if k != "optimizer"}
     torch.save(missing, path)
     with pytest.raises(SystemExit, match="lacks its optimizer"):
-        resume.find(args, path, resume.WHOLE, False, "64-0", declared)
+        resume.find(args, path, resume.WHOLE, False, {"data": "64-0"}, declared)
     torch.save(state, path)  # as the run wrote it: resumed
-    assert resume.find(args, path, resume.WHOLE, False, "64-0", declared)[0]["epoch"] == 2
+    assert resume.find(args, path, resume.WHOLE, False, {"data": "64-0"}, declared)[0]["epoch"] == 2
 
 
 def test_a_sharded_checkpoints_dtypes_are_checked_before_anything_is_restored(tiny_data, tmp_path):
@@ -314,10 +314,10 @@ def test_a_sharded_checkpoints_dtypes_are_checked_before_anything_is_restored(ti
         saved = {"model": weights | model_changed, "optimizer": optimizer_state["state"] | {"0.weight": of_weight}}
         dcp.save(saved, checkpoint_id=folder)
         if said is None:  # as the run wrote it: resumed
-            assert resume.find(args, path, lesson.SHARDED, False, "64-0", declared)[0]["epoch"] == 2
+            assert resume.find(args, path, lesson.SHARDED, False, {"data": "64-0"}, declared)[0]["epoch"] == 2
             continue
         with pytest.raises(SystemExit, match=f"^error: {re.escape(str(path))} .*{re.escape(said)}"):
-            resume.find(args, path, lesson.SHARDED, False, "64-0", declared)
+            resume.find(args, path, lesson.SHARDED, False, {"data": "64-0"}, declared)
 
 
 def data_of(folder):

@@ -305,7 +305,7 @@ def test_an_option_that_defaults_to_nan_is_the_same_on_every_rank_and_on_resume(
     assert not preflight.same(float("nan"), 1.0) and preflight.same(1, 1.0)
     args = argparse.Namespace(**vars(cli.parse_args(["--epochs", "3"], [flags.add])[0]), clip=float("nan"))
     state = {"epoch": 1, "step": 0}
-    assert resume.mismatch({"flags": preflight.defining(args)}, state, args, "data") is None
+    assert resume.mismatch({"flags": preflight.defining(args)}, state, args, {"data": "data"}) is None
 
 
 def flattened(samples):
@@ -354,7 +354,44 @@ def test_a_non_finite_score_is_never_logged(tmp_path):
     """A task's score() of inf (a relative error of a target of 0): the row and checkpoint were written with it."""
     sums = Epoch.read(torch.tensor([[1.0, 0, 8], [0, 0, 0], [1.0, float("inf"), 4]]))
     with pytest.raises(SystemExit, match=re.escape("non-finite test score (inf): the task's score() must sum")):
-        divergence.check_epoch(1, sums, tmp_path)
+        divergence.check_epoch(1, sums, tmp_path, True)
+
+
+UNLABELLED = """import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+metric = ("labelled", "higher")
+def pairs(n, unlabelled):
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(n))
+    y = (x[:, 0] > 0).long()
+    y[unlabelled] = -100  # nothing to learn from: prompt tokens alone, as masked fine-tuning data has
+    return TensorDataset(x, y)
+def datasets(args):
+    return pairs(16, [5]), pairs(3, [2])
+def model(args):
+    return nn.Linear(4, 2)
+def totals(output, target):
+    labelled = target != -100
+    return torch.stack([((output.argmax(1) == target) & labelled).sum(), labelled.sum()]).float()
+def figure(totals):
+    return 100 * totals[0] / totals[1]
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["test", "training"])
+def test_a_batch_with_nothing_labelled_is_named_not_called_a_divergence(where, tmp_path):
+    """A batch whose labels are all -100 (a test batch of the last, unlabelled sample; a training batch of one):
+    the default loss, cross-entropy, is nan there with a gradient of 0 and the weights finite, and the run stopped
+    saying it diverged, to try a lower --lr. It names the batch's loss; a true divergence is still one."""
+    (tmp_path / "t.py").write_text(UNLABELLED)
+    extra = ("--test-batch-size", 2) if where == "test" else ("--batch-size", 1, "--log-interval", 1)
+    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", tmp_path / "t.py", "--epochs", 1, *extra))
+    said = (
+        "ended with a non-finite test loss (nan)" if where == "test" else "the training loss is not finite by epoch 1"
+    )
+    one_error(out, said, "the weights are finite, so the run did not diverge", "labels are all -100")
+    assert "try a lower --lr" not in out.stderr
 
 
 def test_a_model_output_with_a_number_beside_the_batch_is_evaluated():

@@ -1,7 +1,8 @@
 """Guard rail: a run that diverges stops, every rank at the same point, and never saves what diverged.
 A non-finite loss is seen at the progress lines (every --log-interval steps: no extra sync per step), a
 non-finite epoch result or non-finite weights before the epoch's checkpoint. The last good checkpoint then
-survives, to resume with a lower --lr."""
+survives, to resume with a lower --lr. A non-finite loss from finite weights is no divergence: the loss's own
+(the default loss on a batch with nothing labelled), named so."""
 
 import math
 import os
@@ -14,9 +15,25 @@ from common.guards.ending import stop
 
 def advice(output_dir):
     """What is kept, and what to try: a run may diverge before its first checkpoint."""
+    return f"the run diverged; {kept(output_dir)}: try a lower --lr (or --amp off)"
+
+
+def kept(output_dir):
     saved = any(os.path.lexists(output_dir / name) for name in ("checkpoint.pt", "checkpoint"))
-    kept = f"the checkpoint in {output_dir} keeps the last good epoch" if saved else "nothing was saved yet"
-    return f"the run diverged; {kept}: try a lower --lr (or --amp off)"
+    return f"the checkpoint in {output_dir} keeps the last good epoch" if saved else "nothing was saved yet"
+
+
+def of_the_loss(default_loss, output_dir):
+    """Why a loss is not finite where the weights are (checked first): no divergence, the loss's own value. The
+    default loss on a batch with nothing labelled was called a divergence, with advice to lower --lr."""
+    if default_loss:
+        why = (
+            "the default loss, cross-entropy, is nan for a batch whose labels are all -100 (ignored: a mean over "
+            "none): define loss() of your own, to which such a batch adds nothing"
+        )
+    else:
+        why = "the task's loss() returned it for a batch (a log of 0, a mean over nothing?)"
+    return f"the weights are finite, so the run did not diverge: {why}; {kept(output_dir)}"
 
 
 def finite(state):
@@ -31,21 +48,21 @@ def finite(state):
     return True
 
 
-def check_loss(epoch, batch, sums, output_dir):
-    """At a progress line: stop every rank if the summed loss `sums.loss` is not finite on any of
-    them (it turns so with the first non-finite loss and stays so). One all-reduce of one number."""
+def loss_finite(sums):
+    """Is the summed loss `sums.loss` finite on every rank? It turns non-finite with the first non-finite loss and
+    stays so: checked at the progress lines, one all-reduce of one number."""
     bad = torch.isfinite(sums.loss).logical_not().float()
     if dist.is_initialized():
         dist.all_reduce(bad)  # every rank stops at the same batch
-    if bad.item():
-        stop(f"error: the training loss is not finite by epoch {epoch}, batch {batch}: " + advice(output_dir))
+    return not bad.item()
 
 
-def check_epoch(epoch, sums, output_dir):
-    """`sums`: the all-reduced sums of an epoch (metrics.Epoch), the same on every rank."""
+def check_epoch(epoch, sums, output_dir, default_loss):
+    """`sums`: the all-reduced sums of an epoch (metrics.Epoch), the same on every rank; the weights are finite."""
     for name, part in sums._asdict().items():  # training, validation, test
         if not math.isfinite(part.loss):
-            stop(f"error: epoch {epoch} ended with a non-finite {name} loss ({part.loss}): " + advice(output_dir))
+            loss = f"epoch {epoch} ended with a non-finite {name} loss ({part.loss})"
+            stop(f"error: {loss}: {of_the_loss(default_loss, output_dir)}")
         if not all(map(math.isfinite, part.score)):  # the task's score(): a relative error of a target of 0
             stop(
                 f"error: epoch {epoch} ended with a non-finite {name} score ({', '.join(map(str, part.score))}): "
@@ -56,13 +73,14 @@ def check_epoch(epoch, sums, output_dir):
 
 
 def check_weights(states, what, output_dir, device=None):
-    """Before a save: stop if `states` holds a non-finite tensor. With `device`, each rank holds only its
-    shards, and the verdict is all-reduced there (NCCL reduces GPU tensors only); else every rank holds
-    the same weights and decides alike, with no collective."""
+    """Before a save, and where the loss is not finite: stop if `states` holds a non-finite tensor, saying `what`
+    (which says "not finite") and that the run diverged. With `device`, the verdict is all-reduced there (each
+    rank holds only its shards; NCCL reduces GPU tensors only); else every rank holds the same weights and decides
+    alike, with no collective."""
     bad = not finite(states)
     if device is not None and dist.is_initialized():
         flag = torch.tensor([float(bad)], device=device)
         dist.all_reduce(flag)
         bad = bool(flag.item())
     if bad:
-        stop(f"error: {what} not finite: " + advice(output_dir))
+        stop(f"error: {what}: " + advice(output_dir))

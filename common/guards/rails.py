@@ -155,7 +155,7 @@ class Guard:
         at = self.progress.stepped(epoch, batch, sums)
         self.saving.stepped()
         if batch % self.args.log_interval == 0:
-            divergence.check_loss(epoch, at.step - 1, sums, self.args.output_dir)
+            self.saving.check_loss(epoch, at.step - 1, sums, self.default_loss)
         self.saving.stop_or_save(at)
 
     def end_of_batch(self):
@@ -167,8 +167,8 @@ class Guard:
     def check_epoch(self, epoch, sums):
         """Before the epoch's row and checkpoint: its all-reduced losses (metrics.Epoch) and the weights finite, and
         every sample counted; the checkpoint the epoch's replaces stays as the previous one."""
-        divergence.check_epoch(epoch, sums, self.args.output_dir)
-        self.saving.check_weights(f"epoch {epoch} left weights that are")
+        self.saving.check_weights(f"epoch {epoch} left weights that are not finite")  # first: a divergence is named so
+        divergence.check_epoch(epoch, sums, self.args.output_dir, self.default_loss)
         samples.check_counts(epoch, sums, self.sizes, self.args.dry_run)
         self.saving.epoch_end(epoch)
 

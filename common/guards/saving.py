@@ -14,6 +14,7 @@ import torch.distributed as dist
 from common import checkpoint, distributed, sharded
 from common.environment import is_rank0
 from common.guards import divergence, identity, ownership, resume, signals
+from common.guards.ending import stop
 from common.guards.preemption import Preemption
 from common.metrics import Sums
 
@@ -106,7 +107,7 @@ class Saving:
         ranks = [asdict(Sums(*part.tolist())) for part in parts]
         seconds = log.took if evaluating else log.seconds(mine.device)  # not the evaluation's too
         cut = {"epoch": epoch, "seconds": seconds, "training": total, "ranks": ranks}
-        self.check_weights(f"epoch {epoch} left weights that are")
+        self.check_weights(f"epoch {epoch} left weights that are not finite")
         identity.check_held(self.hold)  # the folder the run took, still at its path: else it writes nowhere
         if not self.sharded:
             resume.keep_previous(self.args.output_dir)
@@ -147,6 +148,22 @@ class Saving:
             shutil.rmtree(self.args.output_dir / name, ignore_errors=True)
         if self.sharded and dist.is_initialized():
             dist.barrier()  # no rank writes into the folder before it is gone
+
+    def check_loss(self, epoch, step, sums, default_loss):
+        """At a progress line: a training loss not finite on any rank stops every rank, as a divergence where the
+        weights are not finite either, else naming the loss (divergence.of_the_loss())."""
+        if not divergence.loss_finite(sums):
+            model = self.states["model"]  # one verdict on every rank, though a fault made one rank's alone non-finite
+            device = next(model.parameters()).device if dist.is_initialized() else None
+            at = f"by epoch {epoch}, batch {step}"
+            divergence.check_weights(
+                checkpoint.unwrap(model).state_dict(),
+                f"the training loss and the weights are not finite {at}",
+                self.args.output_dir,
+                device,
+            )
+            loss = f"the training loss is not finite {at}"
+            stop(f"error: {loss}: {divergence.of_the_loss(default_loss, self.args.output_dir)}")
 
     def check_weights(self, what):
         """The weights and the optimizer's state finite, or every rank ends in one line (divergence.py)."""
