@@ -14,11 +14,9 @@ may skip each of them: the training reads the same without. What each one holds 
   run(main)       any failure ends the run with one line instead of a traceback
 """
 
-import sys
 import threading
 import time
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,7 +33,6 @@ from common.guards import (
     launching,
     lock,
     logits,
-    options,
     ownership,
     preflight,
     pretrained,
@@ -126,16 +123,7 @@ class Guard:
         self.saving.catch()
         if self.default_loss and not self.args.compile:  # compiled, a hook would change the graphs
             logits.watch(states["model"], self.args.task)  # probabilities out (a softmax, a sigmoid): its first step
-        parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
-        world = dist.get_world_size() if dist.is_initialized() else 1  # changes the numbers, not the samples
-        record = {"flags": preflight.defining(self.args), **self.data, "parameters": parameters, "world": world}
-        record["stage"] = Path(sys.argv[0]).resolve().parent.name  # the tools compare runs of any --output-dir
-        if hasattr(states["scheduler"], "recipe"):  # a task's optimizer() or scheduler(), not --optimizer's
-            record["recipe"] = states["scheduler"].recipe()
-            unused = getattr(states["scheduler"], "unused", ())  # its flags: recorded as none, never compared
-            if problem := options.replaced(unused, sys.argv[1:]):
-                check.usage(problem)
-            record["flags"] = {k: v for k, v in record["flags"].items() if k not in unused}
+        record = recorded.record(self.args, states, self.data)  # what defines the run, for its manifest
         # what its checkpoint must hold: its parts, the model's dtypes and shapes, the steps of an epoch
         declared = recorded.declared(states, sharded, self.sizes and self.sizes[0], self.args)
         state = resume.state_to_resume(self.args, path, sharded, record, declared)

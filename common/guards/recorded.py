@@ -9,12 +9,16 @@ epoch and a step in range, the metrics' rows and the schedule's steps of the epo
 be put back, the optimizer's settings of this run's kinds; each a one-line refusal."""
 
 import math
+import sys
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from common.checkpoint import SPLIT, unwrap
 from common.distributed import print0
 from common.guards import options, randomness
+from common.guards.check import usage
 from common.guards.preflight import defining, same
 
 ANOTHER = "resume from another checkpoint, or with the model and --optimizer it was trained with"
@@ -33,6 +37,23 @@ class Stamp:
 
     def load_state_dict(self, saved):  # compared before anything is restored: nothing to put back
         pass
+
+
+def record(args, states, fingerprints):
+    """What defines the run, for its manifest (ownership.claim()) and each checkpoint's Stamp: the options that
+    change the numbers, the data's `fingerprints` (preflight.fingerprint()), the model's size, the world size, the
+    stage, and a task's own recipe (optimizer(), scheduler()), whose flags it never reads are recorded as none."""
+    parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
+    world = dist.get_world_size() if dist.is_initialized() else 1  # changes the numbers, not the samples
+    run = {"flags": defining(args), **fingerprints, "parameters": parameters, "world": world}
+    run["stage"] = Path(sys.argv[0]).resolve().parent.name  # the tools compare runs of any --output-dir
+    if hasattr(states["scheduler"], "recipe"):  # a task's optimizer() or scheduler(), not --optimizer's
+        run["recipe"] = states["scheduler"].recipe()
+        unused = getattr(states["scheduler"], "unused", ())  # its flags: recorded as none, never compared
+        if problem := options.replaced(unused, sys.argv[1:]):
+            usage(problem)
+        run["flags"] = {k: v for k, v in run["flags"].items() if k not in unused}
+    return run
 
 
 def differs(run, args, fingerprints, verb="resume"):
