@@ -21,7 +21,7 @@ def materialise(model, device, task):
     done, init = set(), getattr(task, "init_weights", None) or getattr(model, "init_weights", None)
     for m in [m for m in post_order(model, set()) if reset_of(m) and list(held(m, True))]:
         on_cpu(m, reset_of(m), done, recurse=True)  # those with tensors, children first
-    for m in model.modules() if init else ():
+    for m in post_order(model, set()) if init else ():  # as model.apply(init_weights) runs it
         on_cpu(m, lambda m=m: init(m), done)
     for name, m in model.named_modules():  # a constructor's buffer, a parametrisation's original
         if unset := [n for _, _, n, t in held(m) if id(t) not in done]:

@@ -599,6 +599,36 @@ def test_every_tensor_starts_as_stage01s_or_is_named(make, unset):
         torch.testing.assert_close(found[name], value, rtol=0, atol=0, equal_nan=True, msg=name)
 
 
+def test_init_weights_is_replayed_as_model_apply_runs_it():
+    """A task's init_weights applied by model.apply(), children first, the parent's word last (a residual block
+    zeroing its second layer, as GPT-2's and ResNet's do): stage 05 replayed it parents first, so the child's
+    normal_() overwrote the zeros and stage 05 started otherwise than stage 01, unsaid."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin1, self.lin2 = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def init(layer):
+        if isinstance(layer, nn.Linear):
+            nn.init.normal_(layer.weight, std=0.02)
+        if isinstance(layer, Block):
+            nn.init.zeros_(layer.lin2.weight)
+
+    def make():
+        return nn.Sequential(Block(), Block()).apply(init)
+
+    torch.manual_seed(5)
+    whole = make()
+    with torch.device("meta"):
+        model = make()
+    torch.manual_seed(5)
+    meta.materialise(model, CPU, SimpleNamespace(init_weights=init))
+    assert not whole[1].lin2.weight.any()
+    for name, value in whole.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
 def test_a_tensor_of_the_root_module_is_named_as_the_models():
     """The root module's name is empty: its line began `(SetInConstructor) has tensors`, naming nothing."""
     with torch.device("meta"):

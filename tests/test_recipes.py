@@ -374,6 +374,35 @@ def test_a_model_that_loads_its_own_weights_is_refused_in_stage_05_pointing_to_w
     pretrained.check_meta_load(stage05, task(model=loads_itself, META=False))  # built whole: its weights kept
 
 
+def test_a_model_stage_05_would_start_otherwise_than_stage_01_is_refused(tmp_path):
+    """Stage 05 fills each layer from its own reset_parameters() on the meta device. nn.TransformerEncoder deep-copies
+    its first layer, whose copies start equal on the CPU: stage 05 drew each anew, another start (0.61 apart), unsaid.
+    An init_weights() of no layer (pytorch/examples' word_language_model) failed in a TypeError naming no way out.
+    Each is one line; layers built anew, an init_weights(layer) or META = False pass."""
+    stage05 = argparse.Namespace(task=tmp_path / "task.py", full_shard=False)
+
+    def layer():
+        return nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+
+    def encoder(args):
+        return nn.TransformerEncoder(layer(), 2, enable_nested_tensor=False)
+
+    class Whole(nn.Linear):
+        def init_weights(self):  # the whole model's, as the word language model's
+            nn.init.zeros_(self.bias)
+
+    with pytest.raises(SystemExit) as stop:
+        pretrained.check_meta_load(stage05, task(model=encoder))
+    assert "model(args) deep-copies a layer (a parameter of shape [" in stop.value.code, stop.value.code
+    assert "META = False" in stop.value.code and "\n" not in stop.value.code
+    with pytest.raises(SystemExit, match=r"the model's init_weights\(\) takes no layer: .* META = False in the task"):
+        pretrained.check_meta_load(stage05, task(model=lambda args: Whole(4, 2)))
+    pretrained.check_meta_load(stage05, task(model=lambda args: nn.Sequential(layer(), layer())))  # each drawn
+    pretrained.check_meta_load(stage05, task(model=encoder, META=False))
+    pretrained.check_meta_load(stage05, task(model=lambda args: Whole(4, 2), init_weights=lambda layer: None))
+    assert nn.Parameter.__deepcopy__.__name__ == "__deepcopy__"  # torch's, put back
+
+
 def test_every_stage_starts_from_weights_and_a_fresh_head_keeps_its_initialisation(tmp_path):
     path = tmp_path / "whole.pt"
     torch.save(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 10)).state_dict(), path)

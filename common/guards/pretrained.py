@@ -1,12 +1,15 @@
 """Guard rail: a task's weights. Its file of whole weights (weights(args)), checked before any rank loads it: a
 file torch wrote, a state dict, keys that fit model(args) but FRESH's (a new head), and each of FRESH's prefixes
-naming keys of the file; and, at stage 05, a model(args) that loads weights itself, which the meta device loses."""
+naming keys of the file; and, at stage 05, what the meta device loses: weights model(args) loads itself, a layer it
+deep-copies (its copies start equal on the CPU), an init_weights() that takes no layer."""
 
+import inspect
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from common.environment import is_rank0
@@ -76,11 +79,11 @@ def check_meta_load(args, task):
     (the torchvision idiom) were lost there, and the run trained from a random start, unsaid. One line instead."""
     if not (hasattr(args, "full_shard") and getattr(task, "META", True)):
         return
-    loads = Loads()
+    loads, copies = Loads(), Copies()
     try:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"), loads, warnings.catch_warnings():
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), loads, copies, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's own on a load onto meta: this line says it
-            task.model(args)
+            model = task.model(args)
     except Exception:  # the stage's own build names what fails
         return
     if loads.lost:
@@ -89,6 +92,47 @@ def check_meta_load(args, task):
             "model on the meta device (shapes, no values) and would train from a random start: return the file from "
             "weights(args) instead (rank 0 maps it, each rank receives its shards), or set META = False in the task"
         )
+    if copies.made:  # nn.TransformerEncoder's layers: their first one, deep-copied
+        stop(
+            f"error: --task {args.task}: model(args) deep-copies a layer ({copies.made}): on the CPU the copies start "
+            "equal to it, but stage 05 fills each from its own reset_parameters() on the meta device, another start "
+            "than stage 01's at the same seed: build each layer anew, or set META = False in the task"
+        )
+    init = getattr(task, "init_weights", None) or getattr(model, "init_weights", None)
+    if init is not None and not takes_a_layer(init):
+        stop(
+            f"error: --task {args.task}: {'the task' if hasattr(task, 'init_weights') else 'the model'}'s "
+            "init_weights() takes no layer: stage 05 fills the model layer by layer, applying it to each as "
+            "model.apply(init_weights) does: give it one (init_weights(layer)), or set META = False in the task"
+        )
+
+
+def takes_a_layer(init):
+    """Can `init` be called with one layer? (A builtin without a signature: the call says.)"""
+    try:
+        inspect.signature(init).bind(None)
+    except TypeError:
+        return False
+    except ValueError:
+        pass
+    return True
+
+
+class Copies:
+    """Notes a parameter deep-copied while it lasts (copy.deepcopy of a layer): `made`, the first one's shape."""
+
+    def __enter__(self):
+        self.made, self.deepcopy = None, nn.Parameter.__deepcopy__
+
+        def noted(parameter, memo):
+            self.made = self.made or f"a parameter of shape {list(parameter.shape)}"
+            return self.deepcopy(parameter, memo)
+
+        nn.Parameter.__deepcopy__ = noted
+        return self
+
+    def __exit__(self, *_):
+        nn.Parameter.__deepcopy__ = self.deepcopy
 
 
 def misfits(found, task, args):
