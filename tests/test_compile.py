@@ -1,12 +1,26 @@
 """--compile: the training of eager mode within a stated tolerance (compiled kernels fuse and reorder float
 sums: rounding, nothing more), the same checkpoints, and a missing compiler refused in one line."""
 
+import signal
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import S01, checkpoint, free_port, metrics, one_error, python, spawn, stage_args
+from helpers import (
+    HANG,
+    INJECT,
+    S01,
+    checkpoint,
+    clean_env,
+    free_port,
+    metrics,
+    one_error,
+    python,
+    spawn,
+    stage_args,
+    start,
+)
 from test_equivalence import ARGS, BATCH, CPU, RUN, STEPS, model_without_dropout, stage, step
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -94,6 +108,30 @@ def test_compiled_and_eager_checkpoints_are_one_format(tiny_data, tmp_path):
     row = metrics(tmp_path)[0]  # the compiler's time in training, kept apart: not the evaluation's after it
     assert 0 < float(row["compile_seconds"]) < float(row["epoch_seconds"]), row
     one_error(python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--resume")), "--compile True (now False)")
+
+
+@pytest.mark.slow
+def test_a_stop_mid_epoch_carries_the_compilers_seconds_of_its_part(tiny_data, tmp_path):
+    """A compiled run stopped in its first epoch, after its compilation: the cut kept the epoch's seconds, not the
+    compiler's among them, and the resumed row said 2.4 s outside the compiler where it was 16.6 s (a stop during
+    the evaluation: a compile_seconds of 0). The cut keeps them; the resumed row counts both parts."""
+    proc = start(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1, "--compile", "--log-interval", 1),
+                 env=clean_env(PYTHONPATH=INJECT, FAULT_RANK=0, FAULT_SLEEP=0.3))  # fmt: skip
+    for line in proc.stdout:
+        if " batch 2/" in line:  # compiled, and trained past it
+            proc.send_signal(signal.SIGTERM)
+            break
+    output = line + proc.stdout.read()
+    assert proc.wait(timeout=HANG) == 143 and "saved at epoch 1, step " in output, output[-2000:]
+    cut = checkpoint(tmp_path)["log"]["cut"]
+    assert 0 < cut["compiled"] < cut["seconds"], cut
+    resumed = python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 1, "--compile", "--resume"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    row = metrics(tmp_path)[0]
+    assert cut["compiled"] <= float(row["compile_seconds"]) < float(row["epoch_seconds"]), (
+        cut,
+        row,
+    )  # a warm cache: 0 more
 
 
 @pytest.mark.slow

@@ -106,7 +106,7 @@ class Saving:
         total = asdict(Sums(*torch.stack(parts).sum(0).tolist()))
         ranks = [asdict(Sums(*part.tolist())) for part in parts]
         seconds = log.took if evaluating else log.seconds(mine.device)  # not the evaluation's too
-        cut = {"epoch": epoch, "seconds": seconds, "training": total, "ranks": ranks}
+        cut = {"epoch": epoch, "seconds": seconds, "training": total, "ranks": ranks, "compiled": log.compiled}
         self.check_weights(f"epoch {epoch} left weights that are not finite")
         identity.check_held(self.hold)  # the folder the run took, still at its path: else it writes nowhere
         if not self.sharded:
