@@ -11,6 +11,7 @@ from helpers import (
     HANG,
     INJECT,
     S01,
+    S05,
     checkpoint,
     clean_env,
     free_port,
@@ -20,6 +21,7 @@ from helpers import (
     spawn,
     stage_args,
     start,
+    torchrun,
 )
 from test_equivalence import ARGS, BATCH, CPU, RUN, STEPS, model_without_dropout, stage, step
 from torch.distributed.fsdp import fully_shard
@@ -108,6 +110,26 @@ def test_compiled_and_eager_checkpoints_are_one_format(tiny_data, tmp_path):
     row = metrics(tmp_path)[0]  # the compiler's time in training, kept apart: not the evaluation's after it
     assert 0 < float(row["compile_seconds"]) < float(row["epoch_seconds"]), row
     one_error(python(S01, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--resume")), "--compile True (now False)")
+
+
+@pytest.mark.slow
+def test_stage_05_compiles_each_unit_at_each_shape(tiny_data, tmp_path):
+    """Stage 05's units share one compiled frame: the Net's, trained and evaluated, each with a last smaller batch,
+    passed dynamo's limit of 8 entries, and the rest ran eagerly ("hit config.recompile_limit"), unsaid by the stage;
+    WideResNet's blocks of three widths made a dimension dynamic, which Inductor failed on (its headline model). A
+    task whose blocks() returns none had nothing to compile: an IndexError; one line now."""
+    net = torchrun(2, S05, *stage_args(tiny_data, tmp_path / "net", "--epochs", 1, "--batch-size", 24, "--compile"))
+    assert net.returncode == 0 and "recompile_limit" not in net.stdout + net.stderr, net.stderr[-3000:]
+    wide = ("--model", "wideresnet", "--dataset", "synthetic", "--depth", 10, "--width", 1, "--limit", 64)
+    wrn = torchrun(
+        2, S05, *stage_args(tiny_data, tmp_path / "wrn", "--epochs", 1, "--batch-size", 32, "--compile", *wide)
+    )
+    assert wrn.returncode == 0 and "recompile_limit" not in wrn.stdout + wrn.stderr, wrn.stderr[-3000:]
+    (tmp_path / "t.py").write_text("from common.tasks.images import *\n\ndef blocks(model):\n    return []\n")
+    none = python(
+        S05, *stage_args(tiny_data, tmp_path / "none", "--task", tmp_path / "t.py", "--epochs", 1, "--compile")
+    )
+    one_error(none, "--compile compiles stage 05's units, the layers the task's blocks(model) returns", "leave out")
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from common.distributed import print0
 
 WARM_UP = 3  # eager steps on a side stream before recording, as torch.cuda.graph asks
+ENTRIES = 8  # a unit's compiled shapes: training, evaluation, each with its last smaller batch
 NO_GRAPHS = {  # what a CUDA graph cannot hold, by the model's wrapper (the module's docstring)
     DistributedDataParallel: "DDP's all-reduce hooks cannot be captured",
     DataParallel: "DataParallel's thread per GPU cannot be captured",
@@ -52,10 +53,21 @@ def compiled(step, log, args):
 
 def units(units, log):
     """Stage 05's --compile: each FSDP2 unit compiled in place, timed in `log`. No CUDA graph: the
-    gathers and reduce-scatters run between the units."""
+    gathers and reduce-scatters run between the units. The units share one compiled frame, whose
+    entries (a unit's shapes, in training or evaluation, a last smaller batch) are then all of the
+    units': its limit (8) ran the rest eagerly, unsaid; and a width of another unit made a dimension
+    dynamic, which Inductor failed on (WideResNet's blocks): each shape compiled as it is."""
+    if not units:
+        raise ValueError(
+            "--compile compiles stage 05's units, the layers the task's blocks(model) returns: it "
+            "returned none: return the layers to shard one at a time, or leave out --compile"
+        )
+    from torch._dynamo import config  # here: it imports in 1.5 s
+
     print0("compile: fused kernels per unit, no CUDA graph: the gathers run between the units")
+    config.recompile_limit = max(config.recompile_limit, ENTRIES * len(units))
     for unit in units:
-        unit.compile()
+        unit.compile(dynamic=False)
     timed(log, units[-1])
 
 
