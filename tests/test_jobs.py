@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import numpy
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import (
     REPO,
     S01,
@@ -30,10 +31,11 @@ from helpers import (
     start,
 )
 from test_preemption import SLOW, saved_mid_epoch, signal_mid_epoch_2
+from torch import nn
 from torch.utils.data import default_collate
 
 from common import cli, data
-from common.guards import divergence, preflight, resume
+from common.guards import divergence, preflight, resume, samples
 from common.metrics import Epoch, Log, Metric, Sums
 from common.options import compiling, flags, holdout, large
 from common.tasks import text
@@ -355,6 +357,44 @@ def test_a_non_finite_score_is_never_logged(tmp_path):
     sums = Epoch.read(torch.tensor([[1.0, 0, 8], [0, 0, 0], [1.0, float("inf"), 4]]))
     with pytest.raises(SystemExit, match=re.escape("non-finite test score (inf): the task's score() must sum")):
         divergence.check_epoch(1, sums, tmp_path, True)
+
+
+def test_a_loss_summed_over_the_batch_is_refused_before_the_first_step(tmp_path):
+    """A task's loss() with reduction="sum": the stages weigh each batch's loss by its samples and DDP averages the
+    ranks' gradients, so every number followed the batch and the world size (a test loss of 197 at 2 ranks where
+    stage 01 said 77, 807 at one --test-batch-size and 19 at another), unsaid. One line before the first step; the
+    mean, and a number beside the batch (an auxiliary loss), pass; the model's mode and the generators are kept."""
+    model, x = nn.Linear(4, 1), torch.randn(2, 4)
+    y = torch.randn(2)
+
+    def summed(output, target):
+        return F.mse_loss(output.squeeze(1), target, reduction="sum")
+
+    def with_aux(output, target):
+        prediction, aux = output
+        return F.mse_loss(prediction.squeeze(1), target) + aux
+
+    model.train()
+    with pytest.raises(SystemExit, match=r"error: --task t.py: its loss\(\) sums over the batch \([\d.]+ on two"):
+        samples.check_mean(model, summed, (x, y), "t.py")
+    before = torch.get_rng_state()
+    samples.check_mean(model, lambda output, target: F.mse_loss(output.squeeze(1), target), (x, y), "t.py")
+    assert model.training and torch.equal(torch.get_rng_state(), before)
+
+    class Aux(nn.Linear):
+        def forward(self, x):
+            return super().forward(x), torch.tensor(0.5)
+
+    samples.check_mean(Aux(4, 1), with_aux, (x, y), "t.py")
+    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", regression(tmp_path, extra=SUMMED)))
+    one_error(out, "its loss() sums over the batch", 'reduction="mean"')
+    assert not (tmp_path / "out" / "metrics.csv").exists()
+
+
+SUMMED = """
+def loss(output, target):
+    return F.mse_loss(output.squeeze(1), target, reduction="sum")
+"""
 
 
 UNLABELLED = """import torch

@@ -64,6 +64,7 @@ class Guard:
         self.claimed = False  # the folder is this run's (resume()): a failure keeps its traceback there
         self.data, self.sizes = None, None  # the training and test sets' fingerprints, the sets' sizes
         self.default_loss = False  # the task has no loss() of its own: cross-entropy on the model's output
+        self.own_loss = None  # the task's loss() and two training samples batched: check_mean()
 
     @property
     def doing(self):
@@ -102,6 +103,7 @@ class Guard:
         preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.sizes = (len(train_set), len(val_set), len(test_set))  # what each epoch must count: check_epoch()
         self.default_loss = not hasattr(task, "loss")
+        self.own_loss = None if self.default_loss else (task.loss, samples.first_batch(train_set, task))
         samples.check_totals(self.args, task, self.sizes[1:])  # a task's totals: a row on every rank
         pretrained.check_weights(self.args, task)  # the task's file of whole weights, before it is trusted
         pretrained.check_meta_load(self.args, task)  # stage 05: weights model(args) loads itself are lost on meta
@@ -123,6 +125,8 @@ class Guard:
         self.saving.catch()
         if self.default_loss and not self.args.compile:  # compiled, a hook would change the graphs
             logits.watch(states["model"], self.args.task)  # probabilities out (a softmax, a sigmoid): its first step
+        if self.own_loss and not self.args.compile:  # compiled, two samples would compile another graph
+            samples.check_mean(states["model"], *self.own_loss, self.args.task)  # a sum over the batch
         record = recorded.record(self.args, states, self.data)  # what defines the run, for its manifest
         # what its checkpoint must hold: its parts, the model's dtypes and shapes, the steps of an epoch
         declared = recorded.declared(states, sharded, self.sizes and self.sizes[0], self.args)

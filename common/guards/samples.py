@@ -2,6 +2,7 @@
 (with the shapes it was given), a batch that is no (input, label) pair, a label the model has no output for, an
 epoch that counted fewer samples than its sets hold (its weights: pretrained.py)."""
 
+import math
 import re
 
 import torch
@@ -9,10 +10,10 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 from torch.utils.data import default_collate
 
-from common.data import count
+from common.data import Images, count, to_device
 from common.guards.ending import stop
 from common.guards.randomness import generators, set_generators
-from common.options.loaders import seed
+from common.options.loaders import Seeded, seed
 
 
 def shapes(batch):
@@ -117,6 +118,42 @@ def check_counts(epoch, sums, sizes, dry_run):
                     f"error: epoch {epoch}'s {name} counted {int(part.samples)} of its {size} samples: its loader "
                     "ended early (a data set whose __len__ counts more items than it serves?)"
                 )
+
+
+def first_batch(dataset, task):
+    """Two training samples batched as training batches them (Images: indexed by a list), the run's generators
+    kept: what check_mean() runs the task's loss() on."""
+    if isinstance(dataset, Images):
+        return dataset[[0, min(1, len(dataset) - 1)]]
+    samples = Seeded(dataset, 0, list)[[(i, 0) for i in range(min(len(dataset), 2))]]
+    return getattr(task, "collate", default_collate)(samples)
+
+
+def check_mean(model, loss, batch, task):
+    """A task's loss() is the mean over the batch's samples: the stages weigh each batch's by its samples, and DDP
+    averages the ranks' gradients. A sum (reduction="sum") made every number follow the batch and the world size
+    (stage 03 at 2 ranks: a test loss of 197 where stage 01 said 77), unsaid. Told on two training samples, then on
+    the same two twice: a mean stays, a sum doubles. The model's mode and the run's generators are left as they
+    were (every rank runs it: a forward of DDP or FSDP is collective)."""
+    x, y = to_device(batch, next(model.parameters()).device)
+
+    def twice(tree):  # each sample twice; a number beside the batch (an auxiliary loss) once
+        return pytree.tree_map_only(torch.Tensor, lambda t: torch.cat([t, t]) if t.ndim else t, tree)
+
+    training, before = model.training, generators()
+    try:
+        with torch.no_grad():
+            output = model.eval()(x)
+            once, doubled = float(loss(output, y)), float(loss(twice(output), twice(y)))
+    finally:
+        model.train(training)
+        set_generators(before)
+    if math.isfinite(once) and once and abs(doubled / once - 2) < 1e-3:
+        stop(
+            f"error: --task {task}: its loss() sums over the batch ({once:.4g} on two samples, {doubled:.4g} on the "
+            "same twice): the stages take it as the mean over the batch's samples (the logged losses, the gradients' "
+            'scale and DDP\'s average follow it): return the mean (reduction="mean", or divide by the samples)'
+        )
 
 
 def explain(err, task):
