@@ -264,7 +264,12 @@ def test_an_unwritable_output_folder_fails_before_the_data_is_read(where, tmp_pa
     if where == "readonly" and os.access(tmp_path / "readonly", os.W_OK):
         pytest.skip("root writes anywhere")
     out = python(S01, *stage_args(tmp_path / "no-data-here", folder))  # the data would fail next
-    one_error(out, f"cannot write to --output-dir {folder}")  # not the data's error: before it is read
+    said = (
+        f"--output-dir {folder} is a file, or inside one"
+        if where == "file"
+        else f"cannot write to --output-dir {folder}"
+    )
+    one_error(out, said)  # not the data's error: before it is read ("Not a directory" for a file, before)
 
 
 # --- a resumed run is the same run --------------------------------------------------------------------

@@ -96,6 +96,10 @@ def opened(path):
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise Refusal(f"error: {path} is a link: the lock is never taken through one: remove it") from None
+        if err.errno in (errno.EEXIST, errno.ENOTDIR):  # the folder, or one above it, is a file
+            raise Refusal(
+                f"error: --output-dir {path.parent} is a file, or inside one, not a folder: choose a folder"
+            ) from None
         raise Refusal(
             f"error: cannot write to --output-dir {path.parent}: {err.strerror}: choose a folder you can write"
         ) from None
