@@ -366,7 +366,7 @@ def test_a_model_that_loads_its_own_weights_is_refused_in_stage_05_pointing_to_w
         made.load_state_dict(saved)
         return made
 
-    stage05 = argparse.Namespace(task=tmp_path / "task.py", full_shard=False)
+    stage05 = argparse.Namespace(task=tmp_path / "task.py", full_shard=False, amp=False)
     with pytest.raises(SystemExit) as stop:
         pretrained.check_meta_load(stage05, task(model=loads_itself))
     assert "model(args) loads weights itself" in stop.value.code and "weights(args)" in stop.value.code
@@ -374,12 +374,32 @@ def test_a_model_that_loads_its_own_weights_is_refused_in_stage_05_pointing_to_w
     pretrained.check_meta_load(stage05, task(model=loads_itself, META=False))  # built whole: its weights kept
 
 
+def test_a_weight_tied_across_stage_05s_units_is_named_before_it_is_sharded(tmp_path):
+    """An embedding in a block whose weight the head at the root shares, built whole (META = False, as the tie
+    asks): fully_shard() failed with torch's advice to shard both modules together, which no task can. One line
+    naming both and blocks(); a blocks() that leaves the embedding to the root passes, and so does --amp's norm."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.BatchNorm1d(8))
+            self.head = nn.Linear(8, 10, bias=False)
+            self.head.weight = self.layers[0].weight
+
+    stage05 = argparse.Namespace(task=tmp_path / "task.py", full_shard=False, amp=True)
+    with pytest.raises(SystemExit) as stop:
+        pretrained.check_meta_load(stage05, task(model=lambda args: Tied(), META=False))
+    assert "layers.0 and head share a weight, and stage 05 shards them in two units" in stop.value.code
+    assert "blocks(model)" in stop.value.code and "\n" not in stop.value.code
+    pretrained.check_meta_load(stage05, task(model=lambda args: Tied(), META=False, blocks=lambda m: [m.layers[1]]))
+
+
 def test_a_model_stage_05_would_start_otherwise_than_stage_01_is_refused(tmp_path):
     """Stage 05 fills each layer from its own reset_parameters() on the meta device. nn.TransformerEncoder deep-copies
     its first layer, whose copies start equal on the CPU: stage 05 drew each anew, another start (0.61 apart), unsaid.
     An init_weights() of no layer (pytorch/examples' word_language_model) failed in a TypeError naming no way out.
     Each is one line; layers built anew, an init_weights(layer) or META = False pass."""
-    stage05 = argparse.Namespace(task=tmp_path / "task.py", full_shard=False)
+    stage05 = argparse.Namespace(task=tmp_path / "task.py", full_shard=False, amp=False)
 
     def layer():
         return nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)

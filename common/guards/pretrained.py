@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from common import models
 from common.environment import is_rank0
 from common.guards.bounded import Refused, torch_file
 from common.guards.ending import stop
@@ -76,8 +77,9 @@ class Loads(TorchFunctionMode):
 
 def check_meta_load(args, task):
     """Stage 05 builds model(args) on the meta device (shapes, no values): weights that model(args) loads itself
-    (the torchvision idiom) were lost there, and the run trained from a random start, unsaid. One line instead."""
-    if not (hasattr(args, "full_shard") and getattr(task, "META", True)):
+    (the torchvision idiom) were lost there, and the run trained from a random start, unsaid. One line instead.
+    A task built whole (META = False) is built here on the meta device too, for its units (check_units())."""
+    if not hasattr(args, "full_shard"):
         return
     loads, copies = Loads(), Copies()
     try:
@@ -85,6 +87,9 @@ def check_meta_load(args, task):
             warnings.simplefilter("ignore")  # torch's own on a load onto meta: this line says it
             model = task.model(args)
     except Exception:  # the stage's own build names what fails
+        return
+    check_units(args, task, model)
+    if not getattr(task, "META", True):
         return
     if loads.lost:
         stop(
@@ -105,6 +110,34 @@ def check_meta_load(args, task):
             "init_weights() takes no layer: stage 05 fills the model layer by layer, applying it to each as "
             "model.apply(init_weights) does: give it one (init_weights(layer)), or set META = False in the task"
         )
+
+
+def check_units(args, task, model):
+    """Stage 05 shards each unit (a BatchNorm under --amp, then the task's blocks(), else common/models.py's, then
+    the root) over its own parameters: a weight tied across two (an embedding in a block, the head that shares it
+    at the root) failed as FSDP sharded it, with torch's advice to shard both modules together, which no task can."""
+    units = [
+        *(models.norms(model) if args.amp else []),
+        *models.gathered(getattr(task, "blocks", models.blocks)(model)),
+    ]
+    names = {module: name or "model" for name, module in model.named_modules()}
+    unit_of = {}  # a module: the first unit holding it (a BatchNorm's own before its block's); the root's: none
+    for i, unit in enumerate(units):
+        for module in unit.modules():
+            unit_of.setdefault(module, i)
+    owners = {}  # a parameter's id: the modules that hold it themselves
+    for module in model.modules():
+        for parameter in (p for p in module._parameters.values() if p is not None):
+            owners.setdefault(id(parameter), []).append(module)
+    for held in owners.values():
+        within = {unit_of.get(module) for module in held}
+        if len(within) > 1:
+            tied = " and ".join(names[module] for module in held)
+            stop(
+                f"error: --task {args.task}: {tied} share a weight, and stage 05 shards them in two units (blocks(), "
+                "else each layer of a Sequential or ModuleList): return blocks(model) that holds both in one, or "
+                "leaves both out (to the root's unit)"
+            )
 
 
 def takes_a_layer(init):
