@@ -70,7 +70,7 @@ def own_file(name):
         origin = (
             getattr(module, "__file__", None) if module else getattr(importlib.util.find_spec(name), "origin", None)
         )
-    except Exception:  # noqa: BLE001 - none there, or a package that fails to import: the task's import says why
+    except Exception:  # none there, or a package that fails to import: the task's own import says why
         return None
     if not isinstance(origin, str) or not origin.endswith(".py"):
         return None
