@@ -2,8 +2,10 @@
 between stages (their lengths: test_budgets.py)."""
 
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,58 @@ def test_a_job_whose_tasks_per_node_differ_from_its_gpus_stops_in_one_line():
         assert out.returncode == 1 and out.stderr == "error: --ntasks-per-node=2 but --gres=gpu:4: make them equal\n", (
             out
         )
+
+
+@pytest.mark.parametrize(
+    "script, unset, said",
+    [
+        *((path.relative_to(REPO).as_posix(), {"SLURM_CPUS_PER_TASK"}, ": SLURM_CPUS_PER_TASK: set --cpus-per-task")
+          for path in SCRIPTS),
+        ("03_ddp_single_node/job.slurm", {"SLURM_GPUS_ON_NODE"}, ": SLURM_GPUS_ON_NODE: set --gres=gpu:N"),
+        ("04_ddp_multi_node/job_torchrun.slurm", {"SLURM_GPUS_ON_NODE"}, ": SLURM_GPUS_ON_NODE: set --gres=gpu:N"),
+        ("04_ddp_multi_node/job.slurm", {"SLURM_NTASKS_PER_NODE"}, "error: --ntasks-per-node=? but --gres=gpu:2"),
+        ("05_fsdp/job.slurm", {"SLURM_NTASKS_PER_NODE"}, "error: --ntasks-per-node=? but --gres=gpu:2"),
+        ("05_fsdp/job.slurm", {"SLURM_NTASKS_PER_NODE", "SLURM_GPUS_ON_NODE"}, ": SLURM_NTASKS_PER_NODE: set --ntasks"),
+    ],
+)  # fmt: skip
+def test_a_job_without_a_variable_its_sbatch_options_set_names_the_option(script, unset, said, tmp_path):
+    """#SBATCH --cpus-per-task removed (or --cpus-per-gpu instead), no GPU asked for, --ntasks instead of
+    --ntasks-per-node: bash's "unbound variable", naming no option to set. One line naming it."""
+    folder = (REPO / script).parent
+    env = {"PATH": fake_launch(tmp_path), "SLURM_SUBMIT_DIR": str(folder), "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "t",
+           "SLURM_CPUS_PER_TASK": "4", "SLURM_GPUS_ON_NODE": "2", "SLURM_NTASKS_PER_NODE": "2",
+           "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node1"}  # fmt: skip
+    env = {k: v for k, v in env.items() if k not in unset}
+    out = subprocess.run(["bash", str(REPO / script)], env=env, cwd=folder, capture_output=True, text=True,
+                         timeout=HANG)  # fmt: skip
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out
+    assert said in out.stderr and "unbound" not in out.stderr and not (tmp_path / "srun.args").exists(), out
+
+
+@pytest.mark.parametrize("signal_name", ["TERM", "USR1"])
+def test_a_signal_before_the_step_starts_ends_the_job_without_a_shell_error(signal_name, tmp_path):
+    """A scancel, a preemption or the time limit's USR1 while the job's first commands run, before srun started the
+    step: the traps waited for a step not yet set, and bash said "step: unbound variable", exit 1, no requeue. A
+    TERM ends the job (143); a USR1 still requeues it."""
+    path = fake_launch(tmp_path, "scancel")
+    started = tmp_path / "started"
+    flight = f'[ "$2" = common.guards.flightrecorder ] && touch {started} && sleep 2 && exit 0; '
+    python = (tmp_path / "bin" / "python").read_text().replace("exit 0; exec", f"exit 0; {flight}exec")
+    (tmp_path / "bin" / "python").write_text(python)
+    (tmp_path / "bin" / "scontrol").write_text(f'#!/bin/sh\necho "$@" >>{tmp_path}/scontrol.args\n')
+    folder = REPO / "01_single_gpu"
+    env = {"PATH": path, "SLURM_SUBMIT_DIR": str(folder), "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "t",
+           "SLURM_CPUS_PER_TASK": "4"}  # fmt: skip
+    job = subprocess.Popen(["bash", str(folder / "job.slurm")], env=env, cwd=folder, stderr=subprocess.PIPE, text=True)
+    while not started.exists() and job.poll() is None:
+        time.sleep(0.05)
+    job.send_signal(getattr(signal, f"SIG{signal_name}"))
+    stderr = job.communicate(timeout=HANG)[1]
+    assert "unbound" not in stderr, stderr
+    if signal_name == "TERM":
+        assert job.returncode == 143 and not (tmp_path / "srun.args").exists(), (job.returncode, stderr)
+    else:
+        assert "requeue 4242" in (tmp_path / "scontrol.args").read_text(), stderr
 
 
 def fake_launch(tmp_path, *tools, numa=None):
