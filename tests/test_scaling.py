@@ -241,6 +241,16 @@ def test_the_time_to_target_of_a_run_resumed_at_other_world_sizes_counts_from_it
     )
 
 
+@pytest.mark.parametrize("target, hint", [("0.99", "reached at once (did you mean 99?)"), ("150", "never reached")])
+def test_a_target_of_accuracy_outside_its_percent_is_refused_as_the_stages_refuse_it(tmp_path, target, hint):
+    """--target 0.99 on accuracy, in %: every run's time to it was its first epoch's (0.2 s); 150 was never reached.
+    The stages refuse both in one line (holdout.unreachable()); so does the table."""
+    run = write_run(tmp_path / "a", 1, [100, 100], [90, 99], seconds=(1, 1))
+    with pytest.raises(SystemExit) as stop:
+        scaling.main([str(run), "--target", target])
+    assert stop.value.code == f"error: --target {target}: accuracy is in %, from 0 to 100: {target} % is {hint}"
+
+
 @pytest.mark.parametrize("bandwidth", ["0", "-1", "nan"])
 def test_a_bandwidth_that_is_no_speed_is_a_usage_error(tmp_path, capsys, bandwidth):
     run = write_run(tmp_path / "a", 1, [100, 100], [90, 99], seconds=(1, 1))

@@ -29,6 +29,7 @@ from plot import FORMATS, Figure, labels, load, one_metric, output, save  # noqa
 from common import data, models  # noqa: E402
 from common.guards import check, options, ownership  # noqa: E402
 from common.guards.bounded import Refused, torch_file  # noqa: E402
+from common.options import holdout  # noqa: E402
 from common.options.flags import LARGE  # noqa: E402
 
 NOTE = (
@@ -237,6 +238,8 @@ def main(argv=None):
     if args.target is None and args.metric != "accuracy":
         sys.exit(f"error: these runs measure {args.metric}: give the value to reach with --target")
     args.target = 99.0 if args.target is None else args.target
+    if problem := holdout.unreachable(args.metric, args.target):  # as the stages refuse it
+        sys.exit(f"error: {problem}")
     runs = [measure(folder, rows, args.target, before or ()) for folder, rows, before in loaded]
     names = [name + (part(folder, rows, loaded) if before is not None else "")
              for name, (folder, rows, before) in zip(labels([folder for folder, _, _ in loaded]), loaded, strict=True)]  # fmt: skip

@@ -36,17 +36,22 @@ def images(dataset, indices):
     return Images(dataset.name, images, labels, dataset.mean, dataset.std, dataset.classes)
 
 
+def unreachable(name, target):
+    """Why `target` on the metric `name` is not what it says, or None: accuracy is in %, and a
+    fraction (0.99) is reached at once (tools/scaling.py's --target too)."""
+    if name != "accuracy" or 1 < target <= 100:
+        return None
+    hint = f"reached at once (did you mean {100 * target:g}?)" if target <= 1 else "never reached"
+    return f"--target {target:g}: accuracy is in %, from 0 to 100: {target:g} % is {hint}"
+
+
 def reached(log, target, patience):
     """Have the last `patience` evaluations (validation, else test) all reached `target`? Never
     within an epoch resumed part-way: a lower --target after a stop mid-epoch ended the run there,
     its weights exported beside the row of the epoch before."""
     name, better = log.metric.name, log.metric.better
-    if name == "accuracy" and not 1 < target <= 100:  # a fraction (0.99) is reached at once
-        hint = (
-            f"reached at once (did you mean {100 * target:g}?)" if target <= 1 else "never reached"
-        )
-        said = f"--target {target:g}: accuracy is in %, from 0 to 100:"
-        raise ValueError(f"{said} {target:g} % is {hint}")
+    if problem := unreachable(name, target):
+        raise ValueError(problem)
     if any(epoch > log.rows[-1]["epoch"] if log.rows else True for epoch in log.carried):
         return False  # the epoch resumed part-way has yet to end
     split = "val" if log.rows and log.rows[-1][f"val_{name}"] != "" else "test"
