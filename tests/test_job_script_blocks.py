@@ -137,6 +137,25 @@ def test_a_signal_before_the_step_starts_ends_the_job_without_a_shell_error(sign
         assert "requeue 4242" in (tmp_path / "scontrol.args").read_text(), stderr
 
 
+@pytest.mark.parametrize("given", [["--batch-size", "128"], ["--epochs", "1", "--batch-size=128"], ["--output", "x"]])
+def test_the_sweep_refuses_the_options_it_sets_itself(given, tmp_path):
+    """--batch-size 128 given to the sweep came after its own --batch-size 32 and won: runs/.../bs32 trained at 128,
+    and the plot put it at 32, unsaid. One line, before any step; other options pass through."""
+    env = {"PATH": fake_launch(tmp_path), "SLURM_SUBMIT_DIR": str(SWEEP.parent), "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "t",
+           "SLURM_CPUS_PER_TASK": "4", "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "0"}  # fmt: skip
+    out = subprocess.run(["bash", str(SWEEP), *given], env=env, cwd=SWEEP.parent, capture_output=True, text=True,
+                         timeout=HANG)  # fmt: skip
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {given[-2] if '=' not in given[-1] else given[-1]}")
+    assert (
+        out.stderr.count("\n") == 1
+        and "the sweep sets it (bs32" in out.stderr
+        and not (tmp_path / "srun.args").exists()
+    )
+    ran = subprocess.run(["bash", str(SWEEP), "--epochs", "1"], env=env, cwd=SWEEP.parent, capture_output=True,
+                         text=True, timeout=HANG)  # fmt: skip
+    assert ran.returncode == 0 and "--batch-size\n32\n" in (tmp_path / "srun.args").read_text(), ran
+
+
 def fake_launch(tmp_path, *tools, numa=None):
     """A PATH where `srun` records its arguments and environment and exits 0, `scontrol` names one node, `python -c
     "import torch"` succeeds at once (any other python is this one) and each of `tools` (numactl, nvidia-smi)
