@@ -1,5 +1,5 @@
 """What the guard rails cost a step: the progress line with the divergence check of the guard rails at the same
-step (common.guards.divergence.check_loss) against the plain line, the once-an-epoch finiteness scan of a
+step (common.guards.divergence.loss_finite) against the plain line, the once-an-epoch finiteness scan of a
 checkpoint (common.guards.divergence.finite), and the guard rails' work at the end of every step
 (common.guards.rails.Guard.end_of_step: the stop signal), each beside the time of a training step of stage
 01's Net at batch 64, on this machine's GPU or CPU.
@@ -54,7 +54,7 @@ def seconds(fn, n):
 loss = step()
 with contextlib.redirect_stdout(io.StringIO()):  # the lines themselves are not what is measured
     plain = lambda: metrics.progress(1, 0, 938, step())  # noqa: E731
-    checked = lambda: (metrics.progress(1, 0, 938, step()), divergence.check_loss(1, 0, totals, "runs"))  # noqa: E731
+    checked = lambda: (metrics.progress(1, 0, 938, step()), divergence.loss_finite(totals))  # noqa: E731
     run = rails.Guard()  # a stage's guard where no signal comes
     run.args = argparse.Namespace(
         checkpoint_minutes=None, log_interval=100, batch_size=64, output_dir=Path("runs"), dist_timeout=30

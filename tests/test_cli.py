@@ -8,10 +8,11 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import HANG, S01, S03, S05, clean_env, run
+from helpers import HANG, REPO, S01, S03, S05, clean_env, run
 
 from common import cli
 from common.guards import check, options, preflight, rails, recorded, sources
@@ -153,6 +154,29 @@ def test_another_optimizer_at_adadeltas_rate_nobody_gave_is_refused(name, argv, 
     assert parse(["--optimizer", "adadelta"]).lr == options.LESSON_LR == cli.parser(S01).get_default("lr")
     optimizers = {"adam": torch.optim.Adam, "rmsprop": torch.optim.RMSprop, "sgd": torch.optim.SGD}
     assert options.TORCH_LR == {k: inspect.signature(c).parameters["lr"].default for k, c in optimizers.items()}
+
+
+def test_a_tasks_own_optimizer_at_adadeltas_rate_nobody_gave_is_refused(tmp_path):
+    """The recipe example's AdamW (a task's optimizer()), run as its docstring said, without --lr: it trained at the
+    lesson's 1.0, Adadelta's rate, and scored chance (24 % of 4 classes), unsaid. One line naming the class and its
+    own default, as for --optimizer's; a warm-up's first factor of 0 changes nothing; a rate typed, Adadelta's own
+    class, or a class whose default is 1.0 runs."""
+    weights = [torch.nn.Parameter(torch.zeros(2))]
+    adamw = torch.optim.AdamW(weights, lr=1.0)
+    torch.optim.lr_scheduler.LambdaLR(adamw, lambda step: 0.0)  # a warm-up: the group's lr is 0 from here
+    args = SimpleNamespace(lr=1.0)
+    said = options.unset_task_rate(adamw, args, [])
+    assert said == (
+        "argument --lr: the task's AdamW at --lr's default, 1.0, which is Adadelta's rate: give its own with --lr "
+        "(torch's default for it: 0.001)"
+    )
+    assert options.unset_task_rate(adamw, args, ["--lr", "1"]) is None
+    assert options.unset_task_rate(torch.optim.Adadelta(weights), args, []) is None
+    assert options.unset_task_rate(torch.optim.AdamW(weights, lr=0.003), args, []) is None
+    out = run([sys.executable, str(S01), "--task", str(REPO / "common/tasks/examples/recipe.py"), "--epochs", "1",
+               "--clip-grad", "1", "--output-dir", str(tmp_path), "--samples", "64"], timeout=HANG)  # fmt: skip
+    assert out.returncode == 2 and out.stderr.startswith("error: argument --lr: the task's AdamW at --lr's default")
+    assert out.stderr.count("\n") == 1, out.stderr
 
 
 def test_every_number_has_a_range():

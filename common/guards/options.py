@@ -4,6 +4,7 @@ and every rank of a run, must have the same (resume.py, preflight.py). Every opt
 built-in task is in one of the two (tests/test_cli.py): a new option is classified where it is added."""
 
 import argparse
+import inspect
 import math
 
 # What a run computes: stored in its checkpoint, compared on resume and across the ranks. (--epochs
@@ -173,6 +174,23 @@ def unset_rate(args, argv):
         return (
             f"argument --optimizer: {args.optimizer} at --lr's default, {LESSON_LR}, which is Adadelta's rate: give "
             f"{args.optimizer}'s own with --lr (torch's default for it: {TORCH_LR[args.optimizer]:g})"
+        )
+    return None
+
+
+def unset_task_rate(optimizer, args, argv):
+    """A task's own optimizer() at the lesson's --lr, which nobody gave, where its class's own default is another
+    (AdamW's 1e-3), as a usage error's words; else None: as unset_rate() for --optimizer's (the recipe example ran
+    AdamW at 1.0 and scored chance, 24 %, unsaid). Of each parameter group its rate before a schedule's first
+    factor (a warm-up's 0)."""
+    own = inspect.signature(type(optimizer)).parameters.get("lr")
+    default = own.default if own is not None else None
+    rates = {group.get("initial_lr", group["lr"]) for group in optimizer.param_groups}
+    unset = args.lr == LESSON_LR and LESSON_LR in rates and not given(argv, "--lr")  # the rate: --lr's default
+    if unset and isinstance(default, int | float) and default != LESSON_LR:
+        return (
+            f"argument --lr: the task's {type(optimizer).__name__} at --lr's default, {LESSON_LR}, which is "
+            f"Adadelta's rate: give its own with --lr (torch's default for it: {default:g})"
         )
     return None
 

@@ -50,7 +50,9 @@ def record(args, states, fingerprints):
     if hasattr(states["scheduler"], "recipe"):  # a task's optimizer() or scheduler(), not --optimizer's
         run["recipe"] = states["scheduler"].recipe()
         unused = getattr(states["scheduler"], "unused", ())  # its flags: recorded as none, never compared
-        if problem := options.replaced(unused, sys.argv[1:]):
+        if problem := options.replaced(unused, sys.argv[1:]) or options.unset_task_rate(
+            states["optimizer"], args, sys.argv[1:]
+        ):
             usage(problem)
         run["flags"] = {k: v for k, v in run["flags"].items() if k not in unused}
     return run

@@ -1,10 +1,12 @@
 """A training recipe of one's own on the sequences task (common/tasks/sequences.py): AdamW with two
 parameter groups (no weight decay on biases and norms), a linear warm-up over the first --warmup
-optimizer steps, stepped after each one, then a cosine decay to the end; run it with --clip-grad.
+optimizer steps, stepped after each one, then a cosine decay to the end; run it with --clip-grad,
+and AdamW's --lr (the stages' default, 1.0, is Adadelta's: refused).
 
-    python 01_single_gpu/train.py --task common/tasks/examples/recipe.py --epochs 2 --clip-grad 1
+    python 01_single_gpu/train.py --task common/tasks/examples/recipe.py --epochs 2 --clip-grad 1 \
+        --lr 0.003
     torchrun --standalone --nproc_per_node=2 05_fsdp/train.py \
-        --task common/tasks/examples/recipe.py --epochs 2 --clip-grad 1
+        --task common/tasks/examples/recipe.py --epochs 2 --clip-grad 1 --lr 0.003
 """
 
 import math
