@@ -54,7 +54,7 @@ def restore_rest(state, states, sampler):
             thing.load_state_dict(state[name])
     if state["step"]:  # saved part-way: the epoch's time and each rank's sums go on from its cut
         states["log"].carried[state["epoch"]] = carried(state["log"]["cut"], states["model"])
-        states["log"].compiled = float(state["log"]["cut"].get("compiled", 0))  # --compile's, in it
+        states["log"].compiled = state["log"]["cut"].get("compiled", 0)  # --compile's, in it
     sampler.resume_at(state["epoch"], state["step"])
     return state["epoch"] if state["step"] else state["epoch"] + 1
 
