@@ -38,7 +38,7 @@ from helpers import (
 
 from common import checkpoint as lesson
 from common import cli, metrics, shards
-from common.guards import ownership, preflight, randomness, recorded, resume, safeload
+from common.guards import ownership, preflight, randomness, recorded, resume, safeload, saving
 from common.models import Net
 from common.options import flags
 
@@ -329,10 +329,10 @@ def test_the_previous_checkpoint_is_kept_where_hard_links_fail(tmp_path, monkeyp
     """Some FUSE filesystems refuse hard links: the previous checkpoint is then a copy, switched in alike."""
     latest, previous = tmp_path / "checkpoint.pt", tmp_path / resume.PREVIOUS
     for epoch in (1, 2):
-        resume.keep_previous(tmp_path)
+        saving.keep_previous(tmp_path)
         with lesson.atomic(latest) as f:
             torch.save({"epoch": epoch}, f)
-        monkeypatch.setattr(resume.os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no links")))
+        monkeypatch.setattr(saving.os, "link", lambda *a: (_ for _ in ()).throw(PermissionError(1, "no links")))
     assert torch.load(previous)["epoch"] == 1 and torch.load(latest)["epoch"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-previous.pt", "checkpoint.pt"]
 

@@ -26,6 +26,7 @@ from helpers import (
     launched,
     metrics,
     nodes,
+    one_error,
     python,
     run,
     srun_like,
@@ -722,3 +723,20 @@ def test_recomputed_blocks_update_batchnorm_once_a_step(tiny_sets, tmp_path):
     assert steps > 1 and exported["recomputed"]["features.1.bn1.num_batches_tracked"] == steps
     assert all(torch.equal(exported["recomputed"][k], w) for k, w in exported["plain"].items())
     assert metrics(tmp_path / "plain")[0]["test_loss"] == metrics(tmp_path / "recomputed")[0]["test_loss"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_the_run_left_behind_for_stage_05_is_not_resumed_past_its_newer_save(
+    uninterrupted, tiny_data, tmp_path
+):
+    """A stage 01 run continued in stage 05 in its own folder leaves its checkpoint.pt there, older than stage 05's
+    save, which stage 01 cannot read: a bare --resume in stage 01 trained the epochs after it again and wrote their
+    rows anew beside the newer save, without a word."""
+    folder = tmp_path / "run"
+    shutil.copytree(uninterrupted("python", S01, "--epochs", 3), folder, symlinks=True)  # test_checkpoints.py's
+    out = python(S05, *stage_args(tiny_data, folder, "--epochs", 4, "--resume", folder / "checkpoint.pt"))
+    assert out.returncode == 0 and "resumed after epoch 3" in out.stdout, out.stderr[-3000:]
+    for resumed in ("--resume",), ("--resume", folder / "checkpoint.pt"):
+        out = python(S01, *stage_args(tiny_data, folder, "--epochs", 5, *resumed))
+        one_error(out, "checkpoint.pt holds epoch 3, but the run went on in stage 05 to epoch-4", "05_fsdp")
+    assert [row["epoch"] for row in metrics(folder)] == ["1", "2", "3", "4"]

@@ -10,7 +10,6 @@ import io
 import os
 import pickle
 import pickletools
-import shutil
 
 import torch.distributed as dist
 
@@ -28,17 +27,34 @@ from common.options.resuming import read
 PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
 
 
+def position(folder):
+    """(epoch, step) of stage 05's folder epoch-N (the end of epoch N: step infinite) or epoch-N-step-S."""
+    epoch, _, step = folder.name.removeprefix("epoch-").partition("-step-")
+    if not (epoch + step).isdigit():
+        return (-1, 0)
+    return (int(epoch), int(step) if step else float("inf"))
+
+
 def epochs(output_dir):
     """Stage 05's checkpoint folders in output_dir, newest first: epoch-N (the end of epoch N) and epoch-N-step-S
     (S steps into it)."""
-
-    def position(folder):
-        epoch, _, step = folder.name.removeprefix("epoch-").partition("-step-")
-        if not (epoch + step).isdigit():
-            return (-1, 0)
-        return (int(epoch), int(step) if step else float("inf"))
-
     return sorted(output_dir.glob("epoch-*"), key=position, reverse=True)
+
+
+def check_whole(path, own, state):
+    """Stages 01-04 resume a checkpoint.pt alone: not stage 05's folder, nor the file a run left in its own folder
+    for stage 05, which went on from it: that would train its epochs again beside stage 05's newer save."""
+    if state["folder"]:
+        raise Refusal(
+            f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
+            "weights with its --save-model"
+        )
+    link, at = path.with_name(SHARDED), (state["epoch"], state["step"] or float("inf"))
+    if path == own and link.is_symlink() and position(link.resolve()) > at:
+        raise Refusal(
+            f"error: {path} holds epoch {at[0]}, but the run went on in stage 05 to {os.readlink(link)} ({link}): "
+            "continue it there (05_fsdp/train.py --resume), or start a new run in another --output-dir"
+        )
 
 
 def again(args, manifest, fingerprints):
@@ -56,20 +72,6 @@ def saved(output_dir):
     """Does output_dir hold a checkpoint a resume reads: whole, or a stage 05 folder its links name (one no link
     names was left by a save killed half-way)?"""
     return any(os.path.lexists(output_dir / n) for n in (WHOLE, SHARDED, PREVIOUS, f"{SHARDED}-previous"))
-
-
-def keep_previous(output_dir):
-    """Rank 0, before checkpoint.pt is replaced: the one it replaces stays as checkpoint-previous.pt (a hard
-    link, switched in atomically; a copy on a filesystem without hard links)."""
-    if not is_rank0() or not (output_dir / WHOLE).is_file():
-        return
-    link = output_dir / f"{PREVIOUS}.tmp{os.getpid()}"
-    link.unlink(missing_ok=True)
-    try:
-        os.link(output_dir / WHOLE, link)
-    except OSError:
-        shutil.copyfile(output_dir / WHOLE, link)
-    os.replace(link, output_dir / PREVIOUS)
 
 
 def calls(file):
@@ -161,11 +163,8 @@ def find(args, path, name, restarted, fingerprints, declared=None):
         # the run's own file may go; a file --resume names elsewhere is the user's: never advise deleting it
         advice = ": delete it or use another" if path == own else ": resume from another checkpoint"
         raise Refusal(f"error: {problem}{hint or advice}") from None
-    if state["folder"] and name == WHOLE:
-        raise Refusal(
-            f"error: {path} is a sharded checkpoint of stage 05: resume it there, or export its "
-            "weights with its --save-model"
-        )
+    if name == WHOLE:
+        check_whole(path, own, state)
     source = path.resolve().parent  # the run folder of a checkpoint.pt, or of a sharded epoch-N folder
     theirs = manifest if source == args.output_dir.resolve() else ownership.read(source)
     stamp = state.get("run") if isinstance(state.get("run"), dict) else {}  # recorded.Stamp's; none before it

@@ -3,6 +3,7 @@ or --checkpoint-minutes saves at a step every rank agrees on (preemption.py), pa
 between two evaluation batches; nothing non-finite is ever saved; and while a checkpoint is written, a failure's
 line names it and torchrun's end waits for it (watchdog.heartbeat())."""
 
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -17,6 +18,20 @@ from common.guards import divergence, identity, ownership, resume, signals
 from common.guards.ending import stop
 from common.guards.preemption import Preemption
 from common.metrics import Sums
+
+
+def keep_previous(output_dir):
+    """Rank 0, before checkpoint.pt is replaced: the one it replaces stays as checkpoint-previous.pt (a hard
+    link, switched in atomically; a copy on a filesystem without hard links)."""
+    if not is_rank0() or not (output_dir / checkpoint.WHOLE).is_file():
+        return
+    link = output_dir / f"{resume.PREVIOUS}.tmp{os.getpid()}"
+    link.unlink(missing_ok=True)
+    try:
+        os.link(output_dir / checkpoint.WHOLE, link)
+    except OSError:
+        shutil.copyfile(output_dir / checkpoint.WHOLE, link)
+    os.replace(link, output_dir / resume.PREVIOUS)
 
 
 class Cut(NamedTuple):
@@ -110,7 +125,7 @@ class Saving:
         self.check_weights(f"epoch {epoch} left weights that are not finite")
         identity.check_held(self.hold)  # the folder the run took, still at its path: else it writes nowhere
         if not self.sharded:
-            resume.keep_previous(self.args.output_dir)
+            keep_previous(self.args.output_dir)
         self.writing(f"epoch-{epoch}-step-{step}")
         states = self.states | {"log": Cut(log, cut)}  # the lesson's states as they are, the log with its cut
         if self.sharded:  # each rank's own statistics: the shards hold one copy
@@ -130,7 +145,7 @@ class Saving:
         the previous one."""
         identity.check_held(self.hold)  # a folder moved or replaced, or its lock gone: no write lands elsewhere
         if not self.sharded:
-            resume.keep_previous(self.args.output_dir)
+            keep_previous(self.args.output_dir)
         self.writing(f"epoch-{epoch}")
         self.epoch_done = time.monotonic()
 
