@@ -40,8 +40,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def parser(script, groups=()):
-    """The flags of every stage, then `groups`' (functions adding theirs: the options')."""
-    p = Parser(description=f"image classification training, {script.parent.name}")
+    """Every stage's flags, then `groups`' (the options'), in full: --out is no --output-dir."""
+    p = Parser(description=f"{script.parent.name}: train a task", allow_abbrev=False)
     add = p.add_argument
     here = Path.cwd().joinpath  # paths made absolute where the run starts: a task's code may chdir
     add("--task", type=here, default=TASK, help="a Python file: the model and data to train")
@@ -76,7 +76,7 @@ def load_task(path):
 
 def task_path(argv=None):
     """--task's path, read first: the task adds options of its own."""
-    first = argparse.ArgumentParser(add_help=False)
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     first.add_argument("--task", type=Path, default=TASK)
     return first.parse_known_args(argv)[0].task
 

@@ -101,13 +101,13 @@ def add_arguments(group):
 
 def test_a_recipe_value_a_task_sets_and_its_optimizer_never_reads_runs_and_is_not_recorded(tmp_path, capsys):
     """A task's default `momentum=0.9` (for its sgd) with `--optimizer adam`: refused as `argument --momentum`, a
-    flag the user never typed. It runs now, recorded without it; typed, in full, with `=` or as a prefix, it is still
+    flag the user never typed. It runs now, recorded without it; typed, alone or with `=`, it is still
     refused. A run recorded with an unread --momentum (before such values were left out) resumes without it."""
     task = tmp_path / "task.py"
     task.write_text(SGD_BY_DEFAULT)
     args = parse(["--task", str(task), "--optimizer", "adam"])
     assert (args.optimizer, args.momentum) == ("adam", 0.9) and "momentum" not in preflight.defining(args)
-    for typed in (["--momentum", "0.9"], ["--momentum=0.9"], ["--mom", "0.9"]):
+    for typed in (["--momentum", "0.9"], ["--momentum=0.9"]):  # a prefix, --mom, is no flag at all
         err = refused(["--task", str(task), "--optimizer", "adam", *typed], capsys)
         assert err.startswith("error: argument --momentum: adam has none"), (typed, err)
     older = {"flags": preflight.defining(parse([])) | {"momentum": 0.9}}  # an adadelta run that recorded it
@@ -357,17 +357,27 @@ def test_resume_needs_a_regular_file(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.parametrize(
     "argv, flag",
-    [(["--output-dir", ""], "--output-dir"), (["--data-dir= "], "--data-dir"), (["--resume", "", "--epochs", "1"], "--resume"),
-     (["--output", ""], "--output-dir")],
+    [(["--output-dir", ""], "--output-dir"), (["--data-dir= "], "--data-dir"), (["--resume", "", "--epochs", "1"], "--resume")],
 )  # fmt: skip
 def test_an_empty_path_is_refused_not_made_the_folder_the_run_starts_in(argv, flag):
     """`--output-dir "$OUT"` with OUT unset: the parser made it the current folder, and a run wrote its checkpoints
-    there; so did `--output ""`, argparse's prefix of --output-dir. The job scripts' check
-    and the stages (test_a_stage_given_an_empty_output_dir_writes_nothing_where_it_starts) refuse it in one line."""
+    there. The job scripts' check and the stages (test_a_stage_given_an_empty_output_dir_writes_nothing_where_it_starts) refuse it in one line."""
     out = run([sys.executable, "-m", "common.guards.check", *argv], timeout=HANG)
     said = f"error: argument {flag}: an empty path (an unset variable?): give the path itself (see --help)\n"
     assert out.returncode == 2 and out.stderr == said, out.stderr
     assert check.empty_path(["--output-dir", "runs", "--resume"]) is None
+
+
+@pytest.mark.parametrize(
+    "argv", [["--out", "/tmp/x"], ["--bat", "256"], ["--b=256"], ["--ta", "t.py"], ["--output", ""]]
+)
+def test_a_prefix_of_a_flag_is_refused_not_taken_for_it(argv):
+    """argparse took a prefix for the flag it begins (--out for --output-dir): the batch-size sweep's own --batch-size
+    and --output-dir, before "$@", lost to `--b 256 --out x` (bs64 trained at 256, written elsewhere), and every check
+    that reads the command line had to guess which flag argparse would take. A flag is typed in full."""
+    out = run([sys.executable, "-m", "common.guards.check", *argv], timeout=HANG)
+    assert out.returncode == 2 and out.stderr == f"error: unrecognized arguments: {' '.join(argv)} (see --help)\n"
+    assert options.given(["--lr", "0.1", "--lr-scaling=sqrt"], "--lr-scaling") == ["sqrt"]  # not --lr's 0.1
 
 
 @pytest.mark.slow

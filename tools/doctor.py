@@ -59,11 +59,14 @@ FIX = {
 def parse_args():
     """The doctor's options and those of its task (--task, as the stages take it): (args, the task, the
     arguments the task's datasets() sees: a training run's defaults, with --data-dir and the task's options)."""
-    first = argparse.ArgumentParser(add_help=False)  # --task first: the task file adds options of its own
+    # --task first: the task file adds options of its own; flags in full, as the stages take them
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     first.add_argument("--task", type=Path, default=cli.TASK)
     path = first.parse_known_args()[0].task
     task = cli.load_task(path)
-    p = check.Parser(description="check a cluster for multi-node training, launched as a training stage is")
+    p = check.Parser(
+        description="check a cluster for multi-node training, launched as a training stage is", allow_abbrev=False
+    )
     p.add_argument(
         "--task",
         type=Path,

@@ -28,7 +28,7 @@ def output_dir(argv, script=Path("train.py"), env=os.environ):
     usage error here gives the default folder and no line, and the ranks say it once, as for any other option."""
     first_step = {**env, "SLURM_STEP_ID": "0"}  # the batch shell has no step; srun's first is 0, after a requeue too
     default = cli.default_output_dir(script.resolve(), first_step)
-    p = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    p = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
     p.add_argument("--output-dir", type=Path, default=default)
     try:
         return p.parse_known_args(argv)[0].output_dir

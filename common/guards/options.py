@@ -153,8 +153,7 @@ def unread(args, argv):
 
 def replaced(unused, argv):
     """A flag typed in `argv` that the task's own optimizer() or scheduler() replaces and never reads (hooks.recipe()'s
-    `unused`), as a usage error's words; else None: --lr-scaling linear was recorded as applied, and changed nothing.
-    Typed in full: --lr is no prefix of --lr-scaling here."""
+    `unused`), as a usage error's words; else None: --lr-scaling linear was recorded as applied, and changed nothing."""
     flags = {f"--{flag.replace('_', '-')}" for flag in unused}
     typed = [word.partition("=")[0] for word in argv if word.partition("=")[0] in flags]
     return f"argument {typed[0]}: the task's optimizer() and scheduler() never read it: drop it" if typed else None
@@ -196,12 +195,12 @@ def unset_task_rate(optimizer, args, argv):
 
 
 def given(argv, flag):
-    """The values `flag` is given in `argv` as argparse reads it: in full or a prefix of it (--output), which argparse
-    takes where no other flag has it; the value after its `=`, else the next word (None after the last)."""
+    """The values `flag` is given in `argv`, typed in full as the parsers require (allow_abbrev=False): the value after
+    its `=`, else the next word (None after the last)."""
     values = []
     for word, after in zip(argv, [*argv[1:], None], strict=False):
         name, attached, value = word.partition("=")
-        if len(name) > 2 and flag.startswith(name):
+        if name == flag:
             values.append(value if attached else after)
     return values
 
