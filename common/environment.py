@@ -58,9 +58,11 @@ def is_rank0(env=os.environ):
 
 
 def cpus_per_rank(env=os.environ):
-    """This process's CPUs: its Slurm task's (or what it may use), shared by torchrun's ranks."""
-    cpus = count(env.get("SLURM_CPUS_PER_TASK")) or len(os.sched_getaffinity(0))
-    return max(cpus // (count(env.get("LOCAL_WORLD_SIZE")) or 1), 1)
+    """This process's CPUs: its Slurm task's (or what it may use), shared by torchrun's ranks; no
+    more than it may use (an srun step given fewer than --cpus-per-task: no SRUN_CPUS_PER_TASK)."""
+    mine = len(os.sched_getaffinity(0))
+    cpus = count(env.get("SLURM_CPUS_PER_TASK")) or mine
+    return max(min(cpus // (count(env.get("LOCAL_WORLD_SIZE")) or 1), mine), 1)
 
 
 def ranks_per_node(world_size, env=os.environ):

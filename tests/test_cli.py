@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers import HANG, REPO, S01, S03, S05, clean_env, run
 
-from common import cli
+from common import cli, environment
 from common.guards import check, options, preflight, rails, recorded, sources
 from common.options import flags
 
@@ -247,6 +247,12 @@ def test_num_workers_capped_by_cpus_per_rank(monkeypatch, capsys):
     assert parse(["--num-workers", "4"]).num_workers == 4
     assert parse([]).num_workers is None  # the loader's own default
     assert capsys.readouterr().err == ""
+    # an srun step that got 2 CPUs of --cpus-per-task=8 (Slurm 22.05-23.02 without SRUN_CPUS_PER_TASK): its 2, which
+    # the doctor passed as 8 while its next line warned of 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "8")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert environment.cpus_per_rank() == 2 and parse(["--num-workers", "4"]).num_workers == 2
 
 
 def test_every_option_is_classified():

@@ -35,11 +35,12 @@ def table(output):
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 def test_make_doctor_passes_on_this_machine(tmp_path):
-    """Its report replaces a link named doctor.json, never writing through it (a user's file was overwritten)."""
+    """Its report replaces a link named doctor.json, never writing through it (a user's file was overwritten). The GPUs
+    hidden (CUDA_VISIBLE_DEVICES=-1) are none: they were counted as one, and two ranks failed "ranks per node"."""
     (tmp_path / "doctor.json").symlink_to(tmp_path.parent / f"{tmp_path.name}-victim.txt")
     (tmp_path.parent / f"{tmp_path.name}-victim.txt").write_text("the user's")
     out = subprocess.run(["make", "--no-print-directory", "doctor", f"ARGS=--output-dir {tmp_path}"], cwd=REPO,
-                         env=clean_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+                         env=clean_env(CUDA_VISIBLE_DEVICES="-1"), capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
     rows = table(out.stdout)
     assert list(rows) == CHECKS and not [r for r in rows.values() if r[0] == "FAIL"], out.stdout
@@ -160,6 +161,17 @@ def test_a_gpu_per_task_binding_is_a_rank_per_gpu():
 
     assert row(0, 1) == ("PASS", "one per GPU")
     assert row(0, 0) == ("FAIL", "a: 2 ranks, 1 GPUs")
+
+
+@pytest.mark.parametrize("value, ids", [("-1", []), ("NoDevFiles", []), ("", []), ("0,2", ["0", "2"]),
+                                       ("1,-1,2", ["1"]), ("GPU-5e1a,MIG-7", ["GPU-5e1a", "MIG-7"])])  # fmt: skip
+def test_gpus_hidden_by_cuda_visible_devices_are_none(value, ids):
+    """CUDA_VISIBLE_DEVICES=-1 (or NoDevFiles) hides every GPU: the doctor counted it as one, and two ranks on the node
+    failed "ranks per node: 2 ranks, 1 GPUs" and "GPU per rank: all use -1"."""
+    sys.path.insert(0, str(DOCTOR.parent))
+    import doctor
+
+    assert doctor.visible({"CUDA_VISIBLE_DEVICES": value}) == ids
 
 
 @pytest.mark.parametrize("theirs", [pytest.param("the same", marks=pytest.mark.slow), "other"])

@@ -187,6 +187,17 @@ def file_facts(args, task, training, rank, world_size):
     }
 
 
+def visible(env=os.environ):
+    """The GPUs CUDA_VISIBLE_DEVICES names, as CUDA reads it: up to the first entry that names none (-1 and NoDevFiles
+    hide them all). A GPU torch can use, but --no-cuda leaves idle, is not one the ranks train on."""
+    ids = []
+    for entry in env.get("CUDA_VISIBLE_DEVICES", "").split(","):
+        if not (entry.strip().isdigit() or entry.strip().startswith(("GPU-", "MIG-"))):
+            break
+        ids.append(entry.strip())
+    return ids
+
+
 def facts(args, local_rank, device):
     """What this rank finds out about itself, with no other rank involved."""
     gpus, gpu, beside = 0, None, None
@@ -195,8 +206,7 @@ def facts(args, local_rank, device):
         props, gpus = torch.cuda.get_device_properties(device), torch.cuda.device_count()
         gpu, bus = str(props.uuid), f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
         beside = beside_gpu(cpus, bus)
-    elif os.environ.get("CUDA_VISIBLE_DEVICES"):  # no GPU torch can use: the one Slurm gave this rank stands in
-        ids = os.environ["CUDA_VISIBLE_DEVICES"].split(",")
+    elif (ids := visible()) and not torch.cuda.is_available():  # no GPU here: the one Slurm gave this rank stands in
         gpus, pick = len(ids), 0 if len(ids) == 1 else local_rank  # as setup() picks
         gpu = f"CUDA_VISIBLE_DEVICES {ids[pick]}" if pick < len(ids) else None
     ip = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)[0][4][0]
