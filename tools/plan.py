@@ -53,7 +53,7 @@ from torch.utils.data import default_collate  # noqa: E402
 from common import cli, data, meta, models  # noqa: E402
 from common.guards import check, failure, options  # noqa: E402
 from common.guards.bounded import Refused, text  # noqa: E402
-from common.options import flags, recipes  # noqa: E402
+from common.options import flags, large, recipes  # noqa: E402
 
 MiB = 2**20
 ALLOWANCE = 1024 * MiB  # the CUDA context, cuBLAS/cuDNN workspaces and NCCL's buffers, per GPU
@@ -276,13 +276,20 @@ def line(at_2_and_3):
     return 2 * two - three, three - two
 
 
+def micro_batches(args, world_size):
+    """(how many micro-batches stage 05 runs a rank's share of the batch in, the size of the first): its own chunk(),
+    which makes fewer than --grad-accum where the share does not split so (10 samples in 6: five of 2)."""
+    slices = large.chunk(torch.empty(max(args.batch_size // world_size, 1)), args.grad_accum)
+    return len(slices), len(slices[0])
+
+
 def per_gpu(args, world_size, measured):
     """{strategy: {component: bytes}} for DDP (stages 03, 04: the whole batch of a rank at once, no block
     recomputed), FSDP and, on several nodes, HSDP (stage 05's there without --full-shard), at `world_size`
     GPUs. Stage 05 holds one micro-batch's activations at a time (--grad-accum: the first, the largest)."""
     model, plain, kept, optimizer = measured.model, measured.plain, measured.kept, measured.optimizer
     per_rank = args.batch_size // world_size
-    micro = math.ceil(per_rank / args.grad_accum)  # torch.chunk's first
+    slices, micro = micro_batches(args, world_size)
     # the block in use and the next, prefetched; bf16 under --amp
     gathered = (measured.unit + measured.next_unit) * (2 if args.amp else 4)
     plans = {"DDP": 1, "FSDP": world_size}
@@ -292,7 +299,7 @@ def per_gpu(args, world_size, measured):
     result = {}
     for name, ranks in plans.items():
         weights = shard_bytes(model.parameters(), ranks)
-        accumulated = name != "DDP" and args.grad_accum > 1  # every micro-batch's but the last: unsharded
+        accumulated = name != "DDP" and slices > 1  # every micro-batch's but the last: unsharded
         state = sum(
             STATE[type(optimizer).__name__](g) * shard_bytes(g["params"], ranks) for g in optimizer.param_groups
         )
@@ -327,7 +334,7 @@ def traffic(args, model_bytes, name, world_size):
     across = 2 * ring(nodes) * model_bytes / per_node
     if name == "DDP":
         return 2 * ring(per_node) * model_bytes, across
-    sent = 2 * args.grad_accum * model_bytes / (2 if args.amp else 1) + model_bytes
+    sent = 2 * micro_batches(args, world_size)[0] * model_bytes / (2 if args.amp else 1) + model_bytes
     if name == "FSDP":
         flat = ring(world_size) * sent
         return (flat, 0.0) if nodes == 1 else (0.0, flat)  # on several nodes, every collective crosses them
