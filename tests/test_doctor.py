@@ -46,6 +46,7 @@ def test_make_doctor_passes_on_this_machine(tmp_path):
     assert list(rows) == CHECKS and not [r for r in rows.values() if r[0] == "FAIL"], out.stdout
     assert "2 arrived" in rows["ranks"][1] and "exact in float32, bfloat16, float16, int64" in rows["all-reduce"][1]
     assert (tmp_path.parent / f"{tmp_path.name}-victim.txt").read_text() == "the user's"
+    assert f"report: {tmp_path / 'doctor.json'} (tools/plan.py --doctor" in out.stdout  # where: runs/doctor/<id>
     report = json.loads((tmp_path / "doctor.json").read_text())
     assert [c["check"] for c in report["checks"]] == CHECKS and [r["rank"] for r in report["ranks"]] == [0, 1]
     assert "Traceback" not in out.stderr and not list(tmp_path.glob(".doctor-*"))  # the ranks' files are gone

@@ -504,6 +504,22 @@ def test_the_doctors_report_gives_the_slowest_bandwidth_it_measured(tmp_path, ca
     assert "links of 11.5 GB/s" in from_doctor
 
 
+def test_a_doctor_on_one_node_times_no_traffic_between_nodes(tmp_path, capsys):
+    """A doctor.json of one node holds its links within it alone: the plan timed the two-node rows' traffic by them
+    (an NVLink figure for InfiniBand: several times too fast), unsaid. Those cells are `?`, with the way to measure."""
+    report = doctor_json(tmp_path / "doctor.json", 11.5)
+    one_node = json.loads(report.read_text())
+    for rank in one_node["ranks"]:
+        del rank["bandwidth"]["across nodes"]
+    report.write_text(json.dumps(one_node))
+    plan.main(SMALL + ["--gpus-per-node", "2", "--max-gpus", "4", "--doctor", str(report)])
+    out = capsys.readouterr().out
+    rows = {line.split(" | ")[0] + line.split(" | ")[1]: line for line in out.splitlines() if line.startswith("| ")}
+    assert rows["| 2DDP"].endswith(" |") and not rows["| 2DDP"].endswith(" ? |")  # within the node: timed
+    assert all(rows[f"| 4{name}"].endswith(" ? |") for name in ("DDP", "FSDP", "HSDP")), out
+    assert f"?: {report} measured no link between nodes" in out and "or give --bandwidth" in out
+
+
 @pytest.mark.parametrize(
     "text, named",
     [

@@ -573,6 +573,7 @@ def main(guard):
         try:
             with atomic(args.output_dir / "doctor.json", "w") as f:  # a link there replaced, never followed
                 json.dump(report, f, indent=1)
+            print(f"report: {args.output_dir / 'doctor.json'} (tools/plan.py --doctor reads its bandwidth)")
         except OSError as err:
             print(
                 f"error: cannot write {args.output_dir}/doctor.json ({err.strerror}): the table above is the report",

@@ -342,9 +342,10 @@ def traffic(args, model_bytes, name, world_size):
 
 
 def bandwidth(args):
-    """GB/s for the communication column: --bandwidth, else what a doctor.json measured, else None."""
+    """(GB/s for the communication column: --bandwidth, else what a doctor.json measured, else None; whether the
+    figure holds between nodes: a doctor run on one node measured none of their links)."""
     if args.bandwidth or not args.doctor:
-        return args.bandwidth
+        return args.bandwidth, True
     fix = "give the doctor.json that tools/doctor.py wrote (<its --output-dir>/doctor.json), or --bandwidth"
     try:
         ranks = json.loads(text(Path(args.doctor)))["ranks"]  # within a size no doctor writes, before parsing
@@ -353,6 +354,7 @@ def bandwidth(args):
         # the doctor's lines report; the slowest rank and link, since a collective goes at their pace and this
         # one figure times the traffic within and across nodes alike (an upper bound, as the other columns)
         speed = min((float(sweep[-1][2]) for rank in ranks for sweep in rank["bandwidth"].values()), default=0)
+        between = any("across nodes" in rank["bandwidth"] for rank in ranks)
     except OSError as err:  # missing, a folder, unreadable, a FIFO or a device
         sys.exit(f"error: --doctor {args.doctor}: {err.strerror}: {fix}")
     except Refused as err:
@@ -366,7 +368,7 @@ def bandwidth(args):
     if not speed > 0:
         sys.exit(f"error: --doctor {args.doctor} measured no bandwidth (one rank has no one to reduce with): run "
                  "the doctor with the nodes and ranks per node you plan for, or give --bandwidth")  # fmt: skip
-    return speed
+    return speed, between
 
 
 def planner(p):
@@ -396,7 +398,7 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
-    limit, speed = args.gpu_memory * 2**30, bandwidth(args)
+    limit, (speed, between) = args.gpu_memory * 2**30, bandwidth(args)
     if args.loader == "device":
         on_device(args)  # a task's own data set: its line before any other
     try:
@@ -433,10 +435,15 @@ def main(argv=None):
             comm = ""
             if speed:  # one bandwidth for the traffic within and across nodes: an upper bound
                 comm = f" {1e3 * sum(traffic(args, model_bytes, name, world_size)) / (speed * 1e9):.2f} |"
+                unknown = not between and world_size > args.gpus_per_node
+                comm = " ? |" if unknown else comm  # a link within a node times no link between nodes
             print(f"| {world_size} | {name} | {cells} | {row / 2**30:.2f} | {'yes' if row <= limit else 'no'} |{comm}")
             fitting += [name] if row <= limit else []
         if best is None and fitting:  # DDP, the simplest; else HSDP, stage 05's across nodes; else FSDP
             best = (world_size, min(fitting, key=["DDP", "HSDP", "FSDP"].index))
+    if speed and not between and args.max_gpus > args.gpus_per_node:
+        print(f"?: {args.doctor} measured no link between nodes (a doctor on one node): run tools/doctor.slurm on "
+              "the nodes you plan for, or give --bandwidth")  # fmt: skip
     print(host(measured.model, measured.on_meta))
     recommend(args, best)
 
