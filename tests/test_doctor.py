@@ -78,7 +78,10 @@ def test_faults_on_one_rank_are_fail_lines_naming_it(tiny_data, tmp_path):
     assert failed["torch minimum"].startswith("rank 1 (") and "2.0.0, where 01_single_gpu needs ≥ 2.3" in rank0
     assert failed["data"].startswith("rank 1 (") and "cannot load it" in failed["data"], failed["data"]
     assert "(missing t10k-labels-idx1-ubyte)" in failed["data"] and "rank 0" not in failed["data"]
-    assert failed["output folder"].startswith("rank 1 (") and "cannot write out" in failed["output folder"]
+    assert (
+        failed["output folder"].startswith("rank 1 (")
+        and "out is a file, or inside one, not a folder" in failed["output folder"]
+    )  # it said "cannot write out/.doctor-... (Not a directory)"
     assert failed["stragglers"].startswith("rank 1 (")
     assert set(failed) == {"ranks per node", "GPU per rank", "torch version", "torch minimum", "data", "output folder",
                            "stragglers"}  # fmt: skip
@@ -162,6 +165,21 @@ def test_a_gpu_per_task_binding_is_a_rank_per_gpu():
 
     assert row(0, 1) == ("PASS", "one per GPU")
     assert row(0, 0) == ("FAIL", "a: 2 ranks, 1 GPUs")
+
+
+def test_a_slurm_count_that_is_no_number_is_a_warn_line_not_an_error():
+    """SLURM_GPUS_ON_NODE=2x (set by hand, or by a wrapper) ended the doctor in a ValueError line that advised --resume,
+    which it has not; SLURM_CPUS_PER_TASK=abc was named. Each is its row's WARN now, the other facts still checked."""
+    sys.path.insert(0, str(DOCTOR.parent))
+    import doctor
+
+    slurm = {"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "4", "SRUN_CPUS_PER_TASK": "4", "SLURM_GPUS_ON_NODE": "2x"}
+    rank = {"rank": 0, "host": "a", "cpus": 2, "gpus": 0, "slurm": slurm}
+    [(_, status, detail, _)] = doctor.check_slurm_resources(SimpleNamespace(everyone=[rank]))
+    assert (
+        status == "WARN"
+        and detail == "rank 0 (a): SLURM_GPUS_ON_NODE='2x' is not a count; rank 0 (a): 2 CPUs of --cpus-per-task=4"
+    )
 
 
 @pytest.mark.parametrize("value, ids", [("-1", []), ("NoDevFiles", []), ("", []), ("0,2", ["0", "2"]),

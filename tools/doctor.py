@@ -15,6 +15,7 @@ error a training run would print.
 """
 
 import argparse
+import errno
 import ipaddress
 import json
 import os
@@ -39,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 
 from common import cli, distributed  # noqa: E402
 from common.checkpoint import atomic  # noqa: E402
-from common.environment import cpus_per_rank  # noqa: E402
+from common.environment import count, cpus_per_rank  # noqa: E402
 from common.guards import check, datafiles, failure, flightrecorder, options, preemption, preflight, rails, versions  # noqa: E402
 from common.options import flags  # noqa: E402
 
@@ -173,8 +174,10 @@ def file_facts(args, task, training, rank, world_size):
         args.output_dir.mkdir(parents=True, exist_ok=True)
         os.close(os.open(probe(rank), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW))  # a link: not followed
         problem, disk = None, os.statvfs(args.output_dir)
-    except OSError as err:
-        problem = f"cannot write {err.filename} ({err.strerror})"
+    except OSError as err:  # the folder, or one above it, a file: as the stages say it (guards/lock.py)
+        file = err.errno in (errno.EEXIST, errno.ENOTDIR)
+        problem = f"{args.output_dir} is a file, or inside one, not a folder" if file else None
+        problem = problem or f"cannot write {err.filename} ({err.strerror})"
     if dist.is_initialized():
         dist.barrier()  # every rank has written its file
     sees = [r for r in range(world_size) if probe(r).exists()]
@@ -483,11 +486,13 @@ def check_slurm_resources(run):
     steps = [f for f in run.everyone if f["slurm"]["SLURM_STEP_ID"]]
     problems = []
     for f in steps:
-        asked_cpus, asked_gpus = f["slurm"]["SLURM_CPUS_PER_TASK"], f["slurm"]["SLURM_GPUS_ON_NODE"]
-        if int(asked_cpus or 0) > f["cpus"]:
-            problems.append(f"{who([f])}: {f['cpus']} CPUs of --cpus-per-task={asked_cpus}")
-        if int(asked_gpus or f["gpus"]) != f["gpus"]:
-            problems.append(f"{who([f])}: sees {f['gpus']} GPUs of SLURM_GPUS_ON_NODE={asked_gpus}")
+        asked = {k: f["slurm"][k] for k in ("SLURM_CPUS_PER_TASK", "SLURM_GPUS_ON_NODE")}
+        problems += [f"{who([f])}: {k}={v!r} is not a count" for k, v in asked.items() if v and count(v) is None]
+        cpus, gpus = (count(v) for v in asked.values())
+        if (cpus or 0) > f["cpus"]:
+            problems.append(f"{who([f])}: {f['cpus']} CPUs of --cpus-per-task={cpus}")
+        if gpus is not None and gpus != f["gpus"]:
+            problems.append(f"{who([f])}: sees {f['gpus']} GPUs of SLURM_GPUS_ON_NODE={gpus}")
     if any(f["slurm"]["SLURM_CPUS_PER_TASK"] and not f["slurm"]["SRUN_CPUS_PER_TASK"] for f in steps):
         problems.append("SRUN_CPUS_PER_TASK is unset: srun of Slurm 22.05-23.02 gives each task 1 CPU")
     fix = "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK before srun; ask for no more than the nodes have"
