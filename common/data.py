@@ -71,9 +71,9 @@ def dataset(data_dir, name, train, limit=None):
     missing = [file for file in spec.files if not (folder / file).is_file()]
     if missing:
         raise FileNotFoundError(
-            f"{name} is not in {folder} (missing {missing[0]}): run `make data DATASET={name}` on "
-            f"a machine with internet access (the login node), or point --data-dir at a folder "
-            f"holding {spec.folder}/"
+            f"{name} is not in {folder} (missing {missing[0]}): run `python tools/prepare_data.py "
+            f"{data_dir} {name}` (it downloads all but MNIST: on the login node), or point "
+            f"--data-dir at a folder holding {spec.folder}/"
         )
     if spec.read is None:  # MNIST's IDX files (and Fashion-MNIST's)
         prefix = "train" if train else "t10k"

@@ -86,8 +86,11 @@ def test_a_truncated_download_is_named_and_leaves_no_part_file(tmp_path):
         shutil.copy(gz, raw)
     cut = raw / "train-images-idx3-ubyte.gz"
     cut.write_bytes(cut.read_bytes()[:100_000])  # a download cut short
-    with pytest.raises(SystemExit, match=f"{cut} is damaged .*: delete {cut}, then run `python tools/prepare_data.py "):
+    with pytest.raises(
+        SystemExit, match=f"{cut} is damaged .*: delete {cut}, then run `python tools/prepare_data.py "
+    ) as e:
         prepare_data.prepare(tmp_path)  # its folder's own command: `make data` writes data/ alone
+    assert str(e.value).endswith(f"prepare_data.py {tmp_path}`: it copies the repository's own again")  # a whole line
     assert not list(raw.glob("*.part"))
 
 
@@ -163,8 +166,8 @@ def test_the_idx_reader_returns_torchvisions_tensors(train, tiny_data):
 
 def refused(data_dir, name, path, train=True):
     """The guard rails' check of the set, before the lesson reads it, must stop with one line naming the broken
-    file and `make data`; so must a stage's start, which runs it (check.check_args())."""
-    fix = re.escape(f"run `make data DATASET={name}` again")
+    file and the command that prepares it in its folder; so must a stage's start, which runs it (check.check_args())."""
+    fix = re.escape(f"run `python tools/prepare_data.py {data_dir} {name}` again")  # its folder's own, data/'s too
     with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: .*{fix}") as refusal:
         datafiles.check_set(data_dir, name, train=train)
     assert "\n" not in str(refusal.value)
@@ -214,7 +217,8 @@ def test_a_task_without_dataset_has_its_files_checked_too(file, tiny_data, tmp_p
     )[0]
     with pytest.raises(SystemExit) as stop:
         check.check_args(args, warn=False, gpus=0)
-    assert re.match(f"error: {re.escape(str(path))}: .*run `make data DATASET=mnist` again", stop.value.code)
+    fix = re.escape(f"run `python tools/prepare_data.py {tmp_path} mnist` again")  # `make data` writes data/ alone
+    assert re.match(f"error: {re.escape(str(path))}: .*{fix}", stop.value.code)
 
 
 def cifar_batch(labels, images=None):
@@ -282,8 +286,11 @@ def test_split_is_seeded_disjoint_and_complete():
     assert not torch.equal(holdout.split(whole, 0.2, seed=2)[1].labels, val.labels)
 
 
-def test_a_missing_set_names_its_folder_and_make_data(tmp_path):
-    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'cifar-100-python'} .*`make data DATASET=cifar100`"):
+def test_a_missing_set_names_its_folder_and_the_command_that_prepares_it_there(tmp_path):
+    """It said `make data DATASET=cifar100`, which writes the repository's data/ alone, whatever --data-dir was; and
+    for MNIST, "on a machine with internet access", which it does not need."""
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'cifar-100-python'} .*`python tools/prepare_data.py "
+                       f"{tmp_path} cifar100` \\(it downloads all but MNIST"):  # fmt: skip
         data.dataset(tmp_path, "cifar100", train=True)
 
 
@@ -309,7 +316,9 @@ def test_prepare_offline_says_where_to_run_it(monkeypatch, tmp_path):
     from torchvision import datasets  # here: collecting the tests imports no torchvision
 
     monkeypatch.setattr(datasets, data.SETS["cifar10"].download, offline)
-    with pytest.raises(SystemExit, match="cannot download cifar10 .*`make data DATASET=cifar10`"):
+    with pytest.raises(
+        SystemExit, match=f"cannot download cifar10 .*`python tools/prepare_data.py {tmp_path} cifar10`"
+    ):
         prepare_data.prepare(tmp_path, "cifar10")
 
 

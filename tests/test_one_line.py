@@ -249,7 +249,9 @@ def test_the_lessons_refusal_is_its_line_and_the_same_class_elsewhere_is_not(tmp
     assert failure.refusal(depth) == "error: --depth 15: a WideResNet is 6n+4 layers deep, n >= 1 (10, 16, 22, 28, 40)"
     missing = raised(lambda: data.dataset(tmp_path, "mnist", train=True))
     assert isinstance(missing, FileNotFoundError) and failure.refusal(missing) == f"error: {missing}"
-    assert f"mnist is not in {tmp_path / 'MNIST' / 'raw'}" in str(missing) and "make data DATASET=mnist" in str(missing)
+    assert f"mnist is not in {tmp_path / 'MNIST' / 'raw'}" in str(
+        missing
+    ) and f"prepare_data.py {tmp_path} mnist" in str(missing)
     task = tmp_path / "my_task.py"
     task.write_text(RAISE.format("ValueError('no such layer')"))
     for call, said in [

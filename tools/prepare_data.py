@@ -46,11 +46,11 @@ def download(name, data_dir, train):
             # files of another set, cut short or damaged, which torchvision reads instead of downloading
             raise SystemExit(
                 f"error: {folder} holds files torchvision cannot read as {name} ({why}): delete that folder and run "
-                f"`make data DATASET={name}` on a machine with internet access"
+                f"`python tools/prepare_data.py {data_dir} {name}` on a machine with internet access"
             ) from err
         raise SystemExit(
-            f"error: cannot download {name} ({why}): run `make data DATASET={name}` on a machine with internet "
-            f"access, or copy its {SETS[name].folder}/ into {data_dir}"
+            f"error: cannot download {name} ({why}): run `python tools/prepare_data.py {data_dir} {name}` on a "
+            f"machine with internet access, or copy its {SETS[name].folder}/ into {data_dir}"
         ) from err
 
 
@@ -70,7 +70,7 @@ def fetch(folder, file, unpacked=True):
         gone = f"delete {folder / file}, " if unpacked else ""
         return f"{gone}restore the repository's {file}.gz (git checkout -- data/MNIST/raw/), then run `make data`"
     gone = f"{folder / file} and {gz}" if unpacked else gz
-    return f"delete {gone}, then run `python tools/prepare_data.py {data_dir}`: it copies the repository's"
+    return f"delete {gone}, then run `python tools/prepare_data.py {data_dir}`: it copies the repository's own again"
 
 
 def prepare(data_dir, name="mnist"):

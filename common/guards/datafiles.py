@@ -22,11 +22,12 @@ from common.guards.ending import Refusal
 
 class BadFile(ValueError):
     """A data file that is there but wrong: its message names the file and the fix, instead of a
-    traceback from deep inside numpy or torch. Deleting it first matters: `make data` keeps the
-    files it finds."""
+    traceback from deep inside numpy or torch. Deleting it first matters: prepare_data.py keeps the
+    files it finds. Its command for the folder the file is in (`make data` writes data/ alone)."""
 
     def __init__(self, path, name, problem):
-        fix = f"delete it and run `make data DATASET={name}` again (or point --data-dir at a good copy)"
+        data_dir = path.parents[len(Path(data.SETS[name].folder).parts)]
+        fix = f"delete it and run `python tools/prepare_data.py {data_dir} {name}` again (or point --data-dir at a good copy)"
         super().__init__(f"{path}: {problem}: {fix}")
 
 
