@@ -16,6 +16,10 @@ from common.guards import arrival, rendezvous
 from common.guards.waits import deadline, fail, within
 
 HEARTBEAT = 1.0  # seconds between a rank's signs of life in the store
+SILENT = (  # a rank's end that no line of its own explains
+    "ended or stopped answering: its own error, if it had one, is above; else killed (a signal, a crash, the "
+    "out-of-memory killer), stopped, hung or swapping"
+)
 
 
 class Watchdog:
@@ -196,7 +200,7 @@ class Watchdog:
         if not self.store:
             return None
         rank, store, timeout = self.rank, self.store, self.timeout
-        stalled = []
+        failed, stalled = [], []  # ranks that said why they ended; ranks silent, for no reason known
 
         def ask():  # in a thread: a store on a stopped rank 0 accepts connections and never answers
             time.sleep(3 * HEARTBEAT)  # a rank killed just now (SIGKILL, out of memory) has beaten a moment ago
@@ -204,12 +208,11 @@ class Watchdog:
             try:
                 for r in range(self.world_size):
                     last = float(store.get(f"alive/{r}")) if store.check([f"alive/{r}"]) else 0
+                    who = f"{r} ({store.get(f'host/{r}').decode()}"
                     if store.check([f"failed/{r}"]):  # it said why it ended: no guess
-                        stalled.append(
-                            f"{r} ({store.get(f'host/{r}').decode()}) failed: {store.get(f'failed/{r}').decode()[7:]}"
-                        )
+                        failed.append(f"rank {who}) failed: {store.get(f'failed/{r}').decode()[7:]}")
                     elif now - last > 3 * HEARTBEAT:
-                        stalled.append(f"{r} ({store.get(f'host/{r}').decode()}, silent for {now - last:.0f} s)")
+                        stalled.append(f"{who}, silent for {now - last:.0f} s)")
             except dist.DistError:  # the store ended with rank 0
                 stalled.append(f"0 (the store at {self.where} is gone)")
 
@@ -218,13 +221,9 @@ class Watchdog:
         asking.join(5 + 3 * HEARTBEAT)
         if asking.is_alive():
             cause = f"rank 0, which holds the store at {self.where}, stopped answering"
-        elif stalled:
-            cause = (
-                f"rank {', rank '.join(stalled)} ended or stopped answering: its own error, if it had one, is "
-                "above; else killed (a signal, a crash, the out-of-memory killer), stopped, hung or swapping"
-            )
-        else:
-            cause = "every rank still answers: see the collective's error"
+        else:  # a rank that said why it ended is named with its reason; one that went silent, with the guesses
+            silent = [f"rank {', rank '.join(stalled)} {SILENT}"] if stalled else []
+            cause = "; ".join(failed + silent) or "every rank still answers: see the collective's error"
         return (
             f"error: rank {rank}: a collective failed within --dist-timeout {timeout} s: {cause} "
             f"[{type(error).__name__}: {str(error).splitlines()[0][:160]}]"
