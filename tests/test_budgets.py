@@ -184,6 +184,17 @@ def test_the_lesson_reads_in_one_sitting():
     assert out.returncode == 0 and out.stdout.endswith("all limits hold\n"), out.stdout
 
 
+def test_the_reading_path_tool_refuses_what_it_does_not_take():
+    """`--bogus` (or `--jsn`) ran the whole report and exited 0; `--help` did too."""
+    run = lambda *argv: subprocess.run([sys.executable, "tools/reading_path.py", *argv], cwd=REPO,  # noqa: E731
+                                       capture_output=True, text=True, timeout=HANG)  # fmt: skip
+    bogus, helped = run("--raw", "--jsn"), run("--help")
+    assert (
+        bogus.returncode == 1 and bogus.stderr == "error: tools/reading_path.py takes --json and --raw alone: --jsn\n"
+    )
+    assert not bogus.stdout and helped.returncode == 0 and helped.stdout.startswith("What a learner reads")
+
+
 HOLDERS = {"totals", "sums", "cut", "carry", "position", "so_far"}  # have held an epoch's sums
 
 

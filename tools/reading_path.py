@@ -341,4 +341,8 @@ def main():
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] in (["-h"], ["--help"]):  # its help is its docstring
+        sys.exit(print(__doc__))
+    if unknown := [arg for arg in sys.argv[1:] if arg not in ("--json", "--raw")]:  # a typo ran the whole report
+        sys.exit(f"error: tools/reading_path.py takes --json and --raw alone: {' '.join(unknown)}")
     main()
