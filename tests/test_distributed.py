@@ -1,5 +1,6 @@
 """The rank helper over plain, torchrun and srun environments, and the mistakes it must catch early."""
 
+import os
 import re
 from types import SimpleNamespace
 
@@ -210,7 +211,8 @@ def test_fake_gpus_fall_back_to_cpu(monkeypatch):
         ({"SLURM_CPUS_PER_TASK": "1"}, 0),
     ],
 )
-def test_default_num_workers(env, workers):
+def test_default_num_workers(env, workers, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))  # the task's 8 CPUs, as Slurm binds them
     assert loaders.num_workers(SimpleNamespace(loader="classic", num_workers=None), True, env) == workers
 
 

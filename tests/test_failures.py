@@ -692,7 +692,7 @@ def test_missing_data_fails_every_rank_fast(tmp_path):
     began = time.monotonic()
     out = torchrun(2, S03, *stage_args(tmp_path / "empty", tmp_path))
     assert out.returncode != 0 and time.monotonic() - began < 30
-    assert out.stderr.count("make data") >= 2  # each rank says why, and what to do
+    assert out.stderr.count("tools/prepare_data.py") >= 2  # each rank says why, and what to do
 
 
 # 10: two jobs on one node pick the same MASTER_PORT

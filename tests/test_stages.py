@@ -134,10 +134,10 @@ def test_batch_step_trap_fails_fast(tiny_data, tmp_path):
     assert out.returncode != 0 and "srun" in out.stderr and "SLURM_NTASKS=4" in out.stderr, out.stderr
 
 
-def test_missing_data_names_path_and_make_data(tmp_path):
+def test_missing_data_names_path_and_the_command_that_prepares_it(tmp_path):
     out = run([sys.executable, "01_single_gpu/train.py", *stage_args(tmp_path / "empty", tmp_path)], timeout=HANG)
     assert out.returncode != 0 and str(tmp_path / "empty" / "MNIST" / "raw") in out.stderr
-    assert "make data" in out.stderr
+    assert f"run `python tools/prepare_data.py {tmp_path / 'empty'} mnist`" in out.stderr  # `make data`: data/ alone
 
 
 def test_tiny_data_reads_as_real_mnist(tiny_data):
