@@ -457,3 +457,35 @@ def test_a_program_a_dataloader_worker_starts_gets_the_default_signal_handling(t
     assert int(found["status"]["SigBlk"], 16) & stops == 0, found
     assert int(found["status"]["SigIgn"], 16) & stops == 0, found
     assert found["code"] == -signal.SIGTERM, found
+
+
+TEARDOWN = """
+import os, time
+from common.tasks.images import add_arguments, check, datasets, model
+
+
+class Slow:  # destroyed with the task's module, in Python's teardown: after it resets the handlers of signals
+    def __del__(self, open=open, mark=os.environ["TEARDOWN_MARK"], sleep=time.sleep):  # the module's names are gone
+        open(mark, "a").close()
+        sleep(3)
+
+
+slow = Slow()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", [S01, S03])
+def test_a_signal_in_the_interpreters_teardown_after_done_leaves_status_0(script, tiny_data, tmp_path):
+    """A run of one process that printed `done:` ends in Python's teardown, which resets every signal's handler to
+    the default: SIGTERM there (Slurm's, a requeue's) killed the finished run, status 143 and no line, and a job
+    script took it for a stopped run. From the exit functions on, a stop changes nothing: it ends with 0."""
+    task, mark = tmp_path / "task.py", tmp_path / "tearing-down"
+    task.write_text(TEARDOWN)
+    proc = start(
+        script, *args(tiny_data, tmp_path / "out", "--task", task, "--epochs", 1), env=clean_env(TEARDOWN_MARK=mark)
+    )
+    wait_for(mark.exists, 120, proc)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0 and "done: 1 epochs" in output, (proc.returncode, output[-2000:])
