@@ -423,16 +423,16 @@ def test_ranks_reading_different_data_stop_naming_the_data(tiny_data, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_timed_save_is_made_by_every_rank_at_one_step_without_a_collective_per_step(tiny_data, tmp_path):
-    """Rank 1's own clock never calls for a save (--checkpoint-minutes 1000: a free option, the ranks may
+@pytest.mark.parametrize("own", [["--checkpoint-minutes", 1000], []], ids=["1000", "none"])
+def test_a_timed_save_is_made_by_every_rank_at_one_step_without_a_collective_per_step(own, tiny_data, tmp_path):
+    """Rank 1's own clock never calls for a save (--checkpoint-minutes 1000, or none: a free option, the ranks may
     differ in it): it hears of rank 0's proposal through the store, and both save at the same step, mid-epoch
     though an epoch is shorter than --log-interval. Saves at different steps would pair rank 0's collectives
-    of the save with rank 1's of its next step: an error or a hang, never exit status 0."""
+    of the save with rank 1's of its next step: an error or a hang, never exit status 0. A rank without the flag
+    never looked at the proposal: the run hung until --dist-timeout, naming no option."""
     slow = dict(PYTHONPATH=f"{INJECT}:{REPO}", FAULT_RANK=0, FAULT_SLEEP=0.1)  # steps longer than 0.001 minutes
     timed = stage_args(tiny_data, tmp_path, "--epochs", 2, "--dist-timeout", 20)
-    rank0, rank1 = finish(
-        ranks(S03, [[*timed, "--checkpoint-minutes", 0.001], [*timed, "--checkpoint-minutes", 1000]], **slow)
-    )
+    rank0, rank1 = finish(ranks(S03, [[*timed, "--checkpoint-minutes", 0.001], [*timed, *own]], **slow))
     assert rank0.returncode == 0 and rank1.returncode == 0, rank0.stderr + rank1.stderr
     steps = re.findall(r"saved at epoch [12], step (\d) \(--checkpoint-minutes", rank0.stdout)
     assert len(steps) >= 2 and all(0 < int(s) <= STEPS for s in steps), rank0.stdout

@@ -3,6 +3,7 @@ or --checkpoint-minutes saves at a step every rank agrees on (preemption.py), pa
 between two evaluation batches; nothing non-finite is ever saved; and while a checkpoint is written, a failure's
 line names it and torchrun's end waits for it (watchdog.heartbeat())."""
 
+import math
 import os
 import shutil
 import time
@@ -94,15 +95,17 @@ class Saving:
     def stop_or_save(self, at, evaluating=False):
         """At `at` (a progress.Position): on a stop, save at the step all ranks agreed on and end the run; with
         --checkpoint-minutes, save when they have passed. `evaluating`: in evaluate(), after the epoch's training."""
-        minutes = self.args.checkpoint_minutes
+        minutes = self.args.checkpoint_minutes  # a node without it saves where another node's clock asks
         if self.preemption.check(at.count):
             self.save(at.epoch, at.step, at.sums, evaluating)
             distributed.print0(
                 f"saved at epoch {at.epoch}, step {at.step}: resume with --resume ({self.preemption.signal})"
             )
             raise signals.SavedStop(self.preemption.exit_code())
-        if minutes and self.preemption.due(minutes, at.count) and self.save(at.epoch, at.step, at.sums, evaluating):
-            distributed.print0(f"saved at epoch {at.epoch}, step {at.step} (--checkpoint-minutes {minutes})")
+        if self.preemption.due(minutes or math.inf, at.count) and self.save(at.epoch, at.step, at.sums, evaluating):
+            distributed.print0(
+                f"saved at epoch {at.epoch}, step {at.step} (--checkpoint-minutes {minutes or 'elsewhere'})"
+            )
 
     def save(self, epoch, step, sums, evaluating=False):
         """A checkpoint `step` steps into `epoch`: the sums and time so far go with it (its "cut"),
