@@ -154,10 +154,10 @@ def start(script, *args, nproc=None, env=None):
 
 def nodes(script, *args, nproc=(1, 1), restarts=0, env=None):
     """torchrun agents meeting in a c10d rendezvous as on len(nproc) nodes, nproc[i] ranks on node i: started and
-    left running. The store is not shared with the ranks, as in the job scripts."""
+    left running. The store is not shared with the ranks, as in the job scripts, unless `env` says so."""
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(nproc)}", f"--max-restarts={restarts}",
                 "--rdzv_backend=c10d", "--rdzv_id=1", f"--rdzv_endpoint=127.0.0.1:{free_port()}"]  # fmt: skip
-    env = (env or clean_env()) | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} | (env or clean_env())
     cmds = [[*launcher, f"--nproc_per_node={n}", str(script), *map(str, args)] for n in nproc]
     return [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for cmd in cmds]  # fmt: skip

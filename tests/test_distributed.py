@@ -10,6 +10,7 @@ import torch
 from common import cli, distributed
 from common.environment import Launch, first_host, launcher, master_port
 from common.guards import check, launching
+from common.guards.ending import Refusal
 from common.options import loaders
 
 
@@ -229,3 +230,15 @@ def test_parser_refuses_zero_and_negative(flag, capsys):
     with pytest.raises(SystemExit):
         check.check_args(check.parse_args([flag])[0])
     assert flag.split("=")[0] in capsys.readouterr().err
+
+
+def test_a_store_shared_across_restarts_the_nodes_count_apart_is_refused():
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "1"}
+    with pytest.raises(Refusal, match="export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun"):
+        launching.check_restarts(shared)
+    for fine in (
+        {"TORCHELASTIC_USE_AGENT_STORE": "False"},
+        {"GROUP_WORLD_SIZE": "1"},
+        {"TORCHELASTIC_MAX_RESTARTS": "0"},
+    ):
+        launching.check_restarts(shared | fine)  # its own store (the job scripts'), one node, or no restart

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from common.environment import count
 from common.guards.ending import Refusal
 from common.options import amp
 
@@ -48,6 +49,22 @@ def check_launch(launch, args):
             flush=True,
         )
     check_amp(args, launch)
+    check_restarts()
+
+
+def check_restarts(env=os.environ):
+    """torchrun on several nodes that restarts failed workers (--max-restarts) shares its rendezvous store with them
+    unless told not to, and each node counts its restarts: after one node's workers failed, that node's attempt 1
+    met the other's attempt 0 again, in the keys the first attempt left (its ranks' claims, torch's addresses:
+    pytorch#135712), and the restart failed. Refused before the first attempt, not at the restart hours later."""
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if shared and (count(env.get("GROUP_WORLD_SIZE")) or 1) > 1 and count(env.get("TORCHELASTIC_MAX_RESTARTS")):
+        raise Refusal(
+            "error: torchrun on several nodes with --max-restarts shares its store with the workers across restarts, "
+            "which the nodes count apart (pytorch#135712): export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before "
+            "torchrun, as 04_ddp_multi_node/job_torchrun.slurm does",
+            once=True,
+        )
 
 
 def check_amp(args, launch):
