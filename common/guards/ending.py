@@ -40,8 +40,8 @@ def end(code, joined):
     collective's tensor. So does a process that a task's thread would keep alive (Python's teardown waits for
     every thread not a daemon: the run would print its verdict and never end). Otherwise Python ends the run as
     usual (kernprof writes its profile after it). From here on a signal that stops a run ends it at once with
-    the status decided (Slurm's SIGTERM again, a second Ctrl-C): it never changes the status. In Python's teardown,
-    which resets every handler to the default (143 for a finished run), from the exit functions on it is ignored."""
+    the status decided (Slurm's SIGTERM again, a second Ctrl-C): it never changes the status; after the last exit
+    function, in Python's teardown, it is ignored (signals.end_at_once())."""
     status = code if isinstance(code, int) else int(code is not None)
     for signum in STOPS:
         signal.signal(signum, lambda *_: os._exit(status))
@@ -50,7 +50,6 @@ def end(code, joined):
     for child in multiprocessing.active_children():  # DataLoader workers that a failure's traceback still holds:
         child.kill()  # they let SIGTERM pass (signals.shield_worker), and multiprocessing's exit would wait for ever
     if not joined and not lingering():
-        atexit.register(lambda: [signal.signal(signum, signal.SIG_IGN) for signum in STOPS])  # kept by the teardown
         if code:
             raise SystemExit(code) from None
         return

@@ -15,6 +15,7 @@ sends to every process of its launch) and SIGHUP (a closed ssh session) are one 
 status is 128 + its number. DataLoader workers leave them to their rank, and the programs those start get the
 default handling back (shield_worker()). The tests that prove each: tests/FAILURES.md, "Signals"."""
 
+import atexit
 import os
 import signal
 import sys
@@ -142,6 +143,15 @@ def end_at_once():
     one could catch a Stopped. A stop exits with the same line and status, not a traceback out of an import."""
     install(AtOnce(exit_stopped))  # the first stop counts: a second Ctrl-C does not say it again
     sys.unraisablehook = dropped(sys.unraisablehook)
+    atexit.register(ignore_stops)  # the last exit function: the teardown after it resets each handler to the default
+
+
+def ignore_stops():
+    """After the exit functions (a task's, line_profiler's): a stop no longer changes the status decided. Python's
+    teardown resets every handler it set to the default, whose SIGTERM ended a finished run with 143 and no line;
+    ignored signals it leaves so. Until then a stop still ends a run that an exit function holds."""
+    for signum in STOPS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def exit_stopped(signum):
