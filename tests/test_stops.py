@@ -479,7 +479,7 @@ slow = Slow()
 def test_a_signal_in_the_interpreters_teardown_after_done_leaves_status_0(script, tiny_data, tmp_path):
     """A run of one process that printed `done:` ends in Python's teardown, which resets every signal's handler to
     the default: SIGTERM there (Slurm's, a requeue's) killed the finished run, status 143 and no line, and a job
-    script took it for a stopped run. From the exit functions on, a stop changes nothing: it ends with 0."""
+    script took it for a stopped run. After the last exit function a stop changes nothing: it ends with 0."""
     task, mark = tmp_path / "task.py", tmp_path / "tearing-down"
     task.write_text(TEARDOWN)
     proc = start(
