@@ -356,7 +356,7 @@ def test_a_non_finite_score_is_never_logged(tmp_path):
     """A task's score() of inf (a relative error of a target of 0): the row and checkpoint were written with it."""
     sums = Epoch.read(torch.tensor([[1.0, 0, 8], [0, 0, 0], [1.0, float("inf"), 4]]))
     with pytest.raises(SystemExit, match=re.escape("non-finite test score (inf): the task's score() must sum")):
-        divergence.check_epoch(1, sums, tmp_path, True)
+        divergence.check_epoch(1, sums, tmp_path, lambda value: pytest.fail(f"the losses are finite, not {value}"))
 
 
 def test_a_loss_summed_over_the_batch_is_refused_before_the_first_step(tmp_path):
@@ -432,6 +432,24 @@ def test_a_batch_with_nothing_labelled_is_named_not_called_a_divergence(where, t
     )
     one_error(out, said, "the weights are finite, so the run did not diverge", "labels are all -100")
     assert "try a lower --lr" not in out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "extra, said",
+    [
+        (("--lr", "1e10", "--limit", 1000, "--log-interval", 1), "the training loss is not finite by epoch 1, batch 3"),
+        (("--lr", "1e11", "--limit", 200, "--batch-size", 200), "epoch 1 ended with a non-finite test loss (nan)"),
+    ],
+)
+def test_a_divergence_whose_weights_are_still_finite_is_called_one(extra, said, tmp_path):
+    """MNIST at --lr 1e10: the weights grow huge but finite, and the losses overflow first (a sum of losses of 1e36,
+    logits that make cross-entropy nan). The run said it did not diverge, and to write a loss() of one's own for
+    labels of -100 that MNIST has none of. The model's outputs on two training samples, or a sum that is infinite
+    (over no label the default loss is nan, never inf), name the divergence and its fix."""
+    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--epochs", 1, *extra))
+    one_error(out, said, "the weights are finite, but the model's outputs or losses overflow", "try a lower --lr")
+    assert "-100" not in out.stderr
 
 
 def test_a_model_output_with_a_number_beside_the_batch_is_evaluated():

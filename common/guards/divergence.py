@@ -23,9 +23,14 @@ def kept(output_dir):
     return f"the checkpoint in {output_dir} keeps the last good epoch" if saved else "nothing was saved yet"
 
 
-def of_the_loss(default_loss, output_dir):
-    """Why a loss is not finite where the weights are (checked first): no divergence, the loss's own value. The
-    default loss on a batch with nothing labelled was called a divergence, with advice to lower --lr."""
+def of_the_loss(default_loss, output_dir, value, overflows):
+    """Why a loss is `value`, not finite, where the weights are (checked first). A divergence where the model's
+    outputs on two training samples are not finite either (`overflows`), or the default loss is infinite, a sum of
+    losses too large (over no label it is nan, never inf): its loss overflows before its weights (--lr 1e10).
+    Else no divergence, the loss's own value: the default loss on a batch with nothing labelled was called a
+    divergence, with advice to lower --lr."""
+    if overflows or (default_loss and math.isinf(value)):
+        return f"the weights are finite, but the model's outputs or losses overflow: {advice(output_dir)}"
     if default_loss:
         why = (
             "the default loss, cross-entropy, is nan for a batch whose labels are all -100 (ignored: a mean over "
@@ -57,12 +62,13 @@ def loss_finite(sums):
     return not bad.item()
 
 
-def check_epoch(epoch, sums, output_dir, default_loss):
-    """`sums`: the all-reduced sums of an epoch (metrics.Epoch), the same on every rank; the weights are finite."""
+def check_epoch(epoch, sums, output_dir, why):
+    """`sums`: the all-reduced sums of an epoch (metrics.Epoch), the same on every rank; the weights are finite;
+    `why` says why a loss is not finite (Guard.why(): every rank asks)."""
     for name, part in sums._asdict().items():  # training, validation, test
         if not math.isfinite(part.loss):
             loss = f"epoch {epoch} ended with a non-finite {name} loss ({part.loss})"
-            stop(f"error: {loss}: {of_the_loss(default_loss, output_dir)}")
+            stop(f"error: {loss}: {why(part.loss)}")
         if not all(map(math.isfinite, part.score)):  # the task's score(): a relative error of a target of 0
             stop(
                 f"error: epoch {epoch} ended with a non-finite {name} score ({', '.join(map(str, part.score))}): "

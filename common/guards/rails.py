@@ -64,7 +64,7 @@ class Guard:
         self.claimed = False  # the folder is this run's (resume()): a failure keeps its traceback there
         self.data, self.sizes = None, None  # the training and test sets' fingerprints, the sets' sizes
         self.default_loss = False  # the task has no loss() of its own: cross-entropy on the model's output
-        self.own_loss = None  # the task's loss() and two training samples batched: check_mean()
+        self.own_loss, self.probe = None, None  # the task's loss(); two training samples batched: check_mean(), why()
 
     @property
     def doing(self):
@@ -103,7 +103,7 @@ class Guard:
         preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.sizes = (len(train_set), len(val_set), len(test_set))  # what each epoch must count: check_epoch()
         self.default_loss = not hasattr(task, "loss")
-        self.own_loss = None if self.default_loss else (task.loss, samples.first_batch(train_set, task))
+        self.own_loss, self.probe = getattr(task, "loss", None), samples.first_batch(train_set, task)
         samples.check_totals(self.args, task, self.sizes[1:])  # a task's totals: a row on every rank
         pretrained.check_weights(self.args, task)  # the task's file of whole weights, before it is trusted
         pretrained.check_meta_load(self.args, task)  # stage 05: weights model(args) loads itself are lost on meta
@@ -126,7 +126,7 @@ class Guard:
         if self.default_loss and not self.args.compile:  # compiled, a hook would change the graphs
             logits.watch(states["model"], self.args.task)  # probabilities out (a softmax, a sigmoid): its first step
         if self.own_loss and not self.args.compile:  # compiled, two samples would compile another graph
-            samples.check_mean(states["model"], *self.own_loss, self.args.task)  # a sum over the batch
+            samples.check_mean(states["model"], self.own_loss, self.probe, self.args.task)  # a sum over the batch
         record = recorded.record(self.args, states, self.data)  # what defines the run, for its manifest
         # what its checkpoint must hold: its parts, the model's dtypes and shapes, the steps of an epoch
         declared = recorded.declared(states, sharded, self.sizes and self.sizes[0], self.args)
@@ -147,7 +147,7 @@ class Guard:
         at = self.progress.stepped(epoch, batch, sums)
         self.saving.stepped()
         if batch % self.args.log_interval == 0:
-            self.saving.check_loss(epoch, at.step - 1, sums, self.default_loss)
+            self.saving.check_loss(epoch, at.step - 1, sums, self.why)
         self.saving.stop_or_save(at)
 
     def end_of_batch(self):
@@ -160,9 +160,15 @@ class Guard:
         """Before the epoch's row and checkpoint: its all-reduced losses (metrics.Epoch) and the weights finite, and
         every sample counted; the checkpoint the epoch's replaces stays as the previous one."""
         self.saving.check_weights(f"epoch {epoch} left weights that are not finite")  # first: a divergence is named so
-        divergence.check_epoch(epoch, sums, self.args.output_dir, self.default_loss)
+        divergence.check_epoch(epoch, sums, self.args.output_dir, self.why)
         samples.check_counts(epoch, sums, self.sizes, self.args.dry_run)
         self.saving.epoch_end(epoch)
+
+    def why(self, value):
+        """Why a loss is `value`, not finite, where the weights are (divergence.of_the_loss()); every rank asks: the
+        model's forward on the two samples is collective (compiled, it would compile another graph: not run)."""
+        overflows = not self.args.compile and samples.overflows(self.saving.states["model"], self.probe)
+        return divergence.of_the_loss(self.default_loss, self.args.output_dir, value, overflows)
 
     def check_folder(self):
         """Before --save-model's export (every rank): the folder and its lock still those rank 0 took."""

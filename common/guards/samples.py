@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import default_collate
 
 from common.data import Images, count, to_device
+from common.guards.divergence import finite
 from common.guards.ending import stop
 from common.guards.randomness import generators, set_generators
 from common.options.loaders import Seeded, seed
@@ -154,6 +155,21 @@ def check_mean(model, loss, batch, task):
             "same twice): the stages take it as the mean over the batch's samples (the logged losses, the gradients' "
             'scale and DDP\'s average follow it): return the mean (reduction="mean", or divide by the samples)'
         )
+
+
+def overflows(model, batch):
+    """Are the model's outputs on `batch` (two training samples) not finite, its weights finite? A run diverging
+    overflows there before in its weights (--lr 1e10); a loss of its own (the default one over no label) does not.
+    The model's mode and the run's generators are left as they were (every rank runs it: FSDP's forward is
+    collective)."""
+    training, before = model.training, generators()
+    try:
+        with torch.no_grad():
+            output = model.eval()(to_device(batch, next(model.parameters()).device)[0])
+    finally:
+        model.train(training)
+        set_generators(before)
+    return not finite(output)
 
 
 def explain(err, task):

@@ -167,9 +167,9 @@ class Saving:
         if self.sharded and dist.is_initialized():
             dist.barrier()  # no rank writes into the folder before it is gone
 
-    def check_loss(self, epoch, step, sums, default_loss):
+    def check_loss(self, epoch, step, sums, why):
         """At a progress line: a training loss not finite on any rank stops every rank, as a divergence where the
-        weights are not finite either, else naming the loss (divergence.of_the_loss())."""
+        weights are not finite either, else saying `why` of its value (Guard.why())."""
         if not divergence.loss_finite(sums):
             model = self.states["model"]  # one verdict on every rank, though a fault made one rank's alone non-finite
             device = next(model.parameters()).device if dist.is_initialized() else None
@@ -181,7 +181,7 @@ class Saving:
                 device,
             )
             loss = f"the training loss is not finite {at}"
-            stop(f"error: {loss}: {divergence.of_the_loss(default_loss, self.args.output_dir)}")
+            stop(f"error: {loss}: {why(float(sums.loss))}")
 
     def check_weights(self, what):
         """The weights and the optimizer's state finite, or every rank ends in one line (divergence.py)."""
