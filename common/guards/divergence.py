@@ -1,8 +1,9 @@
 """Guard rail: a run that diverges stops, every rank at the same point, and never saves what diverged.
 A non-finite loss is seen at the progress lines (every --log-interval steps: no extra sync per step), a
 non-finite epoch result or non-finite weights before the epoch's checkpoint. The last good checkpoint then
-survives, to resume with a lower --lr. A non-finite loss from finite weights is no divergence: the loss's own
-(the default loss on a batch with nothing labelled), named so."""
+survives, to resume with a lower --lr. A non-finite loss from finite weights is one too where the losses or the
+model's outputs overflow (of_the_loss()); else it is the loss's own (the default loss on a batch with nothing
+labelled), named so."""
 
 import math
 import os
