@@ -205,9 +205,10 @@ def test_a_target_of_accuracy_outside_its_percent_is_one_line(tmp_path):
     """--target 0.95 on accuracy, in %: reached at the first evaluation, the run stopped as if it had trained to
     95 %; 150 was never reached. A task's metric of its own takes any target."""
     log = Log(tmp_path, 1, Metric())
-    for target, said in ((0.95, r"0.95 % is reached at once \(did you mean 95\?\)"), (150, "150 % is never reached")):
-        with pytest.raises(ValueError, match=r"^--target [\d.]+: accuracy is in %, from 0 to 100: " + said):
-            holdout.reached(log, target, 1)
+    for target, said in ((0.95, r"0.95 % is reached at once \(did you mean 95\?\)"), (150, "150 % is never reached"),
+                         (-5, "-5 % is reached at once$"), (0, "0 % is reached at once$")):  # fmt: skip
+        with pytest.raises(ValueError, match=r"^--target -?[\d.]+: accuracy is in %, from 0 to 100: " + said):
+            holdout.reached(log, target, 1)  # no hint where the target is no fraction: "did you mean -500?"
     assert not holdout.reached(log, 99, 1) and not holdout.reached(Log(tmp_path, 1, Metric("mae", "lower")), 0.5, 1)
 
 

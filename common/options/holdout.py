@@ -41,7 +41,8 @@ def unreachable(name, target):
     fraction (0.99) is reached at once (tools/scaling.py's --target too)."""
     if name != "accuracy" or 1 < target <= 100:
         return None
-    hint = f"reached at once (did you mean {100 * target:g}?)" if target <= 1 else "never reached"
+    hint = "never reached" if target > 100 else "reached at once"
+    hint += f" (did you mean {100 * target:g}?)" if 0 < target <= 1 else ""  # a fraction, not in %
     return f"--target {target:g}: accuracy is in %, from 0 to 100: {target:g} % is {hint}"
 
 
