@@ -142,6 +142,21 @@ def test_a_restart_of_another_launch_is_refused_and_its_own_resumes(tiny_data, t
 
 
 @pytest.mark.slow
+def test_a_restart_whose_checkpoint_is_gone_names_the_one_before_and_starts_nothing_over_it(tiny_data, tmp_path):
+    """checkpoint.pt deleted from a run's folder (by hand, a scratch purge), checkpoint-previous.pt still there: a
+    requeue took itself for one before the first save and trained again from epoch 1, over the complete checkpoint
+    and the rows. A bare --resume said there was nothing to resume from. Both name the one before and its command."""
+    assert small(S01, tiny_data, tmp_path, "--epochs", 2, SLURM_JOB_ID=41).returncode == 0
+    (tmp_path / "checkpoint.pt").unlink()
+    before = (tmp_path / "metrics.csv").read_bytes(), (tmp_path / "checkpoint-previous.pt").read_bytes()
+    hint = f"the checkpoint of epoch 1 is complete: resume from it with --resume {tmp_path / 'checkpoint-previous.pt'}"
+    out = small(S01, tiny_data, tmp_path, "--epochs", 3, SLURM_JOB_ID=41, SLURM_RESTART_COUNT=1)
+    one_error(out, f"this run's restart finds no checkpoint.pt in {tmp_path} to resume from", hint)
+    one_error(small(S01, tiny_data, tmp_path, "--epochs", 3, "--resume", SLURM_JOB_ID=41), "no checkpoint.pt in", hint)
+    assert ((tmp_path / "metrics.csv").read_bytes(), (tmp_path / "checkpoint-previous.pt").read_bytes()) == before
+
+
+@pytest.mark.slow
 def test_a_torchrun_restart_of_a_refused_run_is_refused_again(uninterrupted, tiny_data, tmp_path):
     """torchrun --max-restarts (as the job scripts use): the first attempt is refused (the folder holds an
     earlier run), and its restart took itself for a resume and overwrote that run."""

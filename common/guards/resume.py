@@ -6,10 +6,8 @@ A run resumes by itself when Slurm requeued or restarted its job (SLURM_RESTART_
 restarted its workers, and its folder's manifest names that launch (common/guards/ownership.py); otherwise
 only with --resume [PATH]."""
 
-import io
 import os
 import pickle
-import pickletools
 
 import torch.distributed as dist
 
@@ -17,8 +15,8 @@ from common import checkpoint
 from common.checkpoint import SHARDED, WHOLE
 from common.distributed import print0
 from common.environment import is_rank0, restarts
-from common.guards import ownership, recorded
-from common.guards.bounded import PICKLE, Refused, torch_file
+from common.guards import ownership, recorded, safeload
+from common.guards.bounded import Refused, torch_file
 from common.guards.ending import Refusal, stop
 from common.guards.recorded import mismatch
 from common.guards.safeload import Planted, damage, tensors
@@ -74,16 +72,6 @@ def saved(output_dir):
     return any(os.path.lexists(output_dir / n) for n in (WHOLE, SHARDED, PREVIOUS, f"{SHARDED}-previous"))
 
 
-def calls(file):
-    """Does `file` read as a pickle that names something to call (read by pickletools, which runs nothing)?"""
-    try:
-        with open(file, "rb") as f:  # read within PICKLE: a declared length is not trusted either
-            ops = pickletools.genops(io.BytesIO(f.read(PICKLE)))
-            return any(op.name in ("GLOBAL", "STACK_GLOBAL", "INST", "OBJ") for op, _, _ in ops)
-    except Exception:  # no pickle at all
-        return False
-
-
 class Unusable(Exception):
     """A checkpoint that cannot be resumed from, and why."""
 
@@ -137,7 +125,9 @@ def find(args, path, name, restarted, fingerprints, declared=None):
     run starts afresh, in a folder that must be free."""
     manifest = ownership.read(args.output_dir)
     restarted = restarted and ownership.continues(manifest)
-    if args.resume is None and restarted and path is None:  # restarted before its first checkpoint
+    if args.resume is None and restarted and path is None:  # restarted before its first checkpoint, or it is gone
+        if saved(args.output_dir):  # the one before is there: never started afresh over it, unsaid
+            missing(args.output_dir / name, manifest, "this run's restart finds ")
         return None, manifest["run"]
     if args.resume is None and not restarted:  # afresh, whatever the folder holds
         if manifest and manifest.get("record") and ownership.output(args.output_dir) and not saved(args.output_dir):
@@ -146,14 +136,7 @@ def find(args, path, name, restarted, fingerprints, declared=None):
         return None, None
     own = args.output_dir / name
     if not path.exists():
-        other = args.output_dir / (WHOLE if name == SHARDED else SHARDED)
-        held = f" (it holds {other.name}, of {'stages 01-04' if other == args.output_dir / WHOLE else 'stage 05'})"
-        held = held if other.exists() else ""
-        if path == own and manifest and not saved(args.output_dir):
-            held = f": {ownership.whose(manifest)} saved none; the same command without --resume starts it again"
-        if path.is_symlink():  # stage 05's link, to a folder deleted or moved: the one before may be whole
-            held = f" ({path} names {os.readlink(path)}, which is gone){fallback(args.output_dir, path.resolve())}"
-        raise Refusal(f"error: no {path.name} in {path.parent} to resume from{held}")
+        missing(path, manifest if path == own else None)
     try:
         state = load(path)
     except (Unusable, Planted) as problem:
@@ -187,6 +170,26 @@ def find(args, path, name, restarted, fingerprints, declared=None):
     return state | {"world": run.get("world")}, ownership.check_resume(args.output_dir, manifest, path, stamp.get("id"))
 
 
+def missing(path, manifest, who=""):
+    """A checkpoint to resume from that is not there, in one line, with what the folder holds instead: the other kind,
+    the complete one before (checkpoint-previous.pt, stage 05's folder before), or that the run saved none.
+    `manifest`: that of the folder, where `path` is the run's own checkpoint there."""
+    folder, name = path.parent, path.name
+    other = folder / (WHOLE if name == SHARDED else SHARDED)
+    held = (
+        f" (it holds {other.name}, of {'stages 01-04' if other.name == WHOLE else 'stage 05'})"
+        if other.exists()
+        else ""
+    )
+    if manifest and not saved(folder):
+        held = f": {ownership.whose(manifest)} saved none; the same command without --resume starts it again"
+    elif path.is_symlink():  # stage 05's link, to a folder deleted or moved: the one before may be whole
+        held = f" ({path} names {os.readlink(path)}, which is gone){fallback(folder, path.resolve())}"
+    elif manifest:
+        held = fallback(folder, path) or held
+    raise Refusal(f"error: {who}no {name} in {folder} to resume from{held}")
+
+
 def load(path):
     """A checkpoint's run state: checkpoint.pt, or a sharded folder's state.pt with its shards checked and
     "folder" added; Unusable if it is damaged or no training checkpoint, Planted if it would run code."""
@@ -197,7 +200,7 @@ def load(path):
     try:
         torch_file(file)  # its headers against what it declares, before torch allocates what it declares
     except Refused as problem:
-        if calls(file):  # no zip: a plain pickle naming a callable
+        if safeload.calls(file):  # no zip: a plain pickle naming a callable
             raise Planted(
                 f"{file} is not a checkpoint this repository wrote (a pickle that names a callable): it may be planted"
             ) from None
@@ -206,7 +209,7 @@ def load(path):
     try:
         state = read(path)
     except pickle.UnpicklingError as err:
-        if "global" not in str(err).lower() and not calls(file):  # a pickle that calls nothing: a damaged file
+        if "global" not in str(err).lower() and not safeload.calls(file):  # a pickle that calls nothing: a damaged file
             raise Unusable(f"{path} is not a checkpoint this code wrote, or is damaged (UnpicklingError)") from None
         raise Planted(
             f"{file} is not a checkpoint this repository wrote (torch.load with weights_only=True "
@@ -229,7 +232,8 @@ def load(path):
 
 def fallback(output_dir, damaged):
     """The complete checkpoint before the damaged latest one in output_dir, as a hint: '' if there is none."""
-    candidates = [output_dir / PREVIOUS] if damaged.is_file() else [f for f in epochs(output_dir) if f != damaged]
+    whole = damaged.is_file() or damaged.name == WHOLE  # checkpoint.pt damaged, or gone
+    candidates = [output_dir / PREVIOUS] if whole else [f for f in epochs(output_dir) if f != damaged]
     for path in candidates:
         try:
             state = load(path)

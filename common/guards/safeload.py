@@ -4,10 +4,12 @@ planted in a shared folder would run on every rank at the next resume, which a r
 starts by itself. The lesson reads it with an unpickler that builds DCP's metadata classes and nothing else
 (common/shards.py); here rank 0 checks the whole folder with it before any rank loads (damage())."""
 
+import io
 import pickle
+import pickletools
 
 from common import shards
-from common.guards.bounded import Refused, regular, torch_file
+from common.guards.bounded import PICKLE, Refused, regular, torch_file
 from common.shards import Planted
 
 METADATA = 64 * 2**20  # .metadata of 10^3 tensors in 64 shards: 15 MiB; unpickled, it takes several times its size
@@ -94,3 +96,13 @@ def describe(err):
     if isinstance(cause, pickle.UnpicklingError):  # torch's own words would suggest weights_only=False
         return f"rank {rank}: a shard holds a pickle that torch.load(weights_only=True) refuses: it may be planted"
     return f"rank {rank}: {str(cause).splitlines()[0][:200]}"
+
+
+def calls(file):
+    """Does `file` read as a pickle that names something to call (read by pickletools, which runs nothing)?"""
+    try:
+        with open(file, "rb") as f:  # read within PICKLE: a declared length is not trusted either
+            ops = pickletools.genops(io.BytesIO(f.read(PICKLE)))
+            return any(op.name in ("GLOBAL", "STACK_GLOBAL", "INST", "OBJ") for op, _, _ in ops)
+    except Exception:  # no pickle at all
+        return False
