@@ -311,9 +311,15 @@ def test_a_resume_compares_grad_accum_and_the_task_by_what_it_holds(tmp_path, ca
     assert differs.startswith("was written with --task t.py (sha256 ") and "(now t.py (sha256 " in differs
     older = {"flags": preflight.defining(was) | {"task": "t.py"}}  # recorded by its name alone
     assert recorded.mismatch(older, state, other, {}) is None
-    recorded.say_world(2, 1)
-    recorded.say_world(2, 2)
+    recorded.say_world({"world": 2}, {"world": 1})
+    recorded.say_world({"world": 2}, {"world": 2})
     assert capsys.readouterr().out == "resumed at world size 1 from 2: the same samples, not bit-identical\n"
+    # stage 05 at the same world size on another mesh (2 nodes x 2 ranks, then 4 on one node, or --full-shard):
+    # other sums in other orders, and it said nothing; a run recorded before the mesh was says nothing either
+    recorded.say_world({"world": 4, "mesh": [2, 2]}, {"world": 4, "mesh": [4]})
+    recorded.say_world({"world": 4, "mesh": [2, 2]}, {"world": 4, "mesh": [2, 2]})
+    recorded.say_world({"world": 4}, {"world": 4, "mesh": [4]})
+    assert capsys.readouterr().out == "resumed on a mesh of 4 from 2 x 2: the same samples, not bit-identical\n"
 
 
 def test_the_paths_are_absolute_before_the_tasks_code_runs(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import (
+    HANG,
     INJECT,
     REPO,
     S01,
@@ -740,3 +741,15 @@ def test_a_checkpoint_the_run_left_behind_for_stage_05_is_not_resumed_past_its_n
         out = python(S01, *stage_args(tiny_data, folder, "--epochs", 5, *resumed))
         one_error(out, "checkpoint.pt holds epoch 3, but the run went on in stage 05 to epoch-4", "05_fsdp")
     assert [row["epoch"] for row in metrics(folder)] == ["1", "2", "3", "4"]
+
+
+@pytest.mark.slow
+def test_a_resume_on_another_mesh_of_the_same_world_size_says_so(tiny_data, tmp_path):
+    """Two nodes of one rank (HSDP: a mesh of 2 x 1), resumed by one torchrun of two ranks (FSDP: 2): the same world
+    size, other sums in other orders, and the run said nothing, as if bit-identical. One line says what it keeps."""
+    agents = nodes(S05, *stage_args(tiny_data, tmp_path, "--epochs", 1), nproc=(1, 1))
+    outputs = [agent.communicate(timeout=HANG)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    out = torchrun(2, S05, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--resume"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed on a mesh of 2 from 2 x 1: the same samples, not bit-identical" in out.stdout, out.stdout

@@ -101,6 +101,7 @@ def well_formed(manifest):
         and isinstance(record.get("test", ""), str)
         and isinstance(record.get("parameters", 0), int)
         and isinstance(record.get("world", 1), int)
+        and isinstance(record.get("mesh") or [], list)
         and isinstance(record.get("stage", ""), str)
     )
 

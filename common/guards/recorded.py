@@ -45,7 +45,9 @@ def record(args, states, fingerprints):
     stage, and a task's own recipe (optimizer(), scheduler()), whose flags it never reads are recorded as none."""
     parameters = sum(p.numel() for p in states["model"].parameters())  # a sharded one's: its global shape
     world = dist.get_world_size() if dist.is_initialized() else 1  # changes the numbers, not the samples
+    mesh = getattr(next(states["model"].parameters(), None), "device_mesh", None)  # stage 05's, its shape too
     run = {"flags": defining(args), **fingerprints, "parameters": parameters, "world": world}
+    run["mesh"] = list(mesh.shape) if mesh is not None else None
     run["stage"] = Path(sys.argv[0]).resolve().parent.name  # the tools compare runs of any --output-dir
     if hasattr(states["scheduler"], "recipe"):  # a task's optimizer() or scheduler(), not --optimizer's
         run["recipe"] = states["scheduler"].recipe()
@@ -230,6 +232,12 @@ def shown(found):
 
 
 def say_world(was, now):
-    """Before the first step of a resumed run: where its world size changed, one line saying what that keeps."""
-    if isinstance(was, int) and isinstance(now, int) and was != now:
-        print0(f"resumed at world size {now} from {was}: the same samples, not bit-identical")
+    """Before the first step of a resumed run: where its world size changed, or at the same size stage 05's mesh (2
+    nodes x 2 ranks, then 4 ranks on one: other sums in other orders), one line saying what that keeps. `was`,
+    `now`: the records of the run that saved the checkpoint and of this one."""
+    world, meshes = (was.get("world"), now.get("world")), (was.get("mesh"), now.get("mesh"))
+    shape = lambda mesh: " x ".join(map(str, mesh))  # noqa: E731
+    if all(isinstance(w, int) for w in world) and world[0] != world[1]:
+        print0(f"resumed at world size {world[1]} from {world[0]}: the same samples, not bit-identical")
+    elif all(isinstance(m, list) for m in meshes) and meshes[0] != meshes[1]:
+        print0(f"resumed on a mesh of {shape(meshes[1])} from {shape(meshes[0])}: the same samples, not bit-identical")

@@ -99,7 +99,7 @@ def state_to_resume(args, path, sharded, record, declared=None):
         slurm, torchrun = restarts()
         at = f"at epoch {state['epoch']}, step {state['step']}" if state["step"] else f"after epoch {state['epoch']}"
         print0(f"resumed {at} (Slurm restart {slurm}, torchrun restart {torchrun})")
-        recorded.say_world(state["world"], record.get("world"))
+        recorded.say_world(state["run_record"], record)
     return state
 
 
@@ -167,7 +167,7 @@ def find(args, path, name, restarted, fingerprints, declared=None):
         raise Refusal(f"error: {path} {problem}")
     if problem := mismatch(run, state, args, fingerprints):  # its epoch, against --epochs
         raise Refusal(f"error: {path} {problem}")
-    return state | {"world": run.get("world")}, ownership.check_resume(args.output_dir, manifest, path, stamp.get("id"))
+    return state | {"run_record": run}, ownership.check_resume(args.output_dir, manifest, path, stamp.get("id"))
 
 
 def missing(path, manifest, who=""):
