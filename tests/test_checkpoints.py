@@ -150,7 +150,7 @@ def test_a_fresh_run_refuses_a_folder_with_any_stages_checkpoint(uninterrupted, 
         metrics = (folder / "metrics.csv").read_text()
         one_error(small(script, tiny_data, folder, "--epochs", 1), f"{folder / found} holds the checkpoint", "--resume")
         assert (folder / "metrics.csv").read_text() == metrics
-    kind = "it holds checkpoint, of stage 05"  # --resume in the other kind's folder says which it holds
+    kind = "it holds checkpoint, of stage 05): resume it there, or export with --save-model"  # which, and the way
     one_error(small(S01, tiny_data, sharded, "--epochs", 2, "--resume"), f"no checkpoint.pt in {sharded}", kind)
 
 

@@ -176,12 +176,16 @@ def test_the_large_model_flags_are_refused_where_not_taught(tiny_data, tmp_path)
 
 
 @pytest.mark.slow
-def test_grad_accum_beyond_the_per_rank_batch_warns_once(tiny_data, tmp_path):
-    """One process, a batch of 2 in 4 micro-batches: torch.chunk makes 2 of one image; the run says so and trains."""
-    args = stage_args(tiny_data, tmp_path, "--epochs", 1, "--limit", 8, "--batch-size", 2, "--grad-accum", 4)
+@pytest.mark.parametrize(
+    "batch, n, runs", [(2, 4, "2 micro-batches of at most 1"), (4, 3, "2 micro-batches of at most 2")]
+)
+def test_grad_accum_beyond_the_per_rank_batch_warns_once(batch, n, runs, tiny_data, tmp_path):
+    """One process, a batch of 2 in 4 micro-batches: torch.chunk makes 2 of one image; the run says so and trains.
+    So for 4 in 3, which torch.chunk makes 2 of 2: it was not said, as --grad-accum no larger than the batch."""
+    args = stage_args(tiny_data, tmp_path, "--epochs", 1, "--limit", 8, "--batch-size", batch, "--grad-accum", n)
     out = run([sys.executable, str(S05), *args])
     assert out.returncode == 0, out.stderr
-    warning = "warning: --grad-accum 4 is more than the 2 images each rank computes per step: each rank runs 2"
+    warning = f"warning: --grad-accum {n} does not split the {batch} images each rank computes per step: each rank runs {runs}"
     assert out.stdout.count(warning) == 1, out.stdout
 
 

@@ -41,11 +41,12 @@ def check_launch(launch, args):
             f"{world_size}: run on {sizes} ranks",
             once=True,
         )
-    per_rank = args.batch_size // world_size
-    if hasattr(args, "grad_accum") and args.grad_accum > per_rank and rank == 0:  # torch.chunk makes fewer
+    per_rank, n = args.batch_size // world_size, getattr(args, "grad_accum", 1)
+    size = -(-per_rank // n)  # torch.chunk's slices: as many as fit of the first's size, fewer than n for 4 in 3
+    if -(-per_rank // size) != n and rank == 0:
         print(
-            f"warning: --grad-accum {args.grad_accum} is more than the {per_rank} images each rank computes per "
-            f"step: each rank runs {per_rank} micro-batches of one image",
+            f"warning: --grad-accum {n} does not split the {per_rank} images each rank computes per step: each "
+            f"rank runs {-(-per_rank // size)} micro-batches of at most {size}",
             flush=True,
         )
     check_amp(args, launch)

@@ -176,11 +176,9 @@ def missing(path, manifest, who=""):
     `manifest`: that of the folder, where `path` is the run's own checkpoint there."""
     folder, name = path.parent, path.name
     other = folder / (WHOLE if name == SHARDED else SHARDED)
-    held = (
-        f" (it holds {other.name}, of {'stages 01-04' if other.name == WHOLE else 'stage 05'})"
-        if other.exists()
-        else ""
-    )
+    fix = f"resume it with --resume {other}" if other.name == WHOLE else "resume it there, or export with --save-model"
+    held = f" (it holds {other.name}, of {'stages 01-04' if other.name == WHOLE else 'stage 05'}): {fix}"
+    held = held if other.exists() else ""
     if manifest and not saved(folder):
         held = f": {ownership.whose(manifest)} saved none; the same command without --resume starts it again"
     elif path.is_symlink():  # stage 05's link, to a folder deleted or moved: the one before may be whole
