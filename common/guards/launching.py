@@ -42,8 +42,8 @@ def check_launch(launch, args):
             once=True,
         )
     per_rank, n = args.batch_size // world_size, getattr(args, "grad_accum", 1)
-    size = -(-per_rank // n)  # torch.chunk's slices: as many as fit of the first's size, fewer than n for 4 in 3
-    if -(-per_rank // size) != n and rank == 0:
+    size = max(-(-per_rank // n), 1)  # torch.chunk's slices: as many as fit of the first's size (4 in 3: 2 of 2)
+    if n > 1 and -(-per_rank // size) != n and rank == 0:
         print(
             f"warning: --grad-accum {n} does not split the {per_rank} images each rank computes per step: each "
             f"rank runs {-(-per_rank // size)} micro-batches of at most {size}",
