@@ -14,6 +14,7 @@ may skip each of them: the training reads the same without. What each one holds 
   run(main)       any failure ends the run with one line instead of a traceback
 """
 
+import functools
 import threading
 import time
 import warnings
@@ -64,7 +65,7 @@ class Guard:
         self.claimed = False  # the folder is this run's (resume()): a failure keeps its traceback there
         self.data, self.sizes = None, None  # the training and test sets' fingerprints, the sets' sizes
         self.default_loss = False  # the task has no loss() of its own: cross-entropy on the model's output
-        self.own_loss, self.probe = None, None  # the task's loss(); two training samples batched: check_mean(), why()
+        self.own_loss, self.probe = None, None  # the task's loss(); drawing two training samples: check_mean(), why()
 
     @property
     def doing(self):
@@ -103,7 +104,8 @@ class Guard:
         preflight.agree(self.args, task, train_set, test_set)  # first: it says in one line what a task's data lacks
         self.sizes = (len(train_set), len(val_set), len(test_set))  # what each epoch must count: check_epoch()
         self.default_loss = not hasattr(task, "loss")
-        self.own_loss, self.probe = getattr(task, "loss", None), samples.first_batch(train_set, task)
+        # drawn where they are used (a task's loss() at the start, a failure): each sample is read once an epoch
+        self.own_loss, self.probe = getattr(task, "loss", None), functools.partial(samples.first_batch, train_set, task)
         samples.check_totals(self.args, task, self.sizes[1:])  # a task's totals: a row on every rank
         pretrained.check_weights(self.args, task)  # the task's file of whole weights, before it is trusted
         pretrained.check_meta_load(self.args, task)  # stage 05: weights model(args) loads itself are lost on meta
@@ -126,7 +128,7 @@ class Guard:
         if self.default_loss and not self.args.compile:  # compiled, a hook would change the graphs
             logits.watch(states["model"], self.args.task)  # probabilities out (a softmax, a sigmoid): its first step
         if self.own_loss and not self.args.compile:  # compiled, two samples would compile another graph
-            samples.check_mean(states["model"], self.own_loss, self.probe, self.args.task)  # a sum over the batch
+            samples.check_mean(states["model"], self.own_loss, self.probe(), self.args.task)  # a sum over the batch
         record = recorded.record(self.args, states, self.data)  # what defines the run, for its manifest
         # what its checkpoint must hold: its parts, the model's dtypes and shapes, the steps of an epoch
         declared = recorded.declared(states, sharded, self.sizes and self.sizes[0], self.args)
@@ -167,7 +169,7 @@ class Guard:
     def why(self, value):
         """Why a loss is `value`, not finite, where the weights are (divergence.of_the_loss()); every rank asks: the
         model's forward on the two samples is collective (compiled, it would compile another graph: not run)."""
-        overflows = not self.args.compile and samples.overflows(self.saving.states["model"], self.probe)
+        overflows = not self.args.compile and samples.overflows(self.saving.states["model"], self.probe())
         return divergence.of_the_loss(self.default_loss, self.args.output_dir, value, overflows)
 
     def check_folder(self):
