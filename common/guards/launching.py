@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from common.environment import count
 from common.guards.ending import Refusal
-from common.options import amp
+from common.options import amp, large
 
 
 def check_device(args, local_rank):
@@ -42,11 +42,11 @@ def check_launch(launch, args):
             once=True,
         )
     per_rank, n = args.batch_size // world_size, getattr(args, "grad_accum", 1)
-    size = max(-(-per_rank // n), 1)  # torch.chunk's slices: as many as fit of the first's size (4 in 3: 2 of 2)
-    if n > 1 and -(-per_rank // size) != n and rank == 0:
+    slices = large.chunk(torch.empty(per_rank), n) if n > 1 else ()  # stage 05's own slicing (4 in 3: 2 of 2)
+    if slices and len(slices) != n and rank == 0:
         print(
             f"warning: --grad-accum {n} does not split the {per_rank} images each rank computes per step: each "
-            f"rank runs {-(-per_rank // size)} micro-batches of at most {size}",
+            f"rank runs {len(slices)} micro-batches of at most {len(slices[0])}",
             flush=True,
         )
     check_amp(args, launch)
