@@ -65,7 +65,10 @@ def cpus_per_rank(env=os.environ):
     return max(min(cpus // (count(env.get("LOCAL_WORLD_SIZE")) or 1), mine), 1)
 
 
+def nodes(env=os.environ):  # the run's: torchrun's agents (one a node), else its srun step's
+    return count(env.get("GROUP_WORLD_SIZE")) or count(env.get("SLURM_STEP_NUM_NODES")) or 1
+
+
 def ranks_per_node(world_size, env=os.environ):
     """The ranks on each node: torchrun's LOCAL_WORLD_SIZE, else this srun step's over its nodes."""
-    nodes = count(env.get("SLURM_STEP_NUM_NODES")) or 1
-    return count(env.get("LOCAL_WORLD_SIZE")) or max(world_size // nodes, 1)
+    return count(env.get("LOCAL_WORLD_SIZE")) or max(world_size // nodes(env), 1)

@@ -11,7 +11,7 @@ import torch
 
 from common.checkpoint import atomic
 from common.distributed import print0
-from common.environment import is_rank0, ranks_per_node
+from common.environment import is_rank0, nodes
 
 try:  # the stages' train(): timed per line under kernprof -l or LINE_PROFILE=1
     from line_profiler import profile
@@ -95,7 +95,6 @@ class Log:
             output_dir.mkdir(parents=True, exist_ok=True)
         self.path, self.world_size, self.metric = output_dir / "metrics.csv", world_size, metric
         self.fields = [field.replace("accuracy", metric.name) for field in FIELDS]
-        self.nodes = max(world_size // ranks_per_node(world_size), 1)
         self.rows, self.clock, self.carried, self.compiled = [], 0.0, {}, 0
         self.unit, self.per_sample = metric.unit  # the speed's, and what a sample counts in it
 
@@ -130,7 +129,7 @@ class Log:
             torch.cuda.reset_peak_memory_stats()
         compiling, self.compiled = self.compiled, 0  # inside `seconds`
         row = [epoch, lr, training.loss / training.samples, *self.mean(val), *self.mean(test)]
-        row += [seconds, speed, speed / self.world_size, self.world_size, self.nodes, peak]
+        row += [seconds, speed, speed / self.world_size, self.world_size, nodes(), peak]
         self.rows.append(dict(zip(self.fields, [*row, compiling, self.metric.better], strict=True)))
         self.write()
         self.say(self.rows[-1], f"{round(float(test.score[0]), 3):.10g}/{int(test.samples)}")

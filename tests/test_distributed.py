@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common import cli, distributed
-from common.environment import Launch, first_host, launcher, master_port
+from common.environment import Launch, first_host, launcher, master_port, nodes, ranks_per_node
 from common.guards import check, launching
 from common.guards.ending import Refusal
 from common.options import loaders
@@ -71,6 +71,16 @@ def test_srun_keeps_a_given_rendezvous():
     env = {"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "9",
            "SLURM_JOB_NODELIST": "n[1-2]", "MASTER_ADDR": "n2-ib", "MASTER_PORT": "29500"}  # fmt: skip
     assert launcher(env)[3:] == ("n2-ib", 29500)
+
+
+def test_the_nodes_are_torchruns_agents_or_the_srun_steps_not_the_ranks_over_this_nodes_count():
+    """metrics.csv's `nodes`: two torchrun agents of 3 and 1 ranks are 2 nodes, not 4 // 3 or 4 // 1 (the ranks over
+    rank 0's LOCAL_WORLD_SIZE, as it was); an srun step's own count; a plain run one."""
+    for local in ("3", "1"):
+        torchrun = {"GROUP_WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": local, "WORLD_SIZE": "4", "SLURM_STEP_NUM_NODES": "1"}
+        assert nodes(torchrun) == 2 and ranks_per_node(4, torchrun) == int(local)
+    assert nodes({"SLURM_STEP_NUM_NODES": "3"}) == 3 and ranks_per_node(12, {"SLURM_STEP_NUM_NODES": "3"}) == 4
+    assert nodes({}) == 1 and ranks_per_node(2, {}) == 2
 
 
 def test_batch_step_is_not_a_rank():

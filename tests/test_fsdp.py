@@ -353,6 +353,7 @@ def test_nodes_of_unequal_rank_counts_share_one_mesh(tiny_data, tmp_path):
     outputs = "".join(agent.communicate(timeout=240)[0] for agent in agents)
     assert [agent.returncode for agent in agents] == [0, 0], outputs
     assert "mesh: 4 ranks (shard)" in outputs and "done: 1 epochs" in outputs
+    assert metrics(tmp_path)[0]["nodes"] == "2"  # two agents: not 4 // 3 or 4 // 1, rank 0's count of ranks a node
 
 
 BIG_TASK = '''"""About 1 GB of fp32 weights: 64 linear layers of 2048 x 2048, a few random samples. Each rank writes

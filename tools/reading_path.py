@@ -41,10 +41,10 @@ STAGES = ["01_single_gpu", "02_dataparallel", "03_ddp_single_node", "04_ddp_mult
 # lesson lines reached from train.py (formatted), per stage, the default task's model and data included: the
 # ceiling today's code holds, lowered as the lesson shrinks, never raised; the aim is TARGETS
 LIMITS = {
-    "01_single_gpu": 453,
-    "02_dataparallel": 453,
-    "03_ddp_single_node": 464,
-    "04_ddp_multi_node": 464,
+    "01_single_gpu": 450,
+    "02_dataparallel": 450,
+    "03_ddp_single_node": 461,
+    "04_ddp_multi_node": 461,
     "05_fsdp": 619,
 }
 TARGETS = {
