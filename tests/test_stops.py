@@ -37,9 +37,11 @@ from helpers import (
 )  # fmt: skip
 from test_preemption import SLOW, args, saved_mid_epoch, signal_mid_epoch_2
 
-# the built-in task, with two places a test can make slow: the data's loading, and every evaluation batch
+# the built-in task, with two places a test can make slow: the data's loading, and every evaluation batch, which
+# draws from torch's generator: a save in the evaluation keeps the generators as its training left them
 TASK = """
 import os, time
+import torch
 from common.tasks.images import add_arguments, check, datasets as load, model as build
 
 def mark(name):
@@ -59,6 +61,8 @@ def model(args):
 def evaluating(module, inputs):
     global passed  # evaluation batches let pass before the slow ones: EVAL_AFTER
     passed = globals().get("passed", 0) + (not module.training)
+    if not module.training:  # a model that draws in eval mode (a VAE's sample): the resumed run draws it again
+        torch.rand(1)
     if not module.training and "EVAL_MARK" in os.environ and passed > int(os.environ.get("EVAL_AFTER", 0)):
         mark("EVAL_MARK")
         time.sleep(float(os.environ["EVAL_SLEEP"]))

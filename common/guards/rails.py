@@ -133,6 +133,7 @@ class Guard:
         # what its checkpoint must hold: its parts, the model's dtypes and shapes, the steps of an epoch
         declared = recorded.declared(states, sharded, self.sizes and self.sizes[0], self.args)
         state = resume.state_to_resume(self.args, path, sharded, record, declared)
+        self.saving.steps = declared["steps"]
         self.claimed = True
         states["run"] = recorded.Stamp(is_rank0() and ownership.read(self.args.output_dir))  # in each checkpoint
         resume.same_columns(state, states["log"].fields)  # the task's metric renamed since: its rows do not fit
@@ -147,7 +148,7 @@ class Guard:
         """After training step `batch` (counted from 0 in this run's part of the epoch): every --log-interval
         steps, stop if the loss went non-finite on any rank; then a stop or --checkpoint-minutes saves here."""
         at = self.progress.stepped(epoch, batch, sums)
-        self.saving.stepped()
+        self.saving.stepped(at)
         if batch % self.args.log_interval == 0:
             self.saving.check_loss(epoch, at.step - 1, sums, self.why)
         self.saving.stop_or_save(at)

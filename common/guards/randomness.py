@@ -67,18 +67,32 @@ class Generators:
 
     def __init__(self):
         self.ranks = None  # every rank's, gathered for the checkpoint written next (gather())
+        self.held, self.saving = None, None  # (epoch, generators) at its last training step; those saved next
 
     def own(self):
         return generators() | {"cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
-    def gather(self):
-        """Every rank, before a checkpoint is written (saving.Saving.writing()): each rank's generators, on rank 0."""
+    def hold(self, epoch):
+        """At `epoch`'s last training step: the generators its evaluation starts from, which a save in the evaluation
+        keeps (the resumed run evaluates again, from there): a model that draws in eval mode (a VAE's sample) drew
+        from them since."""
+        self.held = (epoch, self.own())
+
+    def gather(self, evaluating=None):
+        """Every rank, before a checkpoint is written (saving.Saving.writing()): each rank's generators, on rank 0; in
+        the evaluation of epoch `evaluating`, those held at its last step."""
+        held = self.held if self.held and self.held[0] == evaluating else None
+        self.saving = held and held[1]
         if dist.is_initialized():
             self.ranks = [None] * dist.get_world_size()
-            dist.all_gather_object(self.ranks, self.own())
+            dist.all_gather_object(self.ranks, self.saving or self.own())
 
     def state_dict(self):
-        mine, ranks, self.ranks = self.own(), self.ranks, None  # rank 0's, which writes: one checkpoint's
+        mine, ranks, self.ranks = (
+            self.saving or self.own(),
+            self.ranks,
+            None,
+        )  # rank 0's, which writes: one checkpoint's
         if ranks is not None and not torch.equal(ranks[0]["cpu"], mine["cpu"]):  # never: nothing draws in between
             raise RuntimeError("the generators were drawn from between their gathering and the checkpoint")
         return mine | ({"ranks": ranks} if ranks is not None else {})

@@ -74,7 +74,7 @@ class Saving:
         self.args, self.states, self.sharded, self.watchdog, self.progress = args, states, sharded, watchdog, progress
         self.hold = hold
         self.doing, self.saved_at, self.epoch_done = None, (0, 0), None  # saved_at: (epoch, step) of a stop's save
-        self.preemption = None
+        self.preemption, self.steps = None, None  # steps: of an epoch (recorded.declared())
 
     def catch(self):
         """From here on, SIGTERM and SIGUSR1 stop the run at a step all ranks agree on (preemption.py)."""
@@ -83,8 +83,11 @@ class Saving:
         if self.watchdog:  # a rank may hear of the stop from the store before its own signal arrives
             self.watchdog.listen(self.preemption.poll)
 
-    def stepped(self):
-        """After a training step: the epoch's checkpoint, if one was written since, is whole."""
+    def stepped(self, at):
+        """After a training step, at `at`: the epoch's checkpoint, if one was written since, is whole; at the epoch's
+        last step, the generators are held for a save in its evaluation (randomness.Generators.hold())."""
+        if at.step == self.steps and "rng" in self.states:  # once an epoch: no cost a step
+            self.states["rng"].hold(at.epoch)
         if self.epoch_done is not None:  # the time since check_epoch(): the epoch's checkpoint, an upper bound
             self.preemption.saved(time.monotonic() - self.epoch_done)
             self.epoch_done = None
@@ -129,7 +132,7 @@ class Saving:
         identity.check_held(self.hold)  # the folder the run took, still at its path: else it writes nowhere
         if not self.sharded:
             keep_previous(self.args.output_dir)
-        self.writing(f"epoch-{epoch}-step-{step}")
+        self.writing(f"epoch-{epoch}-step-{step}", evaluating and epoch)
         states = self.states | {"log": Cut(log, cut)}  # the lesson's states as they are, the log with its cut
         if self.sharded:  # each rank's own statistics: the shards hold one copy
             states["buffers"] = Buffers.gathered(self.states["model"])
@@ -152,15 +155,15 @@ class Saving:
         self.writing(f"epoch-{epoch}")
         self.epoch_done = time.monotonic()
 
-    def writing(self, name):
+    def writing(self, name, evaluating=None):
         """Before a checkpoint is written: stage 05's folder `name` is listed in the run's manifest first, and what a
         save of it killed half-way left there goes. Until the next step, torchrun's end (a third Ctrl-C ends it at
-        once) waits for the save (watchdog.heartbeat())."""
+        once) waits for the save (watchdog.heartbeat()). `evaluating`: the epoch whose evaluation it is saved in."""
         self.doing = f"write {self.args.output_dir / name}"
         if self.watchdog:
             self.watchdog.saving.set()
         if "rng" in self.states:  # each rank's generators, for rank 0 to write
-            self.states["rng"].gather()
+            self.states["rng"].gather(evaluating)
         if self.sharded and is_rank0():
             ownership.writes(self.args.output_dir, name)
             shutil.rmtree(self.args.output_dir / name, ignore_errors=True)
