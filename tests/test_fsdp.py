@@ -758,3 +758,25 @@ def test_a_resume_on_another_mesh_of_the_same_world_size_says_so(tiny_data, tmp_
     out = torchrun(2, S05, *stage_args(tiny_data, tmp_path, "--epochs", 2, "--resume"))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed on a mesh of 2 from 2 x 1: the same samples, not bit-identical" in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+def test_a_run_folder_copied_through_or_without_its_links_names_the_epoch_to_resume(tiny_data, tmp_path):
+    """Copied with its links followed (scp -r, cp -rL), `checkpoint` is a folder: the resume trained an epoch and then
+    failed to switch it, "could not write checkpoint.tmp ... free some space", at every resume. Copied without its
+    links (rsync without -l), it "saved none", and the same command without --resume trained again over its epochs.
+    Each is one line before any training, naming the complete epoch to resume; the folder's epochs are kept."""
+    run = tmp_path / "run"
+    assert python(S05, *stage_args(tiny_data, run, "--epochs", 2)).returncode == 0
+    followed, skipped = tmp_path / "followed", tmp_path / "skipped"
+    shutil.copytree(run, followed, symlinks=False)
+    shutil.copytree(run, skipped, ignore=lambda folder, names: [n for n in names if os.path.islink(f"{folder}/{n}")])
+    one_error(python(S05, *stage_args(tiny_data, followed, "--epochs", 3, "--resume")),
+              f"{followed / 'checkpoint'} is a folder, not the link", f"--resume {followed / 'epoch-2'}")  # fmt: skip
+    named = f"the checkpoint of epoch 2 is complete: resume from it with --resume {skipped / 'epoch-2'}"
+    one_error(python(S05, *stage_args(tiny_data, skipped, "--epochs", 3, "--resume")), named)
+    fresh = python(S05, *stage_args(tiny_data, skipped, "--epochs", 3))
+    assert fresh.returncode != 0 and "starts again" not in fresh.stdout and (skipped / "epoch-1" / "state.pt").is_file()
+    out = python(S05, *stage_args(tiny_data, skipped, "--epochs", 3, "--resume", skipped / "epoch-2"))
+    assert out.returncode == 0 and "resumed after epoch 2" in out.stdout, out.stdout + out.stderr
+    assert [row["epoch"] for row in metrics(skipped)] == ["1", "2", "3"]

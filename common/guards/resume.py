@@ -15,28 +15,15 @@ from common import checkpoint
 from common.checkpoint import SHARDED, WHOLE
 from common.distributed import print0
 from common.environment import is_rank0, restarts
-from common.guards import ownership, recorded, safeload
+from common.guards import links, ownership, recorded, safeload
 from common.guards.bounded import Refused, torch_file
 from common.guards.ending import Refusal, stop
+from common.guards.links import epochs
 from common.guards.recorded import mismatch
 from common.guards.safeload import Planted, damage, tensors
 from common.options.resuming import read
 
 PREVIOUS = "checkpoint-previous.pt"  # the epoch before checkpoint.pt's: a damaged latest leaves one to resume from
-
-
-def position(folder):
-    """(epoch, step) of stage 05's folder epoch-N (the end of epoch N: step infinite) or epoch-N-step-S."""
-    epoch, _, step = folder.name.removeprefix("epoch-").partition("-step-")
-    if not (epoch + step).isdigit():
-        return (-1, 0)
-    return (int(epoch), int(step) if step else float("inf"))
-
-
-def epochs(output_dir):
-    """Stage 05's checkpoint folders in output_dir, newest first: epoch-N (the end of epoch N) and epoch-N-step-S
-    (S steps into it)."""
-    return sorted(output_dir.glob("epoch-*"), key=position, reverse=True)
 
 
 def check_whole(path, own, state):
@@ -48,7 +35,7 @@ def check_whole(path, own, state):
             "weights with its --save-model"
         )
     link, at = path.with_name(SHARDED), (state["epoch"], state["step"] or float("inf"))
-    if path == own and link.is_symlink() and position(link.resolve()) > at:
+    if path == own and link.is_symlink() and links.position(link.resolve()) > at:
         raise Refusal(
             f"error: {path} holds epoch {at[0]}, but the run went on in stage 05 to {os.readlink(link)} ({link}): "
             "continue it there (05_fsdp/train.py --resume), or start a new run in another --output-dir"
@@ -67,9 +54,11 @@ def again(args, manifest, fingerprints):
 
 
 def saved(output_dir):
-    """Does output_dir hold a checkpoint a resume reads: whole, or a stage 05 folder its links name (one no link
-    names was left by a save killed half-way)?"""
-    return any(os.path.lexists(output_dir / n) for n in (WHOLE, SHARDED, PREVIOUS, f"{SHARDED}-previous"))
+    """Does output_dir hold a checkpoint a resume reads: whole, a stage 05 folder its links name, or one with its
+    state.pt, written after its shards (its links lost: a copy that skips them, rsync without -l)? A folder without
+    was left by a save killed half-way."""
+    linked = any(os.path.lexists(output_dir / n) for n in (WHOLE, SHARDED, PREVIOUS, f"{SHARDED}-previous"))
+    return linked or any((folder / "state.pt").is_file() for folder in epochs(output_dir))
 
 
 class Unusable(Exception):
@@ -125,6 +114,8 @@ def find(args, path, name, restarted, fingerprints, declared=None):
     run starts afresh, in a folder that must be free."""
     manifest = ownership.read(args.output_dir)
     restarted = restarted and ownership.continues(manifest)
+    if name == SHARDED:
+        links.check(args.output_dir, fallback)
     if args.resume is None and restarted and path is None:  # restarted before its first checkpoint, or it is gone
         if saved(args.output_dir):  # the one before is there: never started afresh over it, unsaid
             missing(args.output_dir / name, manifest, "this run's restart finds ")
