@@ -392,6 +392,57 @@ def test_a_loss_summed_over_the_batch_is_refused_before_the_first_step(tmp_path)
     assert not (tmp_path / "out" / "metrics.csv").exists()
 
 
+EXPERTS = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+EXPERTS = 8
+
+class Mixture(nn.Module):  # a router over experts; beside the logits, each expert's share of the batch
+    def __init__(self):
+        super().__init__()
+        self.router, self.experts = nn.Linear(784, EXPERTS), nn.ModuleList(nn.Linear(784, 10) for _ in range(EXPERTS))
+
+    def forward(self, x):
+        x = x.flatten(1)
+        share = self.router(x).softmax(-1)
+        logits = (share.unsqueeze(-1) * torch.stack([e(x) for e in self.experts], 1)).sum(1)
+        return logits, share.mean(0)
+
+def model(args):
+    return Mixture()
+
+def loss(output, target):
+    logits, load = output
+    return F.cross_entropy(logits, target) + EXPERTS * (load**2).sum()
+"""
+
+
+def test_a_model_output_beside_the_batch_is_refused_before_the_first_step(tmp_path):
+    """A tensor a model returns that is no row per sample (a mixture's load per expert, a class's weights) was cut to
+    the evaluation's batch as the rows are: the test loss 1.56 for 2.20 at --test-batch-size 5, unsaid (or a class
+    said missing from a model of 10). One line before the first step; a 0-dim number beside the batch passes."""
+    x, y = torch.randn(2, 4), torch.randn(2)
+
+    class Load(nn.Linear):
+        def forward(self, x):
+            return super().forward(x), torch.ones(8)
+
+    def mean(output, target):
+        return F.mse_loss(output[0].squeeze(1), target) + output[1].sum()
+
+    with pytest.raises(SystemExit, match=r"returns a tensor of shape \[8\] for 2 samples: each tensor .*batch first"):
+        samples.check_mean(Load(4, 1), mean, (x, y), "t.py")
+    task = tmp_path / "experts.py"
+    task.write_text("from common.tasks.images import add_arguments, check, datasets\n" + EXPERTS)
+    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", task, "--test-batch-size", 5))
+    one_error(
+        out, f"--task {task}: model(args) returns a tensor of shape [8] for 2 samples", "compute the rest in loss()"
+    )
+    assert not (tmp_path / "out" / "metrics.csv").exists()
+
+
 SUMMED = """
 def loss(output, target):
     return F.mse_loss(output.squeeze(1), target, reduction="sum")

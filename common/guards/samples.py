@@ -145,6 +145,7 @@ def check_mean(model, loss, batch, task):
     try:
         with torch.no_grad():
             output = model.eval()(x)
+            check_batch_first(output, count(y), task)
             once, doubled = float(loss(output, y)), float(loss(twice(output), twice(y)))
     finally:
         model.train(training)
@@ -154,6 +155,19 @@ def check_mean(model, loss, batch, task):
             f"error: --task {task}: its loss() sums over the batch ({once:.4g} on two samples, {doubled:.4g} on the "
             "same twice): the stages take it as the mean over the batch's samples (the logged losses, the gradients' "
             'scale and DDP\'s average follow it): return the mean (reduction="mean", or divide by the samples)'
+        )
+
+
+def check_batch_first(output, samples, task):
+    """Each tensor of a model's output is a row per sample (an evaluation keeps a rank's own rows, the padding after
+    them cut: common/data.py first()), or 0-dim. Another, beside the batch (a load per expert, a class's weights),
+    was cut to the batch's size too: a test loss of 1.56 for 2.20, a class said missing from a model of 10."""
+    wide = [tuple(t.shape) for t in pytree.tree_leaves(output) if torch.is_tensor(t) and t.ndim and len(t) != samples]
+    if wide:
+        stop(
+            f"error: --task {task}: model(args) returns a tensor of shape {list(wide[0])} for {samples} samples: each "
+            "tensor it returns must hold a row per sample (batch first), or be 0-dim (a number of the batch, e.g. an "
+            "auxiliary loss): the evaluation keeps a rank's own samples' rows; compute the rest in loss()"
         )
 
 
