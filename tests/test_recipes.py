@@ -25,7 +25,9 @@ from helpers import (
     clean_env,
     launched,
     metrics,
+    one_error,
     python,
+    stage_args,
     start,
     torchrun,
 )
@@ -143,6 +145,36 @@ def test_a_tasks_totals_are_summed_over_the_epoch_and_its_figure_taken_of_them()
     with pytest.raises(SystemExit, match="either a function score"):  # both ways at once: neither is right
         both = task(metric=("share", "higher"), score=lambda o, t: o, totals=right_and_all, figure=lambda t: t)
         samples.check_metric(argparse.Namespace(task="task.py"), both)
+
+
+FIGURE = """from common.tasks.images import add_arguments, check, datasets, model
+import torch
+
+metric = ("balanced_recall", "higher")
+
+def totals(output, target):  # each class's right answers, then its samples: a class of none is 0/0
+    right = torch.zeros(12).index_add_(0, target, (output.argmax(1) == target).float())
+    return torch.cat([right, torch.zeros(12).index_add_(0, target, torch.ones(len(target)))])
+
+def figure(totals):
+    return (totals[:12] / totals[12:]).mean()
+"""
+
+
+def test_a_figure_that_is_no_finite_number_is_refused_before_its_row(tmp_path):
+    """A figure() of a class with no sample (0/0: a recall, an IoU) was logged as nan, saved, and the tools then
+    called metrics.csv damaged; a figure of several numbers failed naming the lesson's line. One line naming
+    figure(), before the epoch's row and checkpoint."""
+    for wrong, said in (
+        (lambda t: t[0] / t[1], r"not nan \(of the epoch's totals \[0.0, 0.0\]\)"),
+        (lambda t: t, r"not \[0.0, 0.0\]"),
+    ):
+        with pytest.raises(ValueError, match=r"the task's figure\(totals\) must be one finite number, " + said):
+            metric_of(task(metric=("share", "higher"), totals=right_and_all, figure=wrong)).value([0.0, 0.0], 3)
+    (tmp_path / "recall.py").write_text(FIGURE)
+    out = python(S01, *stage_args(REPO / "data", tmp_path / "out", "--task", tmp_path / "recall.py", "--limit", 256))
+    one_error(out, "the task's figure(totals) must be one finite number, not nan", "torch.nanmean")
+    assert not (tmp_path / "out" / "metrics.csv").exists() and not (tmp_path / "out" / "checkpoint.pt").exists()
 
 
 def test_totals_at_more_ranks_than_a_split_has_samples_are_refused_in_one_line(monkeypatch):

@@ -99,7 +99,14 @@ class Totals:
         return sums
 
     def value(self, sums, samples):
-        return float(self.figure(torch.tensor(sums, dtype=torch.float64)))
+        figure = torch.as_tensor(self.figure(torch.tensor(sums, dtype=torch.float64)))
+        if figure.numel() != 1 or not figure.isfinite().all():  # logged and saved, then "damaged"
+            raise ValueError(
+                f"the task's figure(totals) must be one finite number, not {figure.tolist()} (of "
+                f"the epoch's totals {sums}): a class with no sample is 0/0 (torch.nanmean leaves "
+                "it out)"
+            )
+        return float(figure)
 
 
 RECIPE = {"optimizer", "scheduler", "weights"}  # a task's own, or a flag's (flags.LESSON): recipe()
