@@ -6,6 +6,7 @@ The fast cases run in `make test`; those that wait on purpose (stalled ranks, ti
 tests/FAILURES.md names the test of each row.
 """
 
+import errno
 import json
 import math
 import os
@@ -53,7 +54,7 @@ from helpers import (
 
 from common import cli, data
 from common.checkpoint import atomic
-from common.guards import divergence, lock, preflight, rails, resume, saving, workers
+from common.guards import divergence, lock, preflight, rails, resume, saving, workers, writes
 from common.metrics import Epoch
 from common.options import flags
 
@@ -294,6 +295,21 @@ def test_resuming_from_a_model_file_says_it_is_not_a_checkpoint(uninterrupted, t
     shutil.copy(uninterrupted(2, S03, "--epochs", 1, "--save-model") / "model.pt", tmp_path / "a" / "model.pt")
     out = python(S01, *stage_args(tiny_data, tmp_path / "b", "--resume", tmp_path / "a" / "model.pt"))
     one_error(out, "model.pt is not a training checkpoint", "checkpoint.pt")
+
+
+def test_a_file_the_run_cannot_use_is_told_from_a_full_disk_and_a_temporary_file_by_what_it_replaces(tmp_path):
+    """A checkpoint a user made unreadable (chmod 000), or a folder made read-only, was "could not write ...: free
+    some space, then resume" with 74 GB free, and named `checkpoint-previous.pt.tmp6645` the previous file kept;
+    a run's first save on a full disk said a previous checkpoint was kept where there was none."""
+    denied = writes.said(PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "checkpoint.pt")), tmp_path)
+    assert denied.startswith(f"error: cannot use {tmp_path / 'checkpoint.pt'}: Permission denied: give the run's user")
+    assert "free" not in denied and "resume" not in denied
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "checkpoint-previous.pt.tmp6645"))
+    first = writes.said(full, tmp_path)
+    assert "kept" not in first and first.endswith("then run the same command again"), first
+    (tmp_path / "checkpoint-previous.pt").write_text("")
+    assert writes.said(full, tmp_path).endswith(": the previous checkpoint-previous.pt is kept; free some space or "
+                                                "choose another --output-dir, then resume")  # fmt: skip
 
 
 def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tiny_data, tmp_path):

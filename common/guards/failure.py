@@ -10,12 +10,10 @@ raised anywhere else (inside torch or Python, in the task's own code, in a call 
 failures like any other: explain()'s line, or the fallback's, with the place and the traceback."""
 
 import argparse
-import errno
 import linecache
 import os
 import pathlib
 import re
-import shutil
 import traceback
 from pathlib import Path
 
@@ -23,10 +21,11 @@ import torch.distributed as dist
 
 from common import distributed, optim
 from common.environment import is_rank0
-from common.guards import bounded, identity, ownership, safeload, samples, workers
+from common.guards import bounded, identity, ownership, safeload, samples, workers, writes
 from common.guards.described import LIMIT, alike, line, message, place
 from common.guards.ending import Refusal
 from common.guards.waits import fail
+from common.guards.writes import free_mib, written
 
 LESSON = Path(__file__).resolve().parents[1]  # common/
 REFUSALS = (ValueError, TypeError, FileNotFoundError)  # the lesson's: a value or option, an object, a file
@@ -81,15 +80,6 @@ def loading_task(err):
     read = raised.startswith(PATHLIB) and outside and outside[-1].name == "load_task"  # not the task's, as it runs
     read = read or raised.startswith("<frozen importlib") or raised == bounded.__file__
     return isinstance(err, OSError) and bool(read)
-
-
-def written(err, output_dir):
-    """Is `err` a failed write of the run (a full disk, a quota, a read-only folder, or any error on a file in
-    --output-dir)? Not a read of the task's data, which no free space mends."""
-    if not isinstance(err, OSError) or not err.filename:
-        return False
-    full = err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
-    return full or (output_dir is not None and Path(err.filename).resolve().is_relative_to(Path(output_dir).resolve()))
 
 
 def clash(err):
@@ -157,12 +147,7 @@ def explain(err, guard):
         return moved  # the folder moved between the check before a save and its write: atomic() makes none, nor
         # stage 05's writer (common/sharded.py), whose parents DCP made again; the other ranks: the branch below
     if written(err, guard.args and guard.args.output_dir):  # checkpoint.atomic() removed its temporary file
-        folder = guard.args.output_dir if guard.args else "."
-        return (
-            f"error: could not write {err.filename}: {err.strerror} ({free_mib(folder):.0f} MiB free there): the "
-            f"previous {os.path.basename(err.filename)} is kept; free some space or choose another --output-dir, "
-            "then resume"
-        )
+        return writes.said(err, guard.args.output_dir if guard.args else ".")
     if type(err).__name__ == "CheckpointException":  # torch.distributed.checkpoint: every rank gets all failures
         verb, folder = (guard.doing or "read or write the checkpoint in --output-dir").split(" ", 1)
         if verb == "read":  # every rank gets every rank's failures: rank 0 says it
@@ -242,7 +227,3 @@ def free(folder):
         return not ownership.output(folder)
     except Refusal:  # it cannot be listed
         return False
-
-
-def free_mib(folder):
-    return shutil.disk_usage(folder).free / 2**20
