@@ -37,7 +37,7 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from common import cli, data, optim
-from common.guards import preflight, pretrained, samples
+from common.guards import misfits, preflight, pretrained, samples
 from common.metrics import Epoch, Log, Metric
 from common.options import flags, hooks
 
@@ -250,9 +250,37 @@ def test_token_labels_without_a_loss_are_one_line_naming_loss():
     try:
         F.cross_entropy(torch.randn(4, 16, 256), torch.randint(0, 256, (4, 16)))
     except RuntimeError as err:
-        said = samples.explain(err, "task.py")
+        said = misfits.explain(err, "task.py")
     assert said.startswith("error: --task task.py: the default loss, cross-entropy, takes outputs (B, C, ...)"), said
     assert "outputs of shape [4, 16, 256]" in said and "define loss(output, target)" in said
+
+
+def test_labels_and_outputs_the_default_loss_cannot_take_and_a_full_dev_shm_are_named_as_such():
+    """int32 or bool labels, a model returning a dict (a Hugging Face output) under the default loss, and a /dev/shm
+    too small for the workers' batches (a container's 64 MB): each was a line naming the stage's train_step(), or the
+    task's collate() for the shared memory, with "fix it"."""
+
+    def said(call):
+        try:
+            call()
+        except (RuntimeError, TypeError) as err:
+            return misfits.explain(err, "task.py")
+        raise AssertionError("no error")
+
+    for dtype in (torch.int32, torch.bool):
+        line = said(lambda d=dtype: F.cross_entropy(torch.randn(4, 3), torch.zeros(4, dtype=d)))
+        assert line.startswith(f"error: --task task.py: labels of dtype {torch.zeros(1, dtype=dtype).dtype}, but"), line
+        assert ".long()" in line
+    line = said(lambda: F.cross_entropy({"logits": torch.randn(4, 3)}, torch.zeros(4, dtype=torch.long)))
+    assert line.startswith("error: --task task.py: model(args) returns a dict, but the default loss"), line
+    full = RuntimeError(
+        "Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n  File "
+        '"collate.py", line 1, in default_collate\nRuntimeError: unable to allocate shared memory(shm) for file '
+        "</torch_1_2_3>: No space left on device (28)"
+    )
+    line = misfits.explain(full, "task.py")
+    assert line.startswith("error: /dev/shm is full (RuntimeError: unable to allocate shared memory(shm)"), line
+    assert "collate" not in line and "--num-workers 0" in line
 
 
 def test_the_contrastive_example_refuses_micro_batches_which_would_change_its_loss():
@@ -306,7 +334,7 @@ def test_a_tasks_own_loss_that_misshapes_cross_entropy_is_named_as_the_tasks():
     try:
         own["loss"](torch.randn(4, 16, 256), torch.randint(0, 256, (4, 16)))
     except RuntimeError as err:
-        said = samples.explain(err, "/tmp/task.py")
+        said = misfits.explain(err, "/tmp/task.py")
     named = "error: --task /tmp/task.py: its loss(output, target) gives cross-entropy outputs of shape [4, 16, 256]"
     assert said.startswith(named + " that do not fit"), said
     assert "default" not in said and "the model's outputs start with it" in said and "\n" not in said

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from common import distributed, optim
 from common.environment import is_rank0
-from common.guards import bounded, identity, ownership, safeload, samples, workers, writes
+from common.guards import bounded, identity, misfits, ownership, safeload, workers, writes
 from common.guards.described import LIMIT, alike, line, message, place
 from common.guards.ending import Refusal
 from common.guards.waits import fail
@@ -136,7 +136,7 @@ def explain(err, guard):
     """One line for the errors a run meets from outside its code, or None."""
     if said := explain_task(err, guard):
         return said
-    if guard.args is not None and (said := samples.explain(err, guard.args.task)):  # a label, a collate()
+    if guard.args is not None and (said := misfits.explain(err, guard.args.task)):  # a label, a collate()
         return said
     if guard.watchdog and (silent := guard.watchdog.explain(err)):  # a failed collective: who went silent
         return silent
