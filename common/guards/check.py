@@ -52,7 +52,7 @@ def check_environment(env=os.environ):
         raise Refusal(
             f"error: this job has SLURM_NTASKS={env['SLURM_NTASKS']} but this process is not one of its "
             "tasks (it runs in the batch script or an salloc shell): launch train.py with `srun python "
-            "train.py`, or with torchrun"
+            "train.py`, or with torchrun (stages 01 and 02 train in one process: `srun --ntasks=1`)"
         )
 
 
